@@ -1,0 +1,987 @@
+"""SpikeWhale v2 / Byrne: a looped MLA decoder with depth attention, Hyper-Connections, Engram and a Memory Cache.
+
+The module tree and state-dict names follow the blueprint (`architecture.md` §2). Names the blueprint could
+only guess are listed in `GUESSED_KEYS`, and `CHECKPOINT_KEY_RENAMES` maps a released checkpoint's names onto
+ours once a real header is read; nothing else in the code depends on them.
+
+Every forward works on a chunk of positions with optional state carried in a `SpikeWhaleCache`, so a full
+recompute, a prefill and any mix of multi-token decode steps compute the same function.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from .configuration_spike_whale import LoopPlan, SpikeWhaleConfig
+from .generation_utils import MemoryCacheState, SpikeWhaleCache
+
+# Released checkpoint name (regex) -> our name. Empty until a real Byrne header is read (blueprint §14).
+CHECKPOINT_KEY_RENAMES: dict[str, str] = {}
+
+# Our names for tensors whose released names the blueprint could not see ([U] in architecture.md §2.2).
+GUESSED_KEYS: tuple[str, ...] = (
+    r"model\.layers\.\d+\.hc_(attn|ffn)\.(pre_logits|post_scale)",
+    r"model\.hc_out_mix\.mix_logits",
+    r"model\.engram\.gate\.(proj\.weight|proj\.bias|alpha|beta|gamma)",
+    r"model\.engram\.lookup\.hash_proj_n\d+_p\d+",
+    r"model\.loop_pass_embed",
+    r"model\.layers\.\d+\.attn\.depth_gate",
+    r"model\.layers\.\d+\.attn\.mc\.(qkv_proj\.(weight|bias)|o_proj\.(weight|bias)|gate_proj\.weight|gate_bias|feature_scale|mc_gate)",
+)
+
+
+def rename_checkpoint_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Apply `CHECKPOINT_KEY_RENAMES` to a released state dict (identity while the table is empty)."""
+    out = {}
+    for key, value in state_dict.items():
+        for pattern, repl in CHECKPOINT_KEY_RENAMES.items():
+            key = re.sub(pattern, repl, key)
+        out[key] = value
+    return out
+
+
+_UNSUPPORTED = {
+    "use_moe": "the MoE FFN (routed + shared experts, hash routing)",
+    "use_derf": "DERF attention",
+    "use_elo": "Elo / Bradley-Terry attention",
+    "use_abstain_head": "the abstain head",
+    "use_value_embed": "value embeddings",
+    "engram_fusion_layers": "Engram mid-stack fusion",
+}
+
+
+def check_supported(config: SpikeWhaleConfig) -> None:
+    """Refuse configs that switch on a mechanism this port does not implement yet, instead of ignoring it."""
+    on = [name for name in _UNSUPPORTED if getattr(config, name)]
+    if on:
+        what = "; ".join(f"{name} ({_UNSUPPORTED[name]})" for name in on)
+        raise NotImplementedError(
+            f"spike_whale: {what} is not implemented in this port yet (tracked as the 'every config.py knob' "
+            f"issue). Set {', '.join(f'{n}=False' if n != 'engram_fusion_layers' else f'{n}=[]' for n in on)} "
+            "- the released Byrne-100M-Ultra-MC checkpoints use none of them."
+        )
+
+
+class SpikeWhaleRMSNorm(nn.Module):
+    """y = x · rsqrt(mean(x²) + ε) · w, in the input dtype (as the reference)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_inv_freq(rope_dim: int, theta: float, fractal: bool, gamma: float) -> torch.Tensor:
+    """Inverse frequencies θ^(−e_j): geometric e_j = 2j/rd, or exponents on the middle-thirds Cantor set.
+
+    Cantor: band j's ternary digits are twice its binary digits (k_j ∈ {0, 2, 6, 8, 18, ...}), rescaled so the
+    first exponent is 0 and the last equals the geometric endpoint (rd−2)/rd; γ interpolates linearly.
+    """
+    n = rope_dim // 2
+    if not fractal or gamma == 0:
+        return 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.int64).float() / rope_dim))
+    level = max(1, math.ceil(math.log2(n)))
+    k = [sum(2 * 3**i * ((j >> i) & 1) for i in range(level)) for j in range(n)]
+    top = (rope_dim - 2) / rope_dim
+    exps = [(1 - gamma) * (2 * j / rope_dim) + gamma * (k[j] / max(k[-1], 1)) * top for j in range(n)]
+    return (theta ** -torch.tensor(exps, dtype=torch.float64)).float()
+
+
+class SpikeWhaleRotaryEmbedding(nn.Module):
+    """Partial rotate-half RoPE on the last `qk_rope_head_dim` dims; caches are persistent (they are in the files)."""
+
+    def __init__(self, config: SpikeWhaleConfig):
+        super().__init__()
+        self.config = config
+        half = config.qk_rope_head_dim // 2
+        P = config.max_position_embeddings
+        self.register_buffer("inv_freq", torch.empty(half), persistent=True)
+        self.register_buffer("cos_cache", torch.empty(P, half), persistent=True)
+        self.register_buffer("sin_cache", torch.empty(P, half), persistent=True)
+        self.reset_caches()
+
+    def compute(self, inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.config
+        if inv_freq is None:
+            inv_freq = rope_inv_freq(c.qk_rope_head_dim, c.rope_theta, c.use_fractal_rope, c.fractal_rope_gamma)
+        freqs = torch.outer(torch.arange(c.max_position_embeddings, dtype=torch.float32), inv_freq.float().cpu())
+        return inv_freq, freqs.cos(), freqs.sin()
+
+    def reset_caches(self) -> None:
+        if self.inv_freq.is_meta:
+            return
+        for buf, value in zip((self.inv_freq, self.cos_cache, self.sin_cache), self.compute()):
+            init.copy_(buf, value)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for [B, S] positions, shaped [B, 1, S, rd/2] to broadcast over heads."""
+        return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """[nope | r1 r2] → [nope | r1·cos − r2·sin, r1·sin + r2·cos] (rotate-half on the trailing rope slice)."""
+    half = cos.shape[-1]
+    nope, r1, r2 = x[..., : -2 * half], x[..., -2 * half : -half], x[..., -half:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([nope, r1 * cos - r2 * sin, r1 * sin + r2 * cos], dim=-1)
+
+
+@dataclass
+class SegmentLayout:
+    """Where each token of a chunk falls in the Memory-Cache segments; built once per forward, shared by all slots.
+
+    rel[b, t]: segment of token t relative to the row's current segment `base[b]` (0 = the one the cache is
+    filling); onehot[b, t, r] = [rel == r] for real tokens. Own-segment causal sums use `own_mask`
+    ([B, S, S]: same segment, earlier or equal, real) for short chunks, or the aligned block buffer
+    (`block_idx`) for long ones, so prefill costs O(S·segment_len), not O(S²).
+    """
+
+    rel: torch.Tensor
+    n_rel: int
+    seg_len: int
+    onehot: torch.Tensor
+    base: torch.Tensor
+    new_segment: torch.Tensor
+    n_fin: int
+    valid: torch.Tensor
+    own_mask: torch.Tensor | None
+    block_idx: torch.Tensor | None
+
+    @classmethod
+    def build(cls, positions, valid, base, seg_len: int, n_fin: int) -> "SegmentLayout":
+        seg = torch.div(positions, seg_len, rounding_mode="floor")
+        rel = torch.where(valid, seg - base[:, None], torch.zeros_like(seg)).clamp(min=0)
+        n_rel = int(rel.max()) + 1 if rel.numel() else 1
+        onehot = F.one_hot(rel, n_rel).float() * valid[..., None]
+        new_segment = base + rel.amax(dim=1) if rel.shape[1] else base
+        S = positions.shape[1]
+        own_mask = block_idx = None
+        if S <= seg_len:
+            causal = torch.ones(S, S, dtype=torch.bool, device=positions.device).tril()
+            own_mask = (rel[:, :, None] == rel[:, None, :]) & causal & valid[:, None, :]
+        else:
+            idx = positions - base[:, None] * seg_len
+            block_idx = torch.where(valid, idx, torch.full_like(idx, n_rel * seg_len))
+        return cls(rel, n_rel, seg_len, onehot, base, new_segment, n_fin, valid, own_mask, block_idx)
+
+
+@dataclass
+class ForwardContext:
+    """Per-forward inputs shared by every block and slot (built once in `SpikeWhaleModel.forward`)."""
+
+    positions: torch.Tensor
+    valid: torch.Tensor
+    attn_mask: torch.Tensor | None
+    is_causal: bool
+    cache: SpikeWhaleCache | None
+    segments: SegmentLayout | None
+
+
+class MemoryCacheBranch(nn.Module):
+    """Memory Caching (arXiv 2602.24281) beside MLA:  out = tanh(mc_gate) · o_proj(y), with, for token t in segment s,
+
+        φ(x) = elu(x ⊙ feature_scale) + 1,   M⁽ⁱ⁾ = Σ_{m∈i} φ(k_m) v_mᵀ,   z⁽ⁱ⁾ = Σ_{m∈i} φ(k_m)
+        (i = s: the causal running sums over m ≤ t only)
+        γ_{t,i} = softmax_{i≤s} ⟨u_t, ḡ⁽ⁱ⁾⟩,   u_t = W_u x_t + b,   ḡ⁽ⁱ⁾ = mean_{m∈i} W_k x_m (running mean for i = s)
+        y_t = Σ_i γ_{t,i} φ(q_t)ᵀM⁽ⁱ⁾ / (Σ_i γ_{t,i} φ(q_t)·z⁽ⁱ⁾ + ε)        (one global normaliser)
+
+    computed in float32 with autocast off. Segments are aligned to each row's positions 0, L, 2L, ...
+    Parameter layout (8 tensors, 492,769 at 114M) is our [U] choice; see GUESSED_KEYS.
+    """
+
+    eps = 1e-6
+
+    def __init__(self, config: SpikeWhaleConfig):
+        super().__init__()
+        H, nh, hd, gd = config.hidden_size, config.mc_num_heads, config.mc_head_dim, config.mc_gate_dim
+        self.nh, self.hd, self.gd = nh, hd, gd
+        self.qkv_proj = nn.Linear(H, 3 * nh * hd, bias=True)
+        self.o_proj = nn.Linear(nh * hd, H, bias=True)
+        self.gate_proj = nn.Linear(H, 2 * gd, bias=False)
+        self.gate_bias = nn.Parameter(torch.zeros(gd))
+        self.feature_scale = nn.Parameter(torch.ones(hd))
+        self.mc_gate = nn.Parameter(torch.zeros(1))
+
+    def phi(self, x: torch.Tensor) -> torch.Tensor:
+        return F.elu(x * self.feature_scale.float()) + 1.0
+
+    def forward(self, u: torch.Tensor, ctx: ForwardContext, slot: int) -> torch.Tensor:
+        lay = ctx.segments
+        cache = ctx.cache
+        state = cache.mc_state(slot) if cache is not None else None
+        with torch.autocast(device_type=u.device.type, enabled=False):
+            y, new_state, per_pos = self._memory_readout(u.float(), lay, state, cache)
+            out = F.linear(y, self.o_proj.weight.float(), self.o_proj.bias.float())
+            out = torch.tanh(self.mc_gate.float()) * out * lay.valid[..., None]
+        if cache is not None:
+            cache.set_mc_state(slot, new_state, per_pos)
+        return out.to(u.dtype)
+
+    def _memory_readout(self, x, lay: SegmentLayout, state: MemoryCacheState | None, cache):
+        B, S, _ = x.shape
+        nh, hd, gd = self.nh, self.hd, self.gd
+        vf = lay.valid.float()
+        q, k, v = F.linear(x, self.qkv_proj.weight.float(), self.qkv_proj.bias.float()).view(B, S, 3, nh, hd).unbind(2)
+        fq = self.phi(q)
+        fk = self.phi(k) * vf[..., None, None]
+        v = v * vf[..., None, None]
+        g = F.linear(x, self.gate_proj.weight.float())
+        gu, gk = g[..., :gd] + self.gate_bias.float(), g[..., gd:] * vf[..., None]
+
+        own_num, own_den, own_g, own_n = self._own_segment_sums(fq, fk, v, gk, vf, lay)
+        E = lay.onehot
+        seg_M = torch.einsum("bsr,bshd,bshe->brhde", E, fk, v)
+        seg_z = torch.einsum("bsr,bshd->brhd", E, fk)
+        seg_g = torch.einsum("bsr,bsg->brg", E, gk)
+        seg_n = E.sum(1)
+        if state is not None:
+            run_M, run_z, run_g, run_n = state.running()
+            first = (lay.rel == 0).float() * vf
+            own_num = own_num + first[..., None, None] * torch.einsum("bshd,bhde->bshe", fq, run_M)
+            own_den = own_den + first[..., None] * torch.einsum("bshd,bhd->bsh", fq, run_z)
+            own_g = own_g + first[..., None] * run_g[:, None]
+            own_n = own_n + first * run_n[:, None]
+            carry = F.one_hot(torch.zeros(B, dtype=torch.long, device=x.device), lay.n_rel).float()
+            seg_M = seg_M + carry[..., None, None, None] * run_M[:, None]
+            seg_z = seg_z + carry[..., None, None] * run_z[:, None]
+            seg_g = seg_g + carry[..., None] * run_g[:, None]
+            seg_n = seg_n + carry * run_n[:, None]
+        seg_gmean = seg_g / seg_n.clamp(min=1)[..., None]
+
+        # Finished segments a token may read: the cache's (i < base) and this chunk's earlier ones (r' < rel).
+        cand_M, cand_z, cand_g = seg_M, seg_z, seg_gmean
+        arange_r = torch.arange(lay.n_rel, device=x.device)
+        cand_mask = arange_r[None, None, :] < lay.rel[..., None]
+        if state is not None and lay.n_fin > 0:
+            n = lay.n_fin
+            cand_M = torch.cat([state.fin_M[:, :n], seg_M], 1)
+            cand_z = torch.cat([state.fin_z[:, :n], seg_z], 1)
+            cand_g = torch.cat([state.fin_g[:, :n], seg_gmean], 1)
+            fin_mask = torch.arange(n, device=x.device)[None, :] < lay.base[:, None]
+            cand_mask = torch.cat([fin_mask[:, None, :].expand(B, S, n), cand_mask], -1)
+        scores = torch.einsum("bsg,big->bsi", gu, cand_g).masked_fill(~cand_mask, float("-inf"))
+        diag = (gu * own_g / own_n.clamp(min=1)[..., None]).sum(-1, keepdim=True)
+        gamma = torch.softmax(torch.cat([scores, diag], -1), dim=-1)
+        g_fin, g_own = gamma[..., :-1], gamma[..., -1]
+        num = torch.einsum("bsi,bsihe->bshe", g_fin, torch.einsum("bshd,bihde->bsihe", fq, cand_M))
+        num = num + g_own[..., None, None] * own_num
+        den = torch.einsum("bsi,bsih->bsh", g_fin, torch.einsum("bshd,bihd->bsih", fq, cand_z))
+        den = den + g_own[..., None] * own_den
+        y = (num / (den[..., None] + self.eps)).reshape(B, S, nh * hd)
+
+        if cache is None:
+            return y, None, None
+        new_state = self._advance_state(state, lay, seg_M, seg_z, seg_g, seg_n, seg_gmean, cache, x.device)
+        per_pos = self._per_position_states(new_state, state, fk, v, gk, vf, lay) if cache.record_past else None
+        return y, new_state, per_pos
+
+    def _own_segment_sums(self, fq, fk, v, gk, vf, lay: SegmentLayout):
+        """Causal sums over the token's own segment inside the chunk: Σ_{m≤t, same segment} of
+        (φq_t·φk_m) v_m, φq_t·φk_m, W_k x_m and 1."""
+        if lay.own_mask is not None:
+            m = lay.own_mask.float()
+            A = torch.einsum("bshd,bthd->bhst", fq, fk) * m[:, None]
+            num = torch.einsum("bhst,bthe->bshe", A, v)
+            return num, A.sum(-1).transpose(1, 2), m @ gk, (m @ vf[..., None]).squeeze(-1)
+        B, S = vf.shape
+        L, n_buf = lay.seg_len, lay.n_rel * lay.seg_len
+
+        def index_like(t):
+            return lay.block_idx.view(B, S, *[1] * (t.dim() - 2)).expand_as(t)
+
+        def to_blocks(t):
+            buf = t.new_zeros(B, n_buf + 1, *t.shape[2:]).scatter_(1, index_like(t), t)
+            return buf[:, :n_buf].reshape(B, lay.n_rel, L, *t.shape[2:])
+
+        def from_blocks(t):
+            flat = t.reshape(B, n_buf, *t.shape[3:])
+            flat = torch.cat([flat, flat.new_zeros(B, 1, *flat.shape[2:])], 1)
+            idx = lay.block_idx.view(B, S, *[1] * (flat.dim() - 2)).expand(B, S, *flat.shape[2:])
+            return flat.gather(1, idx)
+
+        tri = torch.ones(L, L, device=vf.device).tril()
+        fqb, fkb, vb = to_blocks(fq), to_blocks(fk), to_blocks(v)
+        A = torch.einsum("brlhd,brmhd->brhlm", fqb, fkb) * tri
+        num = torch.einsum("brhlm,brmhe->brlhe", A, vb)
+        den = A.sum(-1).transpose(2, 3)
+        og = torch.einsum("lm,brmg->brlg", tri, to_blocks(gk))
+        on = torch.einsum("lm,brmg->brlg", tri, to_blocks(vf[..., None]))
+        return from_blocks(num), from_blocks(den), from_blocks(og), from_blocks(on).squeeze(-1)
+
+    def _advance_state(self, state, lay, seg_M, seg_z, seg_g, seg_n, seg_gmean, cache, device):
+        """The state after this chunk: segments left behind become finished entries, the last one keeps running."""
+        B = seg_M.shape[0]
+        if state is None:
+            state = MemoryCacheState.empty(B, cache.n_mc_segments, self.nh, self.hd, self.gd, device)
+        last = lay.new_segment - lay.base
+        rows = torch.arange(B, device=device)
+        sink = state.fin_M.shape[1] - 1
+        r = torch.arange(lay.n_rel, device=device)[None, :]
+        idx = torch.where(r < last[:, None], lay.base[:, None] + r, torch.full_like(r, sink))
+        ridx = rows[:, None].expand_as(idx)
+        state.fin_M[ridx, idx] = seg_M
+        state.fin_z[ridx, idx] = seg_z
+        state.fin_g[ridx, idx] = seg_gmean
+        return MemoryCacheState(
+            state.fin_M, state.fin_z, state.fin_g,
+            seg_M[rows, last], seg_z[rows, last], seg_g[rows, last], seg_n[rows, last],
+        )
+
+    def _per_position_states(self, new_state, state, fk, v, gk, vf, lay):
+        """Running state after each chunk token (for an exact `crop` into the middle of this chunk)."""
+        B, S = vf.shape
+        causal = torch.ones(S, S, dtype=torch.bool, device=vf.device).tril()
+        m = ((lay.rel[:, :, None] == lay.rel[:, None, :]) & causal & lay.valid[:, None, :]).float()
+        run_M = torch.einsum("bst,bthd,bthe->bshde", m, fk, v)
+        run_z = torch.einsum("bst,bthd->bshd", m, fk)
+        run_g = m @ gk
+        run_n = m.sum(-1)
+        if state is not None:
+            first = (lay.rel == 0).float()
+            run_M = run_M + first[..., None, None, None] * state.run_M[:, None]
+            run_z = run_z + first[..., None, None] * state.run_z[:, None]
+            run_g = run_g + first[..., None] * state.run_g[:, None]
+            run_n = run_n + first * state.run_n[:, None]
+        return [
+            MemoryCacheState(new_state.fin_M, new_state.fin_z, new_state.fin_g,
+                             run_M[:, j], run_z[:, j], run_g[:, j], run_n[:, j])
+            for j in range(S)
+        ]
+
+
+class TokenCompressor(nn.Module):
+    """c = W_c x: the frozen low-dimensional code the n-gram hash reads."""
+
+    def __init__(self, config: SpikeWhaleConfig):
+        super().__init__()
+        self.proj = nn.Linear(config.hidden_size, config.engram_compress_dim, bias=False)
+        self.proj.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+class MultiHeadHashLookup(nn.Module):
+    """r_t = mean over available n ≤ N and heads j of table_j[idx_{n,j}(t)], where h = Σ_k P_{n,k} c_{t−n+1+k}.
+
+    Sign-bit LSH (default): idx = Σ_b [h_b > 0]·2^b over ⌈log2 T⌉ projections per head (scale-invariant).
+    Legacy (`engram_legacy_hash`): one projection per head, idx = trunc(|h|) mod T (the pre-v3 hash).
+    The projections are random buffers saved with the weights: they must be loaded, never regenerated.
+    """
+
+    def __init__(self, config: SpikeWhaleConfig):
+        super().__init__()
+        self.max_ngram = config.engram_max_ngram
+        self.table_size = config.engram_table_size
+        self.legacy = config.engram_legacy_hash
+        self.n_bits = max(1, math.ceil(math.log2(self.table_size)))
+        eh, cd = config.engram_num_heads, config.engram_compress_dim
+        self.tables = nn.ModuleList(nn.Embedding(self.table_size, config.hidden_size) for _ in range(eh))
+        shape = (eh, cd) if self.legacy else (eh, self.n_bits, cd)
+        for n in range(1, self.max_ngram + 1):
+            for k in range(n):
+                self.register_buffer(f"hash_proj_n{n}_p{k}", torch.empty(shape), persistent=True)
+
+    def projections(self):
+        return [(n, k, getattr(self, f"hash_proj_n{n}_p{k}")) for n in range(1, self.max_ngram + 1) for k in range(n)]
+
+    def bucket(self, window: torch.Tensor, n: int) -> torch.Tensor:
+        """window [B, S, n, cd] (oldest first) → bucket ids [B, S, heads]."""
+        if self.legacy:
+            h = sum(window[:, :, k].float() @ getattr(self, f"hash_proj_n{n}_p{k}").float().T for k in range(n))
+            return h.abs().long() % self.table_size
+        h = sum(
+            torch.einsum("bsc,jnc->bsjn", window[:, :, k].float(), getattr(self, f"hash_proj_n{n}_p{k}").float())
+            for k in range(n)
+        )
+        weights = 2 ** torch.arange(self.n_bits, device=h.device)
+        return ((h > 0).long() * weights).sum(-1) % self.table_size
+
+    def forward(self, c: torch.Tensor, prefix: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """c [B, S, cd] for the chunk, prefix [B, N−1, cd] (the cached codes before it), positions [B, S]."""
+        B, S, _ = c.shape
+        ext = torch.cat([prefix.to(c.dtype), c], 1)
+        pad = self.max_ngram - 1
+        out, count = 0.0, 0.0
+        for n in range(1, self.max_ngram + 1):
+            window = torch.stack([ext[:, pad - n + 1 + k : pad - n + 1 + k + S] for k in range(n)], 2)
+            idx = self.bucket(window, n)
+            avail = (positions >= n - 1).to(self.tables[0].weight.dtype)[..., None]
+            rows = sum(table(idx[..., j]) for j, table in enumerate(self.tables))
+            out = out + rows * avail
+            count = count + avail * len(self.tables)
+        return out / count.clamp(min=1)
+
+
+class DERFContextGate(nn.Module):
+    """out = γ ⊙ (erf(α ⊙ z + β) + 1)/2 ⊙ r,  z = W[r; x] + b   (β ≳ −2.5, or erf saturates to a dead gate)."""
+
+    def __init__(self, config: SpikeWhaleConfig):
+        super().__init__()
+        H = config.hidden_size
+        self.proj = nn.Linear(2 * H, H, bias=True)
+        self.alpha = nn.Parameter(torch.ones(H))
+        self.beta = nn.Parameter(torch.full((H,), config.engram_gate_init_bias))
+        self.gamma = nn.Parameter(torch.ones(H))
+
+    def forward(self, retrieved: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        z = self.proj(torch.cat([retrieved, x], -1))
+        return self.gamma * (torch.erf(self.alpha * z + self.beta) + 1) / 2 * retrieved
+
+
+class EngramMemory(nn.Module):
+    """x ← x + gate(lookup(hash of the compressed n-gram ending at t), x): hashed n-gram memory on the embeddings."""
+
+    def __init__(self, config: SpikeWhaleConfig):
+        super().__init__()
+        self.compressor = TokenCompressor(config)
+        self.lookup = MultiHeadHashLookup(config)
+        self.gate = DERFContextGate(config)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, prefix: torch.Tensor | None):
+        """Returns (engram output, the chunk's compressed codes for the cache)."""
+        c = self.compressor(x)
+        n_prefix = self.lookup.max_ngram - 1
+        if prefix is None:
+            prefix = c.new_zeros(c.shape[0], n_prefix, c.shape[-1])
+        return self.gate(self.lookup(c, prefix, positions).to(x.dtype), x), c
+
+
+class HyperConnection(nn.Module):
+    """pre: h = Σ_j softmax(a)_j X_j;  post: X_j ← X_j + b_j · out   (static m-stream residual routing)."""
+
+    def __init__(self, hc_mult: int):
+        super().__init__()
+        self.pre_logits = nn.Parameter(torch.zeros(hc_mult))
+        self.post_scale = nn.Parameter(torch.ones(hc_mult))
+
+    def pre_op(self, X: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("m,bmsh->bsh", torch.softmax(self.pre_logits.float(), 0).to(X.dtype), X)
+
+    def post_op(self, X: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return X + self.post_scale.to(X.dtype)[None, :, None, None] * out[:, None]
+
+
+class HCOutputMix(nn.Module):
+    """x = Σ_j softmax(w)_j X_j, w = 0 at init (the plain mean of the streams)."""
+
+    def __init__(self, hc_mult: int):
+        super().__init__()
+        self.mix_logits = nn.Parameter(torch.zeros(hc_mult))
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("m,bmsh->bsh", torch.softmax(self.mix_logits.float(), 0).to(X.dtype), X)
+
+
+class DepthAttention:
+    """ṽ_t = Σ_d softmax_d(⟨q̄_t, k_d(t)⟩/√hd) v_d(t);  v ← v + tanh(g)·(ṽ − v)   (across layers, per position).
+
+    q̄ is the mean of a KV group's query heads; the sources d are the checkpoint layers earlier in this pass
+    (every `depth_attention_stride`-th layer) plus the current layer. Parameter-free apart from the gate.
+    """
+
+    @staticmethod
+    def mix(q, k, v, sources, gate) -> torch.Tensor:
+        B, nh, S, hd = q.shape
+        kvh = k.shape[1]
+        qbar = q.view(B, kvh, nh // kvh, S, hd).mean(2)
+        keys = torch.stack([src[0] for src in sources] + [k])
+        values = torch.stack([src[1] for src in sources] + [v])
+        w = torch.softmax((qbar * keys).sum(-1).float() / math.sqrt(hd), dim=0).to(v.dtype)
+        mixed = (w[..., None] * values).sum(0)
+        return v + torch.tanh(gate).to(v.dtype) * (mixed - v)
+
+
+def sdpa_attention(q, k, v, mask, is_causal, dropout):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def eager_attention(q, k, v, mask, is_causal, dropout):
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if is_causal:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = F.dropout(torch.softmax(scores.float(), -1).to(q.dtype), dropout)
+    return probs @ v
+
+
+ATTENTION_FUNCTIONS = {"sdpa": sdpa_attention, "eager": eager_attention}
+
+
+class SpikeWhaleAttention(nn.Module):
+    """MLA attention: low-rank Q, direct GQA K/V, QK-norm before partial RoPE, XSA, low-rank output,
+    depth mixing of V before caching, and the Memory Cache branch added to the output."""
+
+    def __init__(self, config: SpikeWhaleConfig, layer_idx: int):
+        super().__init__()
+        H, nh, kvh, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.config = config
+        self.nh, self.kvh, self.hd = nh, kvh, hd
+        self.q_a_proj = nn.Linear(H, config.q_lora_rank, bias=False)
+        self.q_a_norm = SpikeWhaleRMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, nh * hd, bias=False)
+        self.k_proj = nn.Linear(H, kvh * hd, bias=False)
+        self.v_proj = nn.Linear(H, kvh * hd, bias=False)
+        self.o_a_proj = nn.Linear(nh * hd, config.o_lora_rank, bias=False)
+        self.o_b_proj = nn.Linear(config.o_lora_rank, H, bias=False)
+        if config.use_qk_norm:
+            self.q_norm = SpikeWhaleRMSNorm(hd, config.rms_norm_eps)
+            self.k_norm = SpikeWhaleRMSNorm(hd, config.rms_norm_eps)
+        self.rope = SpikeWhaleRotaryEmbedding(config)
+        stride = config.depth_attention_stride
+        self.is_depth_checkpoint = config.use_depth_attention and layer_idx % stride == 0
+        if config.use_depth_attention and layer_idx > 0:
+            self.depth_gate = nn.Parameter(torch.zeros(1))
+        else:
+            self.depth_gate = None
+        self.mc = MemoryCacheBranch(config) if config.use_memory_cache else None
+
+    def forward(self, u: torch.Tensor, ctx: ForwardContext, slot: int, depth_sources: tuple):
+        B, S, _ = u.shape
+        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(u))).view(B, S, self.nh, self.hd).transpose(1, 2)
+        k = self.k_proj(u).view(B, S, self.kvh, self.hd).transpose(1, 2)
+        v = self.v_proj(u).view(B, S, self.kvh, self.hd).transpose(1, 2)
+        if self.config.use_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = self.rope(ctx.positions.to(u.device))
+        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        depth_entry = (k, v) if self.is_depth_checkpoint else None
+        if self.depth_gate is not None and depth_sources:
+            v = DepthAttention.mix(q, k, v, depth_sources, self.depth_gate)
+        v_self = v
+        if ctx.cache is not None:
+            k, v = ctx.cache.layers[slot].update(k, v, start=ctx.cache.seq_len)
+        attend = ATTENTION_FUNCTIONS[getattr(self.config, "_attn_implementation", None) or "sdpa"]
+        mask = ctx.attn_mask.to(u.device) if ctx.attn_mask is not None else None
+        dropout = self.config.attention_dropout if self.training else 0.0
+        y = attend(q, k, v, mask, ctx.is_causal, dropout)
+        if self.config.use_xsa:
+            y = self.remove_self_echo(y, v_self)
+        out = self.o_b_proj(self.o_a_proj(y.transpose(1, 2).reshape(B, S, self.nh * self.hd)))
+        if self.mc is not None:
+            out = out + self.mc(u, ctx, slot)
+        return out, depth_entry
+
+    def remove_self_echo(self, y: torch.Tensor, v_self: torch.Tensor) -> torch.Tensor:
+        """XSA: y ← y − ⟨y, v̂⟩v̂ with v̂ = v_t/(‖v_t‖ + 1e-8), the query token's own (GQA-shared) value."""
+        B, nh, S, hd = y.shape
+        vhat = v_self / (v_self.norm(dim=-1, keepdim=True) + 1e-8)
+        yg = y.view(B, self.kvh, nh // self.kvh, S, hd)
+        vhat = vhat[:, :, None]
+        return (yg - (yg * vhat).sum(-1, keepdim=True) * vhat).view(B, nh, S, hd)
+
+
+class SpikeWhaleMLP(nn.Module):
+    """Dense SwiGLU: down(silu(gate(u)) ⊙ up(u))."""
+
+    def __init__(self, config: SpikeWhaleConfig):
+        super().__init__()
+        H, F_ = config.hidden_size, config.moe_intermediate_size
+        self.gate_proj = nn.Linear(H, F_, bias=False)
+        self.up_proj = nn.Linear(H, F_, bias=False)
+        self.down_proj = nn.Linear(F_, H, bias=False)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(u)) * self.up_proj(u))
+
+
+class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
+    """One block: attention then FFN, each pre-normed and routed through Hyper-Connections (or a plain residual)."""
+
+    def __init__(self, config: SpikeWhaleConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = SpikeWhaleRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = SpikeWhaleAttention(config, layer_idx)
+        self.ffn_norm = SpikeWhaleRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn = SpikeWhaleMLP(config)
+        if config.use_hyper_connections:
+            self.hc_attn = HyperConnection(config.hc_mult)
+            self.hc_ffn = HyperConnection(config.hc_mult)
+        self.use_hc = config.use_hyper_connections
+
+    def forward(self, X: torch.Tensor, ctx: ForwardContext = None, slot: int = 0, depth_sources: tuple = ()):
+        h = self.hc_attn.pre_op(X) if self.use_hc else X
+        a, depth_entry = self.attn(self.attn_norm(h), ctx, slot, depth_sources)
+        X = self.hc_attn.post_op(X, a) if self.use_hc else X + a
+        h = self.hc_ffn.pre_op(X) if self.use_hc else X
+        f = self.ffn(self.ffn_norm(h))
+        X = self.hc_ffn.post_op(X, f) if self.use_hc else X + f
+        return X, depth_entry
+
+
+class HRMRefinement(nn.Module):
+    """h_{t+1} = h_t + tanh(g_t) · up(silu(down([norm(h_t); x])))  for t < steps (up zero-init, g non-zero)."""
+
+    def __init__(self, config: SpikeWhaleConfig):
+        super().__init__()
+        H, D = config.hidden_size, config.hrm_refine_dim
+        self.norm = SpikeWhaleRMSNorm(H, config.rms_norm_eps)
+        self.down = nn.Linear(2 * H, D, bias=False)
+        self.up = nn.Linear(D, H, bias=False)
+        self.gate = nn.Parameter(torch.full((config.hrm_refine_steps,), float(config.hrm_gate_init)))
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """All refinement steps' outputs; the last is the model's, the others feed deep supervision."""
+        h, steps = x, []
+        for t in range(self.gate.shape[0]):
+            h = h + torch.tanh(self.gate[t]).to(x.dtype) * self.up(F.silu(self.down(torch.cat([self.norm(h), x], -1))))
+            steps.append(h)
+        return steps
+
+
+class MTPHead(nn.Module):
+    """y = h + proj(h) (proj zero-init); head k predicts the token k+1 steps past the next one via lm_head."""
+
+    def __init__(self, config: SpikeWhaleConfig):
+        super().__init__()
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.proj(h)
+
+
+class SpikeWhalePreTrainedModel(PreTrainedModel):
+    config_class = SpikeWhaleConfig
+    config: SpikeWhaleConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["SpikeWhaleDecoderLayer", "MTPHead"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
+    _supports_sdpa = True
+    _is_stateful = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            zero = (isinstance(module, nn.Linear) and getattr(module, "_spike_zero_init", False))
+            (init.zeros_ if zero else init.normal_)(module.weight, **({} if zero else {"mean": 0.0, "std": std}))
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=getattr(module, "_spike_init_std", std))
+        elif isinstance(module, SpikeWhaleRMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, SpikeWhaleRotaryEmbedding):
+            for buf, value in zip((module.inv_freq, module.cos_cache, module.sin_cache), module.compute()):
+                init.copy_(buf, value)
+        elif isinstance(module, MultiHeadHashLookup):
+            for _, _, buf in module.projections():
+                w = torch.randn(buf.shape, dtype=torch.float32)
+                init.copy_(buf, w / w.norm(dim=-1, keepdim=True))
+        elif isinstance(module, DERFContextGate):
+            init.ones_(module.alpha)
+            init.constant_(module.beta, self.config.engram_gate_init_bias)
+            init.ones_(module.gamma)
+        elif isinstance(module, HyperConnection):
+            init.zeros_(module.pre_logits)
+            init.ones_(module.post_scale)
+        elif isinstance(module, HCOutputMix):
+            init.zeros_(module.mix_logits)
+        elif isinstance(module, HRMRefinement):
+            init.constant_(module.gate, float(self.config.hrm_gate_init))
+        elif isinstance(module, SpikeWhaleAttention) and module.depth_gate is not None:
+            init.zeros_(module.depth_gate)
+        elif isinstance(module, MemoryCacheBranch):
+            init.zeros_(module.gate_bias)
+            init.ones_(module.feature_scale)
+            init.zeros_(module.mc_gate)
+        elif isinstance(module, SpikeWhaleModel) and module.loop_pass_embed is not None:
+            init.zeros_(module.loop_pass_embed)
+
+
+@dataclass
+class SpikeWhaleModelOutput(BaseModelOutputWithPast):
+    """Backbone output; `refinement_states` are the normed HRM step outputs (the last is `last_hidden_state`)."""
+
+    refinement_states: tuple[torch.Tensor, ...] | None = None
+
+
+class SpikeWhaleModel(SpikeWhalePreTrainedModel):
+    """Embeddings + Engram, the looped block stack walked by the loop plan, HC output mix, HRM and final norm."""
+
+    def __init__(self, config: SpikeWhaleConfig):
+        super().__init__(config)
+        check_supported(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.engram = EngramMemory(config) if config.use_engram else None
+        self.layers = nn.ModuleList(SpikeWhaleDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.loop_plan: LoopPlan = config.loop_plan
+        self.loop_pass_embed = (
+            nn.Parameter(torch.zeros(config.loop_count, config.hidden_size)) if config.loop_pass_embed else None
+        )
+        self.hc_out_mix = HCOutputMix(config.hc_mult) if config.use_hyper_connections else None
+        self.hrm_refine = HRMRefinement(config) if config.use_hrm_refine else None
+        self.norm = SpikeWhaleRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        if self.engram is not None:
+            for table in self.engram.lookup.tables:
+                table._spike_init_std = 0.01
+        if self.hrm_refine is not None:
+            self.hrm_refine.up._spike_zero_init = True
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def _check_inputs(self, input_ids, inputs_embeds):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+        if input_ids is not None:
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}.")
+            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+                bad = input_ids[(input_ids < 0) | (input_ids >= self.config.vocab_size)].unique()[:5].tolist()
+                raise ValueError(
+                    f"Token ids {bad} are outside the vocabulary [0, {self.config.vocab_size}); "
+                    "check that the tokenizer matches this model."
+                )
+        elif inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"inputs_embeds must be [batch, seq, {self.config.hidden_size}], got {tuple(inputs_embeds.shape)}."
+            )
+
+    def _context(self, B, S, device, attention_mask, position_ids, cache) -> ForwardContext:
+        past = cache.seq_len if cache is not None else 0
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] not in (S, past + S):
+                raise ValueError(
+                    f"attention_mask must be a 2D [batch, past + seq] = [{B}, {past + S}] padding mask (1 = real "
+                    f"token), got shape {tuple(attention_mask.shape)}."
+                )
+            valid = attention_mask[:, -S:].to(device=device, dtype=torch.bool)
+        else:
+            valid = torch.ones(B, S, dtype=torch.bool, device=device)
+        if cache is not None:
+            cache.begin(valid)
+            num_real = cache.num_real.to(device)
+        else:
+            num_real = torch.zeros(B, dtype=torch.long, device=device)
+        if position_ids is None:
+            position_ids = num_real[:, None] + valid.long().cumsum(-1) - 1
+        positions = torch.where(valid, position_ids.to(device).long(), torch.zeros_like(position_ids, device=device))
+        limit = self.config.max_position_embeddings
+        if positions.numel() and int(positions.max()) >= limit:
+            raise ValueError(
+                f"Position {int(positions.max())} is past the context window (max_position_embeddings={limit}); "
+                "this model raises instead of wrapping. Shorten the input or widen the RoPE caches "
+                "(`spike-whale widen`)."
+            )
+        if cache is not None and past + S > cache.max_cache_len:
+            raise ValueError(
+                f"The cache holds {cache.max_cache_len} positions but {past + S} are needed; use a larger cache."
+            )
+
+        padded = not bool(valid.all())
+        history_padded = cache is not None and past > 0 and not bool(cache.key_valid[:, :past].all())
+        attn_mask, is_causal = None, False
+        if padded or history_padded or (past > 0 and S > 1):
+            key_valid = valid if cache is None or past == 0 else torch.cat([cache.key_valid[:, :past].to(device), valid], 1)
+            q_idx = torch.arange(past, past + S, device=device)[:, None]
+            k_idx = torch.arange(past + S, device=device)[None, :]
+            attn_mask = ((k_idx <= q_idx)[None] & key_valid[:, None, :]) | (k_idx == q_idx)[None]
+            attn_mask = attn_mask[:, None]
+        elif past == 0:
+            is_causal = True
+
+        segments = None
+        if self.config.use_memory_cache:
+            L = self.config.mc_segment_len
+            if cache is not None and cache.mc_segment is not None:
+                base, n_fin = cache.mc_segment.to(device), min(cache.n_mc_segments, past // L)
+            else:
+                base, n_fin = torch.zeros(B, dtype=torch.long, device=device), 0
+            segments = SegmentLayout.build(positions, valid, base, L, n_fin)
+        return ForwardContext(positions, valid, attn_mask, is_causal, cache, segments)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: SpikeWhaleCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> SpikeWhaleModelOutput:
+        self._check_inputs(input_ids, inputs_embeds)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        B, S, _ = inputs_embeds.shape
+        device = inputs_embeds.device
+        if use_cache and cache is None:
+            cache = SpikeWhaleCache(self.config)
+        if not use_cache:
+            cache = None
+        ctx = self._context(B, S, device, attention_mask, position_ids, cache)
+
+        x = inputs_embeds
+        engram_c = None
+        if self.engram is not None:
+            prefix = cache.engram_prefix(self.config.engram_max_ngram - 1) if cache is not None else None
+            e, engram_c = self.engram(x, ctx.positions, prefix)
+            x = x + e
+        X = x[:, None].expand(B, self.config.hc_mult, S, x.shape[-1]) if self.hc_out_mix is not None else x
+        depth_sources: list = []
+        for slot, ((layer_idx, loop_pass), starts_pass) in enumerate(zip(self.loop_plan.entries, self.loop_plan.pass_starts)):
+            if starts_pass:
+                depth_sources = []
+                if self.loop_pass_embed is not None:
+                    X = X + self.loop_pass_embed[loop_pass].to(X.device, X.dtype)
+            layer = self.layers[layer_idx]
+            X, depth_entry = layer(X, ctx=ctx, slot=slot, depth_sources=tuple(depth_sources))
+            if depth_entry is not None:
+                depth_sources.append(depth_entry)
+        x = self.hc_out_mix(X) if self.hc_out_mix is not None else X
+        steps = self.hrm_refine(x) if self.hrm_refine is not None else [x]
+        steps = [self.norm(h) for h in steps]
+        if cache is not None:
+            seg = ctx.segments
+            per_pos = (seg.base[:, None] + seg.rel) if (seg is not None and cache.record_past) else None
+            cache.commit(ctx.valid, engram_c, seg.new_segment if seg is not None else None, per_pos)
+        return SpikeWhaleModelOutput(last_hidden_state=steps[-1], cache=cache, refinement_states=tuple(steps))
+
+
+@dataclass
+class SpikeWhaleCausalLMOutput(CausalLMOutputWithPast):
+    """Causal-LM output with each loss term reported separately (all None without labels)."""
+
+    lm_loss: torch.FloatTensor | None = None
+    z_loss: torch.FloatTensor | None = None
+    mtp_loss: torch.FloatTensor | None = None
+    hrm_loss: torch.FloatTensor | None = None
+    last_hidden_state: torch.FloatTensor | None = None
+
+
+class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
+    """SpikeWhale language model: backbone, tied `lm_head` and the MTP heads (no `model.` prefix on the heads)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: SpikeWhaleConfig):
+        super().__init__(config)
+        self.model = SpikeWhaleModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp_heads = nn.ModuleList(MTPHead(config) for _ in range(config.num_nextn_predict_layers))
+        for head in self.mtp_heads:
+            head.proj._spike_zero_init = True
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: SpikeWhaleCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: SpikeWhaleCache | None = None,
+        **kwargs,
+    ) -> SpikeWhaleCausalLMOutput:
+        cache = cache if cache is not None else past_key_values
+        if cache is not None and not isinstance(cache, SpikeWhaleCache):
+            if isinstance(cache, Cache) and cache.get_seq_length() == 0:
+                cache = None
+                use_cache = True
+            else:
+                raise TypeError(
+                    f"spike_whale needs a SpikeWhaleCache (K/V per loop-plan slot plus Memory-Cache state); got "
+                    f"{type(cache).__name__}. Pass cache=None and use_cache=True to have the model create one."
+                )
+        if cache is not None and use_cache is None:
+            use_cache = True
+        if self.training or labels is not None:
+            use_cache = use_cache and not self.training
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            inputs_embeds=inputs_embeds, use_cache=use_cache,
+        )
+        h = out.last_hidden_state
+        if labels is not None:
+            return self._with_loss(h, out, labels, attention_mask)
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(h[:, keep])
+        return SpikeWhaleCausalLMOutput(logits=logits, cache=out.cache, last_hidden_state=h)
+
+    def _with_loss(self, h, out, labels, attention_mask) -> SpikeWhaleCausalLMOutput:
+        """labels = input ids: shifted CE + zloss_coef·z-loss + mtp_loss_weight·MTP CE (+ HRM deep supervision)."""
+        cfg = self.config
+        if attention_mask is not None:
+            labels = labels.masked_fill(attention_mask[:, -labels.shape[1]:] == 0, -100)
+        logits = self.lm_head(h)
+        target = labels[:, 1:]
+        lm_loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), target.flatten(), ignore_index=-100)
+        loss = lm_loss
+        z_loss = None
+        if cfg.zloss_coef:
+            valid = (target != -100).float()
+            lse = torch.logsumexp(logits[:, :-1].float(), -1)
+            z_loss = (lse.pow(2) * valid).sum() / valid.sum().clamp(min=1)
+            loss = loss + cfg.zloss_coef * z_loss
+        mtp_loss = None
+        if self.mtp_heads and cfg.mtp_loss_weight:
+            terms = []
+            for k, head in enumerate(self.mtp_heads, start=1):
+                if h.shape[1] <= k + 1:
+                    continue
+                mtp_logits = self.lm_head(head(h[:, : -(k + 1)]))
+                terms.append(F.cross_entropy(mtp_logits.float().flatten(0, 1), labels[:, k + 1:].flatten(), ignore_index=-100))
+            if terms:
+                mtp_loss = torch.stack(terms).mean()
+                loss = loss + cfg.mtp_loss_weight * mtp_loss
+        hrm_loss = None
+        steps = out.refinement_states or ()
+        if cfg.use_hrm_refine and cfg.hrm_deep_supervision and len(steps) > 1:
+            terms = [
+                F.cross_entropy(self.lm_head(s[:, :-1]).float().flatten(0, 1), target.flatten(), ignore_index=-100)
+                for s in steps[:-1]
+            ]
+            hrm_loss = torch.stack(terms).mean()
+            loss = loss + hrm_loss
+        return SpikeWhaleCausalLMOutput(
+            loss=loss, logits=logits, cache=out.cache, lm_loss=lm_loss, z_loss=z_loss,
+            mtp_loss=mtp_loss, hrm_loss=hrm_loss, last_hidden_state=h,
+        )
+
+
+SpikeWhaleLM = SpikeWhaleForCausalLM
