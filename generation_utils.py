@@ -13,9 +13,11 @@ import math
 from dataclasses import dataclass, fields
 
 import torch
+from transformers import GenerationConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .configuration_spike_whale import SpikeWhaleConfig
+from .tokenization_spike import CHAT_EOS_IDS, RESERVED_IDS
 
 
 @dataclass
@@ -292,3 +294,20 @@ class SpikeWhaleCache(Cache):
         self.key_valid = self.num_real = self.mc_segment = self.engram_c = None
         self._history = {}
         self.record_past = False
+
+
+def serving_generation_config(config: SpikeWhaleConfig) -> GenerationConfig:
+    """The card's serving defaults: temperature 0.7, top_k 40, repetition penalty 1.3, up to 160 new tokens,
+    stopping on `<eos>` or `<|im_end|>`, with the 111 reserved ids never generated."""
+    eos = [i for i in CHAT_EOS_IDS if i < config.vocab_size]
+    return GenerationConfig(
+        do_sample=True,
+        temperature=0.7,
+        top_k=40,
+        repetition_penalty=1.3,
+        max_new_tokens=160,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=eos,
+        pad_token_id=config.pad_token_id,
+        suppress_tokens=[i for i in RESERVED_IDS if i < config.vocab_size],
+    )

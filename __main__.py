@@ -1,0 +1,5 @@
+import sys
+
+from .hub_export.cli import main
+
+sys.exit(main())
