@@ -26,12 +26,18 @@ def tiny_config(**overrides) -> SpikeWhaleConfig:
 
 
 def open_gates(model: torch.nn.Module, std: float = 0.5, seed: int = 1) -> torch.nn.Module:
-    """Give every zero-init gate / pass embedding / MTP & HRM projection a non-zero value."""
+    """Give every zero-init gate / pass embedding / MTP & HRM projection a non-zero value.
+
+    Scalar-like gates get N(0, std); weight matrices and embeddings get N(0, initializer_range) so that no
+    single mechanism drowns the others out.
+    """
     g = torch.Generator().manual_seed(seed)
+    small = getattr(getattr(model, "config", None), "initializer_range", 0.02)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if any(s in name for s in ZERO_INIT_GATES):
-                p.copy_(torch.randn(p.shape, generator=g) * std)
+                scale = std if p.numel() <= 8 else small
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
     return model
 
 
