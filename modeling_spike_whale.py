@@ -20,6 +20,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache
+from transformers.integrations.accelerate import force_accelerate_hooks
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
@@ -35,9 +36,14 @@ GUESSED_KEYS: tuple[str, ...] = (
     r"model\.hc_out_mix\.mix_logits",
     r"model\.engram\.gate\.(proj\.weight|proj\.bias|alpha|beta|gamma)",
     r"model\.engram\.lookup\.hash_proj_n\d+_p\d+",
-    r"model\.loop_pass_embed",
+    r"model\.loop_pass_embed\.weight",
     r"model\.layers\.\d+\.attn\.depth_gate",
     r"model\.layers\.\d+\.attn\.mc\.(qkv_proj\.(weight|bias)|o_proj\.(weight|bias)|gate_proj\.weight|gate_bias|feature_scale|mc_gate)",
+    # Mechanisms off in the 114M checkpoints (MoE, Elo, value embeddings, Engram fusion, abstain head).
+    r"model\.layers\.\d+\.ffn\.(gate\.weight|experts\.\d+\.(gate|up|down)_proj\.weight|shared_experts\.(gate|up|down)_proj\.weight)",
+    r"model\.layers\.\d+\.attn\.(elo_gain|elo_k)",
+    r"model\.layers\.\d+\.engram_fusion\.(norm\.weight|q_proj\.weight|k_proj\.weight|o_proj\.weight)",
+    r"abstain_head\.(weight|bias)",
 )
 
 
@@ -49,28 +55,6 @@ def rename_checkpoint_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, tor
             key = re.sub(pattern, repl, key)
         out[key] = value
     return out
-
-
-_UNSUPPORTED = {
-    "use_moe": "the MoE FFN (routed + shared experts, hash routing)",
-    "use_derf": "DERF attention",
-    "use_elo": "Elo / Bradley-Terry attention",
-    "use_abstain_head": "the abstain head",
-    "use_value_embed": "value embeddings",
-    "engram_fusion_layers": "Engram mid-stack fusion",
-}
-
-
-def check_supported(config: SpikeWhaleConfig) -> None:
-    """Refuse configs that switch on a mechanism this port does not implement yet, instead of ignoring it."""
-    on = [name for name in _UNSUPPORTED if getattr(config, name)]
-    if on:
-        what = "; ".join(f"{name} ({_UNSUPPORTED[name]})" for name in on)
-        raise NotImplementedError(
-            f"spike_whale: {what} is not implemented in this port yet (tracked as the 'every config.py knob' "
-            f"issue). Set {', '.join(f'{n}=False' if n != 'engram_fusion_layers' else f'{n}=[]' for n in on)} "
-            "- the released Byrne-100M-Ultra-MC checkpoints use none of them."
-        )
 
 
 class SpikeWhaleRMSNorm(nn.Module):
@@ -178,6 +162,15 @@ class SegmentLayout:
             block_idx = torch.where(valid, idx, torch.full_like(idx, n_rel * seg_len))
         return cls(rel, n_rel, seg_len, onehot, base, new_segment, n_fin, valid, own_mask, block_idx)
 
+    def on_device(self, device: torch.device) -> "SegmentLayout":
+        """This layout with its tensors on `device` (layers of a multi-device map each get their own copy)."""
+        if self.rel.device == device:
+            return self
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return SegmentLayout(move(self.rel), self.n_rel, self.seg_len, move(self.onehot), move(self.base),
+                             move(self.new_segment), self.n_fin, move(self.valid), move(self.own_mask),
+                             move(self.block_idx))
+
 
 @dataclass
 class ForwardContext:
@@ -189,6 +182,7 @@ class ForwardContext:
     is_causal: bool
     cache: SpikeWhaleCache | None
     segments: SegmentLayout | None
+    token_ids: torch.Tensor | None = None  # [B, S] input ids (hash routing of the MoE); None with inputs_embeds
 
 
 class MemoryCacheBranch(nn.Module):
@@ -219,8 +213,9 @@ class MemoryCacheBranch(nn.Module):
     def phi(self, x: torch.Tensor) -> torch.Tensor:
         return F.elu(x * self.feature_scale.float()) + 1.0
 
+    @force_accelerate_hooks(["qkv_proj", "o_proj", "gate_proj"])
     def forward(self, u: torch.Tensor, ctx: ForwardContext, slot: int) -> torch.Tensor:
-        lay = ctx.segments
+        lay = ctx.segments.on_device(u.device)
         cache = ctx.cache
         state = cache.mc_state(slot) if cache is not None else None
         with torch.autocast(device_type=u.device.type, enabled=False):
@@ -499,8 +494,8 @@ class DepthAttention:
         B, nh, S, hd = q.shape
         kvh = k.shape[1]
         qbar = q.view(B, kvh, nh // kvh, S, hd).mean(2)
-        keys = torch.stack([src[0] for src in sources] + [k])
-        values = torch.stack([src[1] for src in sources] + [v])
+        keys = torch.stack([src[0].to(k.device) for src in sources] + [k])
+        values = torch.stack([src[1].to(v.device) for src in sources] + [v])
         w = torch.softmax((qbar * keys).sum(-1).float() / math.sqrt(hd), dim=0).to(v.dtype)
         mixed = (w[..., None] * values).sum(0)
         return v + torch.tanh(gate).to(v.dtype) * (mixed - v)
@@ -524,6 +519,73 @@ def eager_attention(q, k, v, mask, is_causal, dropout):
 
 
 ATTENTION_FUNCTIONS = {"sdpa": sdpa_attention, "eager": eager_attention}
+
+
+def _visible(mask, is_causal, S: int, N: int, device) -> torch.Tensor:
+    """The boolean [B|1, 1, S, N] "query may read key" matrix behind (mask, is_causal)."""
+    if mask is not None:
+        return mask
+    if is_causal:
+        return torch.ones(S, N, dtype=torch.bool, device=device).tril(N - S)[None, None]
+    return torch.ones(1, 1, S, N, dtype=torch.bool, device=device)
+
+
+def _scores(q, k) -> torch.Tensor:
+    """s = q·kᵀ/√hd in float32 with the KV heads expanded to their GQA groups: [B, nh, S, N]."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    return q.float() @ k.float().transpose(-1, -2) / math.sqrt(q.shape[-1])
+
+
+def _read_values(w, v, dropout: float) -> torch.Tensor:
+    v = v.repeat_interleave(w.shape[1] // v.shape[1], 1)
+    return F.dropout(w, dropout).to(v.dtype) @ v
+
+
+def derf_attention(q, k, v, mask, is_causal, dropout, alpha, beta, gamma):
+    """DERF: w = γ_h·(erf(α_h·s + β_h) + 1)/2 on the visible scores (0 elsewhere), renormalised by (Σ w + 1e-8).
+
+    As in the reference the per-head γ_h multiplies numerator and denominator, so it only matters through the
+    1e-8 floor; it is kept for checkpoint compatibility.
+    """
+    s = _scores(q, k)
+    vis = _visible(mask, is_causal, s.shape[2], s.shape[3], s.device)
+    a, b, g = (t.float()[None, :, None, None] for t in (alpha, beta, gamma))
+    w = g * (torch.erf(a * s + b) + 1) / 2 * vis
+    return _read_values(w / (w.sum(-1, keepdim=True) + 1e-8), v, dropout)
+
+
+def elo_attention(q, k, v, mask, is_causal, dropout, gain, k_factor, past_ratings, query_valid):
+    """Elo / Bradley-Terry attention with persistent key ratings (all in float32).
+
+    Every query t plays one "match" among the keys it can see: key j's actual score is its content attention
+    share p_tj = softmax_j(s_tj) and its expected score is the uniform share 1/n_t, so the rating step is
+    Δ_tj = p_tj − [j visible]/n_t (zero-sum per match; padding queries play none). A key's rating is the sum of
+    its steps over all EARLIER queries, R_tj = Σ_{t'<t} Δ_t'j, and biases the logits of later queries:
+
+        attn_t = softmax_j( s_tj + gain_h · K_h · R_tj )
+
+    with the per-head gain zero-initialised (exact softmax attention at init) and K_h (`elo_k`) starting at
+    `elo_k_init`. Because the expected score does not depend on the ratings, the update is a prefix sum over
+    queries (parallel in training) and the cache only has to carry the un-scaled ratings Σ Δ of the cached keys.
+
+    past_ratings: [B, nh, P] ratings of the P cached keys (None without a cache), query_valid: [B, S].
+    Returns (output, ratings after the chunk [B, nh, P+S], ratings after each chunk query [B, nh, S, P+S]).
+    """
+    s = _scores(q, k)
+    B, nh, S, N = s.shape
+    vis = _visible(mask, is_causal, S, N, s.device)
+    masked = s.masked_fill(~vis, float("-inf"))
+    p = torch.softmax(masked, -1)
+    visf = vis.float()
+    delta = (p - visf / visf.sum(-1, keepdim=True)) * query_valid.float()[:, None, :, None]
+    past = s.new_zeros(B, nh, N)
+    if past_ratings is not None and past_ratings.shape[-1]:
+        past[..., : past_ratings.shape[-1]] = past_ratings.to(past.device)
+    after = past[:, :, None] + delta.cumsum(2)  # ratings after query t (inclusive)
+    before = torch.cat([past[:, :, None], after[:, :, :-1]], 2)  # ratings seen by query t (earlier queries)
+    bias = (gain.float() * k_factor.float())[None, :, None, None] * before
+    w = torch.softmax(masked + bias, -1)
+    return _read_values(w, v, dropout), after[:, :, -1], after
 
 
 class SpikeWhaleAttention(nn.Module):
@@ -553,6 +615,34 @@ class SpikeWhaleAttention(nn.Module):
         else:
             self.depth_gate = None
         self.mc = MemoryCacheBranch(config) if config.use_memory_cache else None
+        # Attention weights: softmax (SDPA / eager), DERF, or Elo (which takes precedence over DERF).
+        self.attn_kind = "elo" if config.use_elo else ("derf" if config.use_derf else "softmax")
+        if self.attn_kind == "derf":
+            self.derf_alpha = nn.Parameter(torch.ones(nh))
+            self.derf_bias = nn.Parameter(torch.zeros(nh))
+            self.derf_gamma = nn.Parameter(torch.ones(nh))
+        if self.attn_kind == "elo":
+            self.elo_gain = nn.Parameter(torch.zeros(nh))
+            self.elo_k = nn.Parameter(torch.full((nh,), float(config.elo_k_init)))
+
+    def _attend(self, q, k, v, ctx: ForwardContext, slot: int) -> torch.Tensor:
+        mask = ctx.attn_mask.to(q.device) if ctx.attn_mask is not None else None
+        dropout = self.config.attention_dropout if self.training else 0.0
+        if self.attn_kind == "derf":
+            return derf_attention(q, k, v, mask, ctx.is_causal, dropout, self.derf_alpha, self.derf_bias, self.derf_gamma)
+        if self.attn_kind == "elo":
+            cache = ctx.cache
+            past = cache.elo_state(slot) if cache is not None else None
+            y, ratings, per_query = elo_attention(
+                q, k, v, mask, ctx.is_causal, dropout, self.elo_gain, self.elo_k, past, ctx.valid.to(q.device)
+            )
+            if cache is not None:
+                start = cache.seq_len
+                per_pos = [per_query[:, :, j, : start + j + 1] for j in range(q.shape[2])] if cache.record_past else None
+                cache.set_elo_state(slot, ratings, per_pos)
+            return y.to(q.dtype)
+        attend = ATTENTION_FUNCTIONS[getattr(self.config, "_attn_implementation", None) or "sdpa"]
+        return attend(q, k, v, mask, ctx.is_causal, dropout)
 
     def forward(self, u: torch.Tensor, ctx: ForwardContext, slot: int, depth_sources: tuple):
         B, S, _ = u.shape
@@ -569,10 +659,7 @@ class SpikeWhaleAttention(nn.Module):
         v_self = v
         if ctx.cache is not None:
             k, v = ctx.cache.layers[slot].update(k, v, start=ctx.cache.seq_len)
-        attend = ATTENTION_FUNCTIONS[getattr(self.config, "_attn_implementation", None) or "sdpa"]
-        mask = ctx.attn_mask.to(u.device) if ctx.attn_mask is not None else None
-        dropout = self.config.attention_dropout if self.training else 0.0
-        y = attend(q, k, v, mask, ctx.is_causal, dropout)
+        y = self._attend(q, k, v, ctx, slot)
         if self.config.use_xsa:
             y = self.remove_self_echo(y, v_self)
         out = self.o_b_proj(self.o_a_proj(y.transpose(1, 2).reshape(B, S, self.nh * self.hd)))
@@ -612,11 +699,11 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
         self.attn = SpikeWhaleAttention(config, layer_idx)
         self.ffn_norm = SpikeWhaleRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn = SpikeWhaleMLP(config)
-        if config.use_hyper_connections:
-            self.hc_attn = HyperConnection(config.hc_mult)
-            self.hc_ffn = HyperConnection(config.hc_mult)
         self.use_hc = config.use_hyper_connections
+        self.hc_attn = HyperConnection(config.hc_mult) if self.use_hc else None
+        self.hc_ffn = HyperConnection(config.hc_mult) if self.use_hc else None
 
+    @force_accelerate_hooks(["hc_attn", "hc_ffn"])
     def forward(self, X: torch.Tensor, ctx: ForwardContext = None, slot: int = 0, depth_sources: tuple = ()):
         h = self.hc_attn.pre_op(X) if self.use_hc else X
         a, depth_entry = self.attn(self.attn_norm(h), ctx, slot, depth_sources)
@@ -673,10 +760,12 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
         if isinstance(module, nn.Linear):
-            zero = (isinstance(module, nn.Linear) and getattr(module, "_spike_zero_init", False))
+            zero = getattr(module, "_spike_zero_init", False)
             (init.zeros_ if zero else init.normal_)(module.weight, **({} if zero else {"mean": 0.0, "std": std}))
             if module.bias is not None:
                 init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding) and getattr(module, "_spike_zero_init", False):
+            init.zeros_(module.weight)
         elif isinstance(module, nn.Embedding):
             init.normal_(module.weight, mean=0.0, std=getattr(module, "_spike_init_std", std))
         elif isinstance(module, SpikeWhaleRMSNorm):
@@ -705,8 +794,6 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
             init.zeros_(module.gate_bias)
             init.ones_(module.feature_scale)
             init.zeros_(module.mc_gate)
-        elif isinstance(module, SpikeWhaleModel) and module.loop_pass_embed is not None:
-            init.zeros_(module.loop_pass_embed)
 
 
 @dataclass
@@ -721,14 +808,11 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
 
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__(config)
-        check_supported(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.engram = EngramMemory(config) if config.use_engram else None
         self.layers = nn.ModuleList(SpikeWhaleDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.loop_plan: LoopPlan = config.loop_plan
-        self.loop_pass_embed = (
-            nn.Parameter(torch.zeros(config.loop_count, config.hidden_size)) if config.loop_pass_embed else None
-        )
+        self.loop_pass_embed = nn.Embedding(config.loop_count, config.hidden_size) if config.loop_pass_embed else None
         self.hc_out_mix = HCOutputMix(config.hc_mult) if config.use_hyper_connections else None
         self.hrm_refine = HRMRefinement(config) if config.use_hrm_refine else None
         self.norm = SpikeWhaleRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -738,6 +822,8 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                 table._spike_init_std = 0.01
         if self.hrm_refine is not None:
             self.hrm_refine.up._spike_zero_init = True
+        if self.loop_pass_embed is not None:
+            self.loop_pass_embed._spike_zero_init = True
         self.post_init()
 
     def get_input_embeddings(self):
@@ -849,7 +935,8 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             if starts_pass:
                 depth_sources = []
                 if self.loop_pass_embed is not None:
-                    X = X + self.loop_pass_embed[loop_pass].to(X.device, X.dtype)
+                    index = torch.full((1,), loop_pass, dtype=torch.long, device=X.device)
+                    X = X + self.loop_pass_embed(index).to(X.device, X.dtype)
             layer = self.layers[layer_idx]
             X, depth_entry = layer(X, ctx=ctx, slot=slot, depth_sources=tuple(depth_sources))
             if depth_entry is not None:

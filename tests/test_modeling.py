@@ -134,7 +134,7 @@ def test_zero_init_gates_make_the_extras_no_ops_at_init():
     """Fresh init: MC gate, depth gates, pass embeddings, HRM up and MTP proj are exactly zero."""
     model = tiny_model(gates_open=False)
     named = dict(model.named_parameters())
-    for key in ("model.layers.1.attn.mc.mc_gate", "model.layers.1.attn.depth_gate", "model.loop_pass_embed",
+    for key in ("model.layers.1.attn.mc.mc_gate", "model.layers.1.attn.depth_gate", "model.loop_pass_embed.weight",
                 "model.hrm_refine.up.weight", "mtp_heads.0.proj.weight"):
         assert torch.count_nonzero(named[key]) == 0, key
     assert torch.all(named["model.hrm_refine.gate"] == 1.0)
