@@ -12,6 +12,9 @@ import math
 from dataclasses import dataclass
 
 from transformers import PretrainedConfig
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,61 @@ _PRESET_BYRNE_100M = dict(
     pad_token_id=0,
 )
 
+# Byrne-15M-Looped, the small looped sibling (its own repo; the 114M card lists its knobs).
+#
+# Stated by the card: 10 layers, loop_count 3 (effective depth 30), MoE with 4 routed + 1 shared experts, top-2,
+# expert width 160; 8 heads / 1 KV head, head_dim 64 = 32 RoPE + 32 no-RoPE dims; fractal RoPE gamma 1; Elo
+# attention; Engram table 1024; HRM with 3 steps and deep supervision; abstain head; XSA; Hyper-Connections;
+# no Memory Cache; ~15.2M active / ~18.9M total parameters.
+# Inferred: hidden_size 384 and tied embeddings (config.py: "at 15M tying was mandatory (embed was 42% of the
+# budget)": 16512 x 384 = 6.34M = 42% of 15.2M; the 3.7M total-minus-active gap = 2 idle experts x 3 x 384 x
+# 160 x 10 layers confirms it). q/o LoRA ranks 64, Engram 2 heads x compress 32, HRM width 256 (the config.py
+# default), 1 MTP head, context 1024, QK-norm on, loop pass embeddings on, num_hash_layers 2 (the config.py
+# default), depth attention off (ported later, for the 114M) - all [U] choices, giving 18.76M total /
+# 15.07M active; the ~0.14M left to the card's figures is not resolved (ranks 72 would close it).
+_PRESET_BYRNE_15M_LOOPED = dict(
+    _PRESET_BYRNE_100M,
+    hidden_size=384,
+    num_hidden_layers=10,
+    num_attention_heads=8,
+    num_key_value_heads=1,
+    head_dim=64,
+    qk_rope_head_dim=32,
+    q_lora_rank=64,
+    o_lora_rank=64,
+    use_moe=True,
+    moe_intermediate_size=160,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    scoring_func="sqrtsoftplus",
+    norm_topk_prob=True,
+    routed_scaling_factor=1.0,
+    num_hash_layers=2,
+    moe_aux_loss_coef=0.01,
+    moe_layers=None,
+    use_elo=True,
+    elo_k_init=0.5,
+    use_derf=False,
+    engram_compress_dim=32,
+    engram_num_heads=2,
+    engram_table_size=1024,
+    hrm_refine_steps=3,
+    hrm_refine_dim=256,
+    hrm_deep_supervision=True,
+    use_abstain_head=True,
+    abstain_loss_weight=0.1,
+    abstain_pos_weight=8.0,
+    abstain_threshold=0.6,
+    loop_count=3,
+    loop_pass_embed=True,
+    use_depth_attention=False,
+    use_memory_cache=False,
+)
+
 PRESETS: dict[str, dict] = {
+    # Byrne-15M-Looped (see `_PRESET_BYRNE_15M_LOOPED` for what is stated and what is inferred).
+    "byrne-15m-looped": dict(_PRESET_BYRNE_15M_LOOPED),
     # Byrne-100M-Ultra-MC base_62k / dpo_3200 (trained at 1024 tokens).
     "byrne-100m-ultra-mc": dict(_PRESET_BYRNE_100M),
     # sft_7100 was trained at 4096 tokens; nothing else differs.
@@ -152,14 +209,29 @@ class SpikeWhaleConfig(PretrainedConfig):
     r"""Configuration of a SpikeWhale v2 (Byrne) looped decoder.
 
     Field names and defaults are those of the family's `config.py`; see `PRESETS` (and
-    `SpikeWhaleConfig.from_preset`) for the released Byrne-100M-Ultra-MC checkpoints. A few fields describe
-    mechanisms this port does not implement yet (MoE, DERF/Elo attention, the abstain head, Engram fusion,
-    value embeddings); a config may carry them, but building a model with them switched on raises
-    `NotImplementedError` rather than silently ignoring them.
+    `SpikeWhaleConfig.from_preset`) for the released Byrne-100M-Ultra-MC checkpoints and the
+    Byrne-15M-Looped sibling. Every field changes the model the way its `config.py` comment says; a
+    combination that cannot work raises `ValueError` here, naming the fields (see `validate_spike_whale`).
+
+    Fields whose role is a design choice of this port (the sources only name them):
+
+    - `hc_sinkhorn_iters` / `hc_eps`: NanoWhale's Sinkhorn projection of a dynamic m×m residual matrix. The
+      Byrne Hyper-Connections are the static 2×[m]-per-layer variant (exact parameter solve, architecture.md
+      §4.3/§11), which has no matrix to project, so only the defaults (20, 1e-6) are accepted; any other value
+      raises instead of being ignored.
+    - `use_elo` with `use_derf`: Elo takes precedence (the comment's rule); DERF parameters are then not built
+      and a warning says so.
+    - `hidden_dropout`: dropout on each attention / FFN sub-layer output before it enters the residual
+      streams (training only).
+    - `loop_middle_layers` is ignored unless `loop_mode="middle_split"` (as its comment says).
     """
 
     model_type = "spike_whale"
-    keys_to_ignore_at_inference = ["cache"]
+    # Scalars and helper fields of `SpikeWhaleCausalLMOutput` that `Trainer.predict` should not gather.
+    keys_to_ignore_at_inference = [
+        "cache", "last_hidden_state", "lm_loss", "z_loss", "mtp_loss", "hrm_loss", "abstain_loss",
+        "moe_aux_loss", "abstain_threshold",
+    ]
 
     def __init__(
         self,
@@ -339,7 +411,8 @@ class SpikeWhaleConfig(PretrainedConfig):
             fail(
                 "hrm_gate_init=0 with the zero-init `up` projection makes every parameter of the HRM "
                 "refinement block permanently untrainable (its gradient is exactly 0). Use a non-zero "
-                "`hrm_gate_init` (the released value is 1.0) or set use_hrm_refine=False."
+                "`hrm_gate_init` (the released value is 1.0) or set use_hrm_refine=False (and "
+                "hrm_deep_supervision=False)."
             )
         if self.num_attention_heads % self.num_key_value_heads:
             fail(
@@ -390,6 +463,7 @@ class SpikeWhaleConfig(PretrainedConfig):
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must lie in [1, n_routed_experts="
                 f"{self.n_routed_experts}]."
             )
+        self._validate_knobs(fail, positive)
         for name in ("bos_token_id", "pad_token_id"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:
@@ -397,6 +471,69 @@ class SpikeWhaleConfig(PretrainedConfig):
         eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
         if any(e is not None and not 0 <= e < self.vocab_size for e in eos):
             fail(f"eos_token_id={self.eos_token_id} is outside the vocabulary [0, {self.vocab_size}).")
+
+    def _validate_knobs(self, fail, positive) -> None:
+        """Checks of the mechanism knobs (MoE, attention variants, HC, Engram, HRM, abstain head, losses)."""
+
+        def non_negative(*names: str) -> None:
+            for name in names:
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                    fail(f"`{name}` must be a number >= 0, got {value!r}.")
+
+        non_negative("zloss_coef", "mtp_loss_weight", "moe_aux_loss_coef", "abstain_loss_weight")
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                fail(f"`{name}` must lie in [0, 1), got {value!r}.")
+        if (self.hc_sinkhorn_iters, float(self.hc_eps)) != (20, 1e-6):
+            fail(
+                f"hc_sinkhorn_iters={self.hc_sinkhorn_iters!r} / hc_eps={self.hc_eps!r}: only the defaults (20, 1e-6) "
+                "are accepted. They parameterise NanoWhale's Sinkhorn projection of a dynamic m x m residual "
+                "matrix; the Byrne Hyper-Connections this port implements are the static 2 x [hc_mult] variant "
+                "(fixed by the released parameter count), which has no matrix to project, so another value "
+                "would be silently ignored."
+            )
+        if self.use_moe:
+            positive("n_routed_experts", "num_experts_per_tok")
+            if not isinstance(self.n_shared_experts, int) or self.n_shared_experts < 0:
+                fail(f"n_shared_experts must be an integer >= 0, got {self.n_shared_experts!r}.")
+            if not isinstance(self.num_hash_layers, int) or self.num_hash_layers < 0:
+                fail(f"num_hash_layers must be an integer >= 0, got {self.num_hash_layers!r}.")
+            if not self.moe_layers:
+                fail("use_moe=True but moe_layers is empty: list the MoE layers, or set use_moe=False.")
+            if len(set(self.moe_layers)) != len(self.moe_layers):
+                fail(f"moe_layers has repeated layer indices: {self.moe_layers}.")
+            if not float(self.routed_scaling_factor) > 0:
+                fail(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor!r}.")
+        if self.use_elo and not math.isfinite(float(self.elo_k_init)):
+            fail(f"elo_k_init must be a finite number, got {self.elo_k_init!r}.")
+        if self.use_elo and self.use_derf:
+            logger.warning(
+                "SpikeWhaleConfig: use_elo=True and use_derf=True - Elo attention takes precedence over DERF "
+                "(config.py rule), so the DERF parameters are not built and DERF is not applied."
+            )
+        if self.use_engram:
+            if 1.0 + math.erf(float(self.engram_gate_init_bias)) < 2.0**-25:  # rounds to erf = -1 in float32
+                fail(
+                    f"engram_gate_init_bias={self.engram_gate_init_bias}: erf() of it rounds to -1 in float32, so "
+                    "the Engram DERF gate is a hard zero and the gate, its parameters and the n-gram tables get "
+                    "exactly zero gradient forever. Keep it >= about -2.5 (the released value is -1.0)."
+                )
+            if self.engram_fusion_layers:
+                positive("engram_fusion_dim")
+                if len(set(self.engram_fusion_layers)) != len(self.engram_fusion_layers):
+                    fail(f"engram_fusion_layers has repeated layer indices: {self.engram_fusion_layers}.")
+        if self.hrm_deep_supervision and not self.use_hrm_refine:
+            fail(
+                "hrm_deep_supervision=True requires use_hrm_refine=True (it supervises the refinement steps); "
+                "set hrm_deep_supervision=False as well when turning use_hrm_refine off."
+            )
+        if self.use_abstain_head:
+            if not float(self.abstain_pos_weight) > 0:
+                fail(f"abstain_pos_weight must be > 0, got {self.abstain_pos_weight!r}.")
+            if not 0.0 < float(self.abstain_threshold) < 1.0:
+                fail(f"abstain_threshold is a probability threshold in (0, 1), got {self.abstain_threshold!r}.")
 
     @property
     def loop_plan(self) -> LoopPlan:

@@ -9,15 +9,20 @@ summaries of every earlier segment, and Engram reads an n-gram window that cross
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, fields
 
 import torch
 from transformers import GenerationConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.generation import GenerateDecoderOnlyOutput
+from transformers.utils import logging
 
 from .configuration_spike_whale import SpikeWhaleConfig
 from .tokenization_spike import CHAT_EOS_IDS, RESERVED_IDS
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -68,6 +73,7 @@ class LoopSlotLayer(CacheLayerMixin):
         super().__init__()
         self.max_cache_len = max_cache_len
         self.mc: MemoryCacheState | None = None
+        self.elo: torch.Tensor | None = None  # Elo attention: [B, heads, length] ratings of the cached keys
         self._length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -104,16 +110,26 @@ class LoopSlotLayer(CacheLayerMixin):
     def reset(self) -> None:
         super().reset()
         self.mc = None
+        self.elo = None
         self._length = 0
 
-    def _select(self, fn) -> None:
+    def _select(self, fn, kv_fn=None) -> None:
         if self.is_initialized:
-            self.keys, self.values = fn(self.keys), fn(self.values)
+            kv_fn = kv_fn or fn
+            self.keys, self.values = kv_fn(self.keys), kv_fn(self.values)
         if self.mc is not None:
             self.mc = self.mc.map(fn)
+        if self.elo is not None:
+            self.elo = fn(self.elo)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        def in_place(t):  # beam search: same batch size, only the filled prefix moves (static address kept)
+            if beam_idx.shape[0] != t.shape[0]:
+                return t.index_select(0, beam_idx.to(t.device))
+            t[:, :, : self._length] = t[:, :, : self._length].index_select(0, beam_idx.to(t.device))
+            return t
+
+        self._select(lambda t: t.index_select(0, beam_idx.to(t.device)), kv_fn=in_place)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._select(lambda t: t[indices.to(t.device)])
@@ -153,6 +169,7 @@ class SpikeWhaleCache(Cache):
         self.engram_c: torch.Tensor | None = None  # [B, max_cache_len, cd]
         self.record_past = False
         self._history: dict[int, list[MemoryCacheState | None]] = {}
+        self._chunk_start = 0
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seq_len
@@ -196,6 +213,26 @@ class SpikeWhaleCache(Cache):
             hist[:] = [(start, layer.mc)]
         layer.mc = state
 
+    def elo_state(self, slot: int) -> torch.Tensor | None:
+        """Elo attention ratings ([B, heads, seq_len], un-scaled Σ of rating steps) of a slot's cached keys."""
+        return self.layers[slot].elo
+
+    def set_elo_state(self, slot: int, ratings: torch.Tensor, per_position: list | None = None) -> None:
+        """Store a slot's ratings after a chunk; `per_position[j]` are the ratings after chunk token j (for `crop`).
+
+        Ratings are not positional (every query adds to every earlier key's rating), so like the Memory-Cache
+        state they are rolled back from recorded snapshots."""
+        layer = self.layers[slot]
+        start = self.seq_len
+        hist = self._history.setdefault(("elo", slot), [])
+        if self.record_past:
+            hist.append((start, layer.elo))
+            for j, st in enumerate(per_position or []):
+                hist.append((start + j + 1, st))
+        else:
+            hist[:] = [(start, layer.elo)]
+        layer.elo = ratings
+
     def commit(
         self,
         valid: torch.Tensor,
@@ -220,6 +257,7 @@ class SpikeWhaleCache(Cache):
             else:
                 self._history["segment"] = entries
             self.mc_segment = mc_segment
+        self._chunk_start = self.seq_len
         self.seq_len = end
 
     def engram_prefix(self, n: int) -> torch.Tensor | None:
@@ -236,28 +274,53 @@ class SpikeWhaleCache(Cache):
         """Record per-position Memory-Cache states until the next `crop`, so any rollback is exact."""
         self.record_past = True
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last `tokens_to_remove` positions (negative: keep only `-tokens_to_remove`)."""
-        new_len = self.seq_len - tokens_to_remove if tokens_to_remove >= 0 else -tokens_to_remove
+    def crop(self, max_length: int) -> None:
+        """Roll the cache back, with the `transformers` 5.x convention: `crop(-k)` removes the last `k`
+        positions, `crop(n)` with n > 0 keeps the first `n` (the legacy "crop to max_length" form), and
+        `crop(0)` removes nothing. Every call ends `activate_past_recording` (the recorded per-position
+        states are dropped), as the library's own generation loops expect.
+
+        K/V, padding and the Engram prefix are positional; the Memory-Cache (and Elo) state is restored from
+        the state recorded at the new length, which exists at every chunk start and, after
+        `activate_past_recording()`, at every position of the recorded chunks (else `ValueError`).
+        """
+        new_len = self.seq_len + max_length if max_length <= 0 else max_length
         if not 0 <= new_len <= self.seq_len:
-            raise ValueError(f"Cannot crop a cache of length {self.seq_len} to {new_len}.")
-        if new_len == self.seq_len:
+            raise ValueError(
+                f"Cannot crop a cache of length {self.seq_len} with crop({max_length}): crop(-k) removes k "
+                f"positions (0 <= k <= {self.seq_len}), crop(n) keeps the first n."
+            )
+        if new_len == self.seq_len:  # keep what an unrecorded forward keeps: the last chunk's start
+            self.record_past = False
+            self._history = {k: [(p, s) for p, s in v if p == self._chunk_start][-1:] for k, v in self._history.items()}
             return
+        old_len = self.seq_len
+        restored = {}  # look every state up before touching anything, so a failed crop leaves the cache intact
         for slot, layer in enumerate(self.layers):
             if slot in self._history or layer.mc is not None:
-                layer.mc = self._recorded(slot, new_len)
+                restored[slot] = self._recorded(slot, new_len)
+            if ("elo", slot) in self._history or layer.elo is not None:
+                restored[("elo", slot)] = self._recorded(("elo", slot), new_len)
+        if "segment" in self._history:
+            restored["segment"] = self._recorded("segment", new_len)
+        for slot, layer in enumerate(self.layers):
+            if slot in restored:
+                layer.mc = restored[slot]
+            if ("elo", slot) in restored:
+                layer.elo = restored[("elo", slot)]
             layer._length = new_len
             if layer.is_initialized:
-                layer.keys[:, :, new_len:] = 0
-                layer.values[:, :, new_len:] = 0
-        if "segment" in self._history:
-            self.mc_segment = self._recorded("segment", new_len)
+                layer.keys[:, :, new_len:old_len] = 0
+                layer.values[:, :, new_len:old_len] = 0
+        if "segment" in restored:
+            self.mc_segment = restored["segment"]
         dropped = self.key_valid[:, new_len:self.seq_len]
         self.num_real -= dropped.sum(-1)
-        self.key_valid[:, new_len:] = False
+        self.key_valid[:, new_len:old_len] = False
         if self.engram_c is not None:
-            self.engram_c[:, new_len:] = 0
+            self.engram_c[:, new_len:old_len] = 0
         self.seq_len = new_len
+        self._chunk_start = new_len
         self.record_past = False
         self._history = {k: [(p, s) for p, s in v if p <= new_len][-1:] for k, v in self._history.items()}
 
@@ -311,3 +374,296 @@ def serving_generation_config(config: SpikeWhaleConfig) -> GenerationConfig:
         pad_token_id=config.pad_token_id,
         suppress_tokens=[i for i in RESERVED_IDS if i < config.vocab_size],
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# generate(): the context check, opt-in prompt truncation and MTP self-speculative decoding.
+# `SpikeWhaleForCausalLM.generate` is a thin override that calls `spike_whale_generate`; everything else is
+# `GenerationMixin.generate` (greedy, sampling, beams, processors, stopping criteria, streamers, ...).
+
+
+@dataclass
+class MTPStats:
+    """Counters of one `generate(..., use_mtp=True)` call (also left on the model as `model.last_mtp_stats`)."""
+
+    drafted: int = 0  # draft tokens compared against the main head's greedy choice
+    accepted: int = 0  # of those, the ones the main head agreed with (emitted without their own forward)
+    verify_steps: int = 0  # multi-token verification forwards
+    rollbacks: int = 0  # verification forwards after which the cache was rolled back (a draft was rejected)
+    forwards: int = 0  # model forwards in total, prefill included
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / drafted (0.0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+@dataclass
+class SpikeWhaleGenerateOutput(GenerateDecoderOnlyOutput):
+    """`GenerateDecoderOnlyOutput` of `generate(..., use_mtp=True, return_dict_in_generate=True)`, plus the
+    MTP draft statistics: `mtp_acceptance_rate` = `mtp_accepted_tokens` / `mtp_drafted_tokens`."""
+
+    mtp_acceptance_rate: float | None = None
+    mtp_drafted_tokens: int | None = None
+    mtp_accepted_tokens: int | None = None
+
+
+def _effective_generation_config(model, generation_config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
+    """The values `generate` will use (user kwargs > `generation_config` > `model.generation_config` > library
+    defaults), computed with public `GenerationConfig` methods only, for the checks made before any work."""
+    eff = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
+    eff.update(**model.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
+    eff.update(**{k: v for k, v in kwargs.items() if hasattr(eff, k)})
+    for name, default in (("max_length", 20), ("do_sample", False), ("num_beams", 1), ("use_cache", True)):
+        if getattr(eff, name, None) is None:
+            setattr(eff, name, default)
+    return eff
+
+
+def _truncate_prompt(ids: torch.Tensor, mask: torch.Tensor | None, keep: int, bos_id: int | None):
+    """Keep the last `keep` columns of a (left-padded) prompt; a row that started with `<bos>` and lost tokens
+    gets `<bos>` back as its first kept token (the model was trained with `<bos>` on every sequence)."""
+    drop = ids.shape[1] - keep
+    new_ids = ids[:, drop:].clone()
+    new_mask = mask[:, drop:] if mask is not None else None
+    if bos_id is not None:
+        real = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
+        first = real.long().argmax(1)
+        starts_with_bos = ids.gather(1, first[:, None]).squeeze(1) == bos_id
+        lost = real[:, :drop].any(1)
+        new_ids[starts_with_bos & lost, 0] = bos_id
+    return new_ids, new_mask
+
+
+def spike_whale_generate(model, parent_generate, inputs=None, generation_config=None, **kwargs):
+    """Body of `SpikeWhaleForCausalLM.generate` (see its docstring): checks the context window before any work,
+    applies the opt-in prompt truncation, routes `use_mtp=True` to `mtp_speculative_generate` (through the
+    public `custom_generate` hook, so logits processors and stopping criteria are the library's own), and
+    otherwise hands everything to `GenerationMixin.generate` (`parent_generate`)."""
+    use_mtp = kwargs.pop("use_mtp", None)
+    truncate = bool(kwargs.pop("truncate_to_context", False))
+    draft_tokens = kwargs.pop("mtp_draft_tokens", None)
+    eff = _effective_generation_config(model, generation_config, kwargs)
+    if use_mtp is None:
+        use_mtp = bool(getattr(eff, "use_mtp", None))
+    if getattr(eff, "use_mtp", None):
+        # A config asking for MTP must never reach the library's own MTP path (it assumes the DeepSeek-V3
+        # layout and refuses stateful models); ours is routed through `custom_generate` below.
+        generation_config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+        generation_config.use_mtp = False
+
+    # --- context window: raise before any work (or truncate the prompt when explicitly asked) ---
+    ids = inputs if inputs is not None else kwargs.get("input_ids")
+    embeds = kwargs.get("inputs_embeds")
+    mask = kwargs.get("attention_mask")
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if ids is not None:
+        width = ids.shape[-1]
+    elif embeds is not None:
+        width = embeds.shape[1]
+    else:
+        width = 1
+    if mask is not None and mask.dim() == 2:
+        width = max(width, mask.shape[1])
+    new_tokens = eff.max_new_tokens if eff.max_new_tokens is not None else eff.max_length - width
+    limit = model.config.max_position_embeddings
+    where = f"this model's context window (max_position_embeddings={limit})"
+    if isinstance(cache, SpikeWhaleCache) and cache.max_cache_len < limit:
+        limit = cache.max_cache_len
+        where = f"the SpikeWhaleCache passed in (max_cache_len={limit})"
+    if new_tokens > 0 and width + new_tokens > limit:
+        asked = (f"max_new_tokens={new_tokens}" if eff.max_new_tokens is not None
+                 else f"max_length={eff.max_length} ({new_tokens} new tokens)")
+        if not truncate:
+            raise ValueError(
+                f"The prompt is {width} tokens and {asked}, so generation would need {width + new_tokens} "
+                f"positions, more than {where}; spike_whale raises instead of wrapping positions or silently "
+                f"dropping context. Shorten the prompt to at most {limit - new_tokens} tokens, ask for at most "
+                f"{max(limit - width, 0)} new tokens, or pass truncate_to_context=True to drop the oldest prompt "
+                "tokens (keeping <bos>)."
+            )
+        keep = limit - new_tokens
+        if keep < 1:
+            raise ValueError(f"{asked} alone does not fit {where}; truncating the prompt cannot help.")
+        if ids is None:
+            raise NotImplementedError("truncate_to_context=True truncates input_ids; it does not cut inputs_embeds.")
+        if cache is not None and cache.get_seq_length() > 0:
+            raise ValueError(
+                "truncate_to_context=True cannot drop tokens that are already held in the cache passed in; start "
+                "from a fresh cache (cache=None) with the truncated conversation instead."
+            )
+        new_ids, new_mask = _truncate_prompt(ids, mask, keep, model.config.bos_token_id)
+        logger.warning(
+            f"truncate_to_context=True: dropped the oldest {width - keep} of {width} prompt tokens so that the "
+            f"prompt plus {new_tokens} new tokens fits {where}."
+        )
+        if inputs is not None:
+            inputs = new_ids
+        else:
+            kwargs["input_ids"] = new_ids
+        if new_mask is not None:
+            kwargs["attention_mask"] = new_mask
+        kwargs.pop("position_ids", None)
+
+    # --- MTP self-speculative decoding ---
+    if use_mtp:
+        if kwargs.get("custom_generate") is not None:
+            raise ValueError("use_mtp=True runs spike_whale's own decoding loop; it cannot be combined with custom_generate.")
+        if kwargs.get("assistant_model") is not None:
+            raise ValueError("use_mtp=True drafts with the model's own MTP head; do not pass an assistant_model.")
+        if eff.do_sample or eff.num_beams != 1:
+            raise NotImplementedError(
+                "use_mtp=True implements greedy self-speculative decoding (output identical to do_sample=False, "
+                f"num_beams=1); got do_sample={eff.do_sample}, num_beams={eff.num_beams}. Sampling would need "
+                "speculative rejection sampling between the MTP and main-head distributions, which is not "
+                "implemented. Pass do_sample=False (the shipped generation_config.json samples by default) or drop "
+                "use_mtp."
+            )
+        if not len(getattr(model, "mtp_heads", ())):
+            raise ValueError("use_mtp=True needs an MTP head, but this config has num_nextn_predict_layers=0.")
+        if not eff.use_cache:
+            raise ValueError("use_mtp=True verifies drafts against the cache and rolls it back; it needs use_cache=True.")
+        if draft_tokens is not None and not 1 <= int(draft_tokens) <= len(model.mtp_heads):
+            raise ValueError(
+                f"mtp_draft_tokens={draft_tokens}: this model has {len(model.mtp_heads)} MTP head(s), one per "
+                f"drafted token, so use 1..{len(model.mtp_heads)}."
+            )
+        kwargs["custom_generate"] = mtp_speculative_generate
+        kwargs["mtp_streamer"] = kwargs.pop("streamer", None)
+        if draft_tokens is not None:
+            kwargs["mtp_draft_tokens"] = int(draft_tokens)
+    elif draft_tokens is not None:
+        raise ValueError("mtp_draft_tokens only applies with use_mtp=True.")
+    return parent_generate(inputs, generation_config=generation_config, **kwargs)
+
+
+def mtp_speculative_generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config: GenerationConfig,
+    mtp_streamer=None,
+    mtp_draft_tokens: int | None = None,
+    **model_kwargs,
+):
+    """Greedy decoding with MTP self-speculation; the token ids are those of plain greedy decoding.
+
+    Each step feeds the pending token plus K drafts (MTP head k, applied to the final normed hidden state of
+    the last accepted position, drafts the token k+1 places past the pending one) through one multi-token
+    forward; the main head's greedy choices are emitted one at a time through the library's logits processors
+    and stopping criteria, as in `GenerationMixin._sample`, until the first disagreement; the rejected drafts
+    are then removed from the cache (`activate_past_recording` + `crop`), which restores the Memory-Cache
+    state exactly. Rows of a batch advance in lockstep (a step keeps the drafts every unfinished row accepted).
+    Called by `GenerationMixin.generate` through `custom_generate` (after all of its input preparation).
+    """
+    streamer = mtp_streamer
+    heads = model.mtp_heads
+    K = int(mtp_draft_tokens or len(heads))
+    cache = model_kwargs.get("cache")
+    if cache is not None and not isinstance(cache, SpikeWhaleCache):
+        if isinstance(cache, Cache) and cache.get_seq_length() == 0:
+            cache = None
+        else:
+            raise TypeError(f"spike_whale needs a SpikeWhaleCache, got {type(cache).__name__}.")
+    if cache is None:
+        cache = SpikeWhaleCache(model.config)
+    attention_mask = model_kwargs.get("attention_mask")
+
+    output_scores = generation_config.output_scores
+    output_logits = generation_config.output_logits
+    return_dict = generation_config.return_dict_in_generate
+    scores = () if (return_dict and output_scores) else None
+    raw_logits = () if (return_dict and output_logits) else None
+    has_eos_stopping_criteria = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    pad = getattr(generation_config, "_pad_token_tensor", None)
+    if pad is None:
+        eos = generation_config.eos_token_id
+        pad_id = generation_config.pad_token_id if generation_config.pad_token_id is not None else (
+            (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0)
+        pad = torch.tensor(pad_id)
+    pad = pad.to(input_ids.device)
+    B = input_ids.shape[0]
+    unfinished = torch.ones(B, dtype=torch.long, device=input_ids.device)
+    stats = MTPStats()
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+
+    def emit(next_logits: torch.Tensor) -> torch.Tensor:
+        """One greedy step of `_sample`: process, pick, pad finished rows, append, stream, check stopping."""
+        nonlocal input_ids, unfinished, scores, raw_logits
+        next_logits = next_logits.to(copy=True, dtype=torch.float32, device=input_ids.device)
+        next_scores = logits_processor(input_ids, next_logits)
+        if scores is not None:
+            scores += (next_scores,)
+        if raw_logits is not None:
+            raw_logits += (next_logits,)
+        tok = torch.argmax(next_scores, dim=-1)
+        if has_eos_stopping_criteria:
+            tok = tok * unfinished + pad * (1 - unfinished)
+        input_ids = torch.cat([input_ids, tok[:, None]], dim=-1)
+        if streamer is not None:
+            streamer.put(tok.cpu())
+        unfinished = unfinished & ~stopping_criteria(input_ids, scores)
+        return tok
+
+    def draft(h_last: torch.Tensor, k: int) -> torch.Tensor:
+        """k MTP drafts [B, k] from the hidden state [B, H] that produced the pending token."""
+        ctx, out = input_ids, []
+        for i in range(k):
+            logits = model.lm_head(heads[i](h_last)).float()
+            d = torch.argmax(logits_processor(ctx, logits), dim=-1)
+            if has_eos_stopping_criteria:
+                d = d * unfinished + pad * (1 - unfinished)
+            out.append(d)
+            ctx = torch.cat([ctx, d[:, None]], dim=-1)
+        return torch.stack(out, 1) if out else input_ids.new_zeros(B, 0)
+
+    past = cache.get_seq_length()
+    if past >= input_ids.shape[1]:
+        raise ValueError(
+            f"The cache already holds {past} positions but input_ids has {input_ids.shape[1]}; to continue a "
+            "conversation pass the full ids (previous turns + the new tokens) together with the returned cache."
+        )
+    out = model(input_ids=input_ids[:, past:], attention_mask=attention_mask, cache=cache, use_cache=True,
+                logits_to_keep=1)
+    stats.forwards += 1
+    tok = emit(out.logits[:, -1])
+    h_last = out.last_hidden_state[:, -1]
+    max_length = generation_config.max_length
+    while unfinished.max() > 0:
+        cur = input_ids.shape[1]  # the cache holds cur - 1 positions; `tok` (the last id) is pending
+        k = max(0, min(K, max_length - cur - 1, cache.max_cache_len - cur))
+        drafts = draft(h_last, k)
+        chunk = torch.cat([tok[:, None], drafts], dim=1)
+        if k:
+            cache.activate_past_recording()
+        out = model(input_ids=chunk, cache=cache, use_cache=True)
+        stats.forwards += 1
+        stats.verify_steps += int(k > 0)
+        emitted, rejected = 0, False
+        for j in range(k + 1):
+            tok = emit(out.logits[:, j])
+            emitted += 1
+            if unfinished.max() == 0 or j == k:
+                break
+            stats.drafted += 1
+            if not bool(((tok == drafts[:, j]) | (unfinished == 0)).all()):
+                rejected = True
+                break
+            stats.accepted += 1
+        if k:
+            cache.crop(-(k + 1 - emitted))  # crop(0) still ends the per-position recording
+            stats.rollbacks += int(rejected)
+        h_last = out.last_hidden_state[:, emitted - 1]
+
+    if streamer is not None:
+        streamer.end()
+    model.last_mtp_stats = stats
+    if return_dict:
+        return SpikeWhaleGenerateOutput(
+            sequences=input_ids, scores=scores, logits=raw_logits, cache=cache,
+            mtp_acceptance_rate=stats.acceptance_rate, mtp_drafted_tokens=stats.drafted,
+            mtp_accepted_tokens=stats.accepted,
+        )
+    return input_ids

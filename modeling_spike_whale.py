@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .configuration_spike_whale import LoopPlan, SpikeWhaleConfig
-from .generation_utils import MemoryCacheState, SpikeWhaleCache
+from .generation_utils import MemoryCacheState, SpikeWhaleCache, spike_whale_generate
 
 # Released checkpoint name (regex) -> our name. Empty until a real Byrne header is read (blueprint §14).
 CHECKPOINT_KEY_RENAMES: dict[str, str] = {}
@@ -142,7 +142,13 @@ class SegmentLayout:
     new_segment: torch.Tensor
     n_fin: int
     valid: torch.Tensor
+    valid_f: torch.Tensor
+    padded: bool
+    first: torch.Tensor
+    fin_mask: torch.Tensor
+    chunk_mask: torch.Tensor
     own_mask: torch.Tensor | None
+    own_count: torch.Tensor | None
     block_idx: torch.Tensor | None
 
     @classmethod
@@ -150,26 +156,33 @@ class SegmentLayout:
         seg = torch.div(positions, seg_len, rounding_mode="floor")
         rel = torch.where(valid, seg - base[:, None], torch.zeros_like(seg)).clamp(min=0)
         n_rel = int(rel.max()) + 1 if rel.numel() else 1
-        onehot = F.one_hot(rel, n_rel).float() * valid[..., None]
+        valid_f = valid.float()
+        onehot = F.one_hot(rel, n_rel).float() * valid_f[..., None]
         new_segment = base + rel.amax(dim=1) if rel.shape[1] else base
+        first = (rel == 0).float() * valid_f
+        fin_mask = torch.arange(n_fin, device=positions.device)[None, :] < base[:, None]
+        chunk_mask = torch.arange(n_rel, device=positions.device)[None, None, :] < rel[..., None]
         S = positions.shape[1]
-        own_mask = block_idx = None
+        own_mask = own_count = block_idx = None
         if S <= seg_len:
             causal = torch.ones(S, S, dtype=torch.bool, device=positions.device).tril()
-            own_mask = (rel[:, :, None] == rel[:, None, :]) & causal & valid[:, None, :]
+            own_mask = ((rel[:, :, None] == rel[:, None, :]) & causal & valid[:, None, :]).float()
+            own_count = own_mask.sum(-1)
         else:
             idx = positions - base[:, None] * seg_len
             block_idx = torch.where(valid, idx, torch.full_like(idx, n_rel * seg_len))
-        return cls(rel, n_rel, seg_len, onehot, base, new_segment, n_fin, valid, own_mask, block_idx)
+        padded = not bool(valid.all())
+        return cls(rel, n_rel, seg_len, onehot, base, new_segment, n_fin, valid, valid_f, padded, first, fin_mask,
+                   chunk_mask, own_mask, own_count, block_idx)
 
     def on_device(self, device: torch.device) -> "SegmentLayout":
         """This layout with its tensors on `device` (layers of a multi-device map each get their own copy)."""
         if self.rel.device == device:
             return self
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return SegmentLayout(move(self.rel), self.n_rel, self.seg_len, move(self.onehot), move(self.base),
-                             move(self.new_segment), self.n_fin, move(self.valid), move(self.own_mask),
-                             move(self.block_idx))
+        return SegmentLayout(**{
+            f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor) else getattr(self, f.name)
+            for f in fields(self)
+        })
 
 
 @dataclass
@@ -221,7 +234,9 @@ class MemoryCacheBranch(nn.Module):
         with torch.autocast(device_type=u.device.type, enabled=False):
             y, new_state, per_pos = self._memory_readout(u.float(), lay, state, cache)
             out = F.linear(y, self.o_proj.weight.float(), self.o_proj.bias.float())
-            out = torch.tanh(self.mc_gate.float()) * out * lay.valid[..., None]
+            out = torch.tanh(self.mc_gate.float()) * out
+            if lay.padded:
+                out = out * lay.valid_f[..., None]
         if cache is not None:
             cache.set_mc_state(slot, new_state, per_pos)
         return out.to(u.dtype)
@@ -229,69 +244,74 @@ class MemoryCacheBranch(nn.Module):
     def _memory_readout(self, x, lay: SegmentLayout, state: MemoryCacheState | None, cache):
         B, S, _ = x.shape
         nh, hd, gd = self.nh, self.hd, self.gd
-        vf = lay.valid.float()
         q, k, v = F.linear(x, self.qkv_proj.weight.float(), self.qkv_proj.bias.float()).view(B, S, 3, nh, hd).unbind(2)
-        fq = self.phi(q)
-        fk = self.phi(k) * vf[..., None, None]
-        v = v * vf[..., None, None]
         g = F.linear(x, self.gate_proj.weight.float())
-        gu, gk = g[..., :gd] + self.gate_bias.float(), g[..., gd:] * vf[..., None]
+        gu, gk = g[..., :gd] + self.gate_bias.float(), g[..., gd:]
+        fq, fk = self.phi(q), self.phi(k)
+        if lay.padded:
+            vf = lay.valid_f
+            fk, v, gk = fk * vf[..., None, None], v * vf[..., None, None], gk * vf[..., None]
 
-        own_num, own_den, own_g, own_n = self._own_segment_sums(fq, fk, v, gk, vf, lay)
-        E = lay.onehot
-        seg_M = torch.einsum("bsr,bshd,bshe->brhde", E, fk, v)
-        seg_z = torch.einsum("bsr,bshd->brhd", E, fk)
-        seg_g = torch.einsum("bsr,bsg->brg", E, gk)
-        seg_n = E.sum(1)
+        # Running sums of each token's own segment (causal), and each chunk segment's totals.
+        own_num, own_den, own_g, own_n = self._own_segment_sums(fq, fk, v, gk, lay)
+        if lay.n_rel == 1:
+            seg_M = torch.einsum("bshd,bshe->bhde", fk, v)[:, None]
+            seg_z, seg_g, seg_n = fk.sum(1)[:, None], gk.sum(1)[:, None], lay.valid_f.sum(1)[:, None]
+        else:
+            E = lay.onehot
+            seg_M = torch.einsum("bsr,bshd,bshe->brhde", E, fk, v)
+            seg_z = torch.einsum("bsr,bshd->brhd", E, fk)
+            seg_g = torch.einsum("bsr,bsg->brg", E, gk)
+            seg_n = E.sum(1)
         if state is not None:
-            run_M, run_z, run_g, run_n = state.running()
-            first = (lay.rel == 0).float() * vf
-            own_num = own_num + first[..., None, None] * torch.einsum("bshd,bhde->bshe", fq, run_M)
-            own_den = own_den + first[..., None] * torch.einsum("bshd,bhd->bsh", fq, run_z)
-            own_g = own_g + first[..., None] * run_g[:, None]
-            own_n = own_n + first * run_n[:, None]
-            carry = F.one_hot(torch.zeros(B, dtype=torch.long, device=x.device), lay.n_rel).float()
-            seg_M = seg_M + carry[..., None, None, None] * run_M[:, None]
-            seg_z = seg_z + carry[..., None, None] * run_z[:, None]
-            seg_g = seg_g + carry[..., None] * run_g[:, None]
-            seg_n = seg_n + carry * run_n[:, None]
+            first = lay.first
+            own_num = own_num + first[..., None, None] * torch.einsum("bshd,bhde->bshe", fq, state.run_M)
+            own_den = own_den + first[..., None] * torch.einsum("bshd,bhd->bsh", fq, state.run_z)
+            own_g = own_g + first[..., None] * state.run_g[:, None]
+            own_n = own_n + first * state.run_n[:, None]
+            seg_M[:, 0] += state.run_M
+            seg_z[:, 0] += state.run_z
+            seg_g[:, 0] += state.run_g
+            seg_n[:, 0] += state.run_n
         seg_gmean = seg_g / seg_n.clamp(min=1)[..., None]
+        own = own_num / (own_den[..., None] + self.eps)
 
         # Finished segments a token may read: the cache's (i < base) and this chunk's earlier ones (r' < rel).
-        cand_M, cand_z, cand_g = seg_M, seg_z, seg_gmean
-        arange_r = torch.arange(lay.n_rel, device=x.device)
-        cand_mask = arange_r[None, None, :] < lay.rel[..., None]
+        cands = []
         if state is not None and lay.n_fin > 0:
             n = lay.n_fin
-            cand_M = torch.cat([state.fin_M[:, :n], seg_M], 1)
-            cand_z = torch.cat([state.fin_z[:, :n], seg_z], 1)
-            cand_g = torch.cat([state.fin_g[:, :n], seg_gmean], 1)
-            fin_mask = torch.arange(n, device=x.device)[None, :] < lay.base[:, None]
-            cand_mask = torch.cat([fin_mask[:, None, :].expand(B, S, n), cand_mask], -1)
-        scores = torch.einsum("bsg,big->bsi", gu, cand_g).masked_fill(~cand_mask, float("-inf"))
-        diag = (gu * own_g / own_n.clamp(min=1)[..., None]).sum(-1, keepdim=True)
-        gamma = torch.softmax(torch.cat([scores, diag], -1), dim=-1)
-        g_fin, g_own = gamma[..., :-1], gamma[..., -1]
-        num = torch.einsum("bsi,bsihe->bshe", g_fin, torch.einsum("bshd,bihde->bsihe", fq, cand_M))
-        num = num + g_own[..., None, None] * own_num
-        den = torch.einsum("bsi,bsih->bsh", g_fin, torch.einsum("bshd,bihd->bsih", fq, cand_z))
-        den = den + g_own[..., None] * own_den
-        y = (num / (den[..., None] + self.eps)).reshape(B, S, nh * hd)
+            cands.append((state.fin_M[:, :n], state.fin_z[:, :n], state.fin_g[:, :n], lay.fin_mask[:, None].expand(B, S, n)))
+        if lay.n_rel > 1:
+            cands.append((seg_M, seg_z, seg_gmean, lay.chunk_mask))
+        if not cands:
+            y = own
+        else:
+            cand_M, cand_z, cand_g = (torch.cat(parts, 1) for parts in list(zip(*cands))[:3])
+            cand_mask = torch.cat([c[3] for c in cands], -1)
+            scores = torch.einsum("bsg,big->bsi", gu, cand_g).masked_fill(~cand_mask, float("-inf"))
+            diag = (gu * own_g).sum(-1, keepdim=True) / own_n.clamp(min=1)[..., None]
+            gamma = torch.softmax(torch.cat([scores, diag], -1), dim=-1)
+            g_fin, g_own = gamma[..., :-1], gamma[..., -1]
+            num = torch.einsum("bsi,bshd,bihde->bshe", g_fin, fq, cand_M) + g_own[..., None, None] * own_num
+            den = torch.einsum("bsi,bshd,bihd->bsh", g_fin, fq, cand_z) + g_own[..., None] * own_den
+            y = num / (den[..., None] + self.eps)
+        y = y.reshape(B, S, nh * hd)
 
         if cache is None:
             return y, None, None
         new_state = self._advance_state(state, lay, seg_M, seg_z, seg_g, seg_n, seg_gmean, cache, x.device)
-        per_pos = self._per_position_states(new_state, state, fk, v, gk, vf, lay) if cache.record_past else None
+        per_pos = self._per_position_states(new_state, state, fk, v, gk, lay) if cache.record_past else None
         return y, new_state, per_pos
 
-    def _own_segment_sums(self, fq, fk, v, gk, vf, lay: SegmentLayout):
+    def _own_segment_sums(self, fq, fk, v, gk, lay: SegmentLayout):
         """Causal sums over the token's own segment inside the chunk: Σ_{m≤t, same segment} of
-        (φq_t·φk_m) v_m, φq_t·φk_m, W_k x_m and 1."""
+        (φq_t·φk_m) v_m, φq_t·φk_m, W_k x_m and 1 (the token count)."""
         if lay.own_mask is not None:
-            m = lay.own_mask.float()
+            m = lay.own_mask
             A = torch.einsum("bshd,bthd->bhst", fq, fk) * m[:, None]
             num = torch.einsum("bhst,bthe->bshe", A, v)
-            return num, A.sum(-1).transpose(1, 2), m @ gk, (m @ vf[..., None]).squeeze(-1)
+            return num, A.sum(-1).transpose(1, 2), m @ gk, lay.own_count
+        vf = lay.valid_f
         B, S = vf.shape
         L, n_buf = lay.seg_len, lay.n_rel * lay.seg_len
 
@@ -322,6 +342,8 @@ class MemoryCacheBranch(nn.Module):
         B = seg_M.shape[0]
         if state is None:
             state = MemoryCacheState.empty(B, cache.n_mc_segments, self.nh, self.hd, self.gd, device)
+        if lay.n_rel == 1:
+            return MemoryCacheState(state.fin_M, state.fin_z, state.fin_g, seg_M[:, 0], seg_z[:, 0], seg_g[:, 0], seg_n[:, 0])
         last = lay.new_segment - lay.base
         rows = torch.arange(B, device=device)
         sink = state.fin_M.shape[1] - 1
@@ -336,17 +358,17 @@ class MemoryCacheBranch(nn.Module):
             seg_M[rows, last], seg_z[rows, last], seg_g[rows, last], seg_n[rows, last],
         )
 
-    def _per_position_states(self, new_state, state, fk, v, gk, vf, lay):
+    def _per_position_states(self, new_state, state, fk, v, gk, lay):
         """Running state after each chunk token (for an exact `crop` into the middle of this chunk)."""
-        B, S = vf.shape
-        causal = torch.ones(S, S, dtype=torch.bool, device=vf.device).tril()
+        B, S = lay.valid.shape
+        causal = torch.ones(S, S, dtype=torch.bool, device=fk.device).tril()
         m = ((lay.rel[:, :, None] == lay.rel[:, None, :]) & causal & lay.valid[:, None, :]).float()
         run_M = torch.einsum("bst,bthd,bthe->bshde", m, fk, v)
         run_z = torch.einsum("bst,bthd->bshd", m, fk)
         run_g = m @ gk
         run_n = m.sum(-1)
         if state is not None:
-            first = (lay.rel == 0).float()
+            first = lay.first
             run_M = run_M + first[..., None, None, None] * state.run_M[:, None]
             run_z = run_z + first[..., None, None] * state.run_z[:, None]
             run_g = run_g + first[..., None] * state.run_g[:, None]
@@ -448,12 +470,13 @@ class EngramMemory(nn.Module):
         self.gate = DERFContextGate(config)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, prefix: torch.Tensor | None):
-        """Returns (engram output, the chunk's compressed codes for the cache)."""
+        """Returns (engram output, the chunk's compressed codes for the cache, the raw lookup r for fusion)."""
         c = self.compressor(x)
         n_prefix = self.lookup.max_ngram - 1
         if prefix is None:
             prefix = c.new_zeros(c.shape[0], n_prefix, c.shape[-1])
-        return self.gate(self.lookup(c, prefix, positions).to(x.dtype), x), c
+        r = self.lookup(c, prefix, positions).to(x.dtype)
+        return self.gate(r, x), c, r
 
 
 class HyperConnection(nn.Module):
@@ -677,11 +700,11 @@ class SpikeWhaleAttention(nn.Module):
 
 
 class SpikeWhaleMLP(nn.Module):
-    """Dense SwiGLU: down(silu(gate(u)) ⊙ up(u))."""
+    """Dense SwiGLU: down(silu(gate(u)) ⊙ up(u)); also one MoE expert (and the fused shared experts)."""
 
-    def __init__(self, config: SpikeWhaleConfig):
+    def __init__(self, config: SpikeWhaleConfig, width: int | None = None):
         super().__init__()
-        H, F_ = config.hidden_size, config.moe_intermediate_size
+        H, F_ = config.hidden_size, width or config.moe_intermediate_size
         self.gate_proj = nn.Linear(H, F_, bias=False)
         self.up_proj = nn.Linear(H, F_, bias=False)
         self.down_proj = nn.Linear(F_, H, bias=False)
@@ -690,28 +713,176 @@ class SpikeWhaleMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(u)) * self.up_proj(u))
 
 
+def hash_expert_ids(token_ids: torch.Tensor, n_experts: int, top_k: int) -> torch.Tensor:
+    """Hash routing: a fixed function of the token id → `top_k` distinct experts, [N] → [N, top_k].
+
+    e₀ = mix(id) mod E with mix a Knuth multiplicative hash folded by a xor-shift, then e_j = (e₀ + j) mod E.
+    Nothing is learned or stored, so the choice is identical for every occurrence of a token id.
+    """
+    h = (token_ids.long() * 2654435761 + 0x9E3779B9) % (1 << 32)
+    h = h ^ (h >> 16)
+    first = h % n_experts
+    return (first[:, None] + torch.arange(top_k, device=token_ids.device)) % n_experts
+
+
+class SpikeWhaleMoE(nn.Module):
+    """MoE FFN: `n_shared_experts` always-on experts (fused into one SwiGLU of n_shared·F) plus the top-k of
+    `n_routed_experts` routed SwiGLU experts of width F = `moe_intermediate_size`:
+
+        s = sqrt(softplus(W_g u))  (`scoring_func="sqrtsoftplus"`)  or  softmax(W_g u)  ("softmax")
+        I = top-k(s)  — or, in hash layers, I = hash(token id) (`hash_expert_ids`; the router then only weighs)
+        w_i = s_i / Σ_{j∈I} s_j  if `norm_topk_prob` else s_i;   w ← w · `routed_scaling_factor`
+        y = shared(u) + Σ_{i∈I} w_i · expert_i(u)
+
+    Dispatch sorts the (token, slot) pairs by expert and runs each expert once on its contiguous group, so
+    the work is proportional to the tokens an expert receives. Padding tokens are not routed (output 0).
+    Load balance (learned-router layers only): aux = E · Σ_e f_e · P_e with f_e the fraction of routed slots
+    sent to e and P_e the mean normalised score of e over the real tokens (1.0 when perfectly balanced).
+    """
+
+    def __init__(self, config: SpikeWhaleConfig, hash_routing: bool):
+        super().__init__()
+        self.n_experts, self.top_k = config.n_routed_experts, config.num_experts_per_tok
+        self.hash_routing = hash_routing
+        self.scoring_func, self.norm_topk_prob = config.scoring_func, config.norm_topk_prob
+        self.routed_scaling_factor = float(config.routed_scaling_factor)
+        self.gate = nn.Linear(config.hidden_size, self.n_experts, bias=False)
+        self.experts = nn.ModuleList(SpikeWhaleMLP(config) for _ in range(self.n_experts))
+        n_shared = config.n_shared_experts
+        self.shared_experts = (
+            SpikeWhaleMLP(config, width=n_shared * config.moe_intermediate_size) if n_shared else None
+        )
+
+    def route(self, x: torch.Tensor, token_ids: torch.Tensor | None):
+        """x [N, H] → (expert ids [N, k], weights [N, k] (float32), scores [N, E] (float32))."""
+        logits = F.linear(x.float(), self.gate.weight.float())
+        scores = F.softplus(logits).sqrt() if self.scoring_func == "sqrtsoftplus" else torch.softmax(logits, -1)
+        if self.hash_routing:
+            if token_ids is None:
+                raise ValueError(
+                    "This MoE layer uses hash routing (num_hash_layers > 0), which picks experts from the token "
+                    "ids; call the model with input_ids, not inputs_embeds."
+                )
+            idx = hash_expert_ids(token_ids, self.n_experts, self.top_k)
+        else:
+            idx = scores.topk(self.top_k, dim=-1).indices
+        w = scores.gather(-1, idx)
+        if self.norm_topk_prob:
+            w = w / w.sum(-1, keepdim=True).clamp(min=1e-20)
+        return idx, w * self.routed_scaling_factor, scores
+
+    def dispatch(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Σ_j w_j · expert_{idx_j}(x), grouping the (token, slot) pairs by expert."""
+        flat = idx.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        tok = order // self.top_k
+        groups = x[tok].split(counts)
+        y = torch.cat([expert(g) for expert, g in zip(self.experts, groups)])
+        y = y * w.flatten()[order].to(y.dtype)[:, None]
+        return torch.zeros_like(x).index_add_(0, tok, y)
+
+    def forward(self, u: torch.Tensor, ctx: ForwardContext | None = None):
+        """u [B, S, H] → (output [B, S, H], load-balance loss or None)."""
+        B, S, H = u.shape
+        flat = u.reshape(B * S, H)
+        if ctx is not None:
+            real = ctx.valid.to(u.device).reshape(-1).nonzero().squeeze(1)
+        else:
+            real = torch.arange(B * S, device=u.device)
+        token_ids = ctx.token_ids.to(u.device).reshape(-1)[real] if ctx is not None and ctx.token_ids is not None else None
+        x = flat[real]
+        idx, w, scores = self.route(x, token_ids)
+        y = self.dispatch(x, idx, w)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        out = torch.zeros_like(flat).index_copy(0, real, y).view(B, S, H)
+        aux = None
+        if not self.hash_routing and x.shape[0]:
+            f = torch.bincount(idx.flatten(), minlength=self.n_experts).float() / idx.numel()
+            P = (scores / scores.sum(-1, keepdim=True)).mean(0)
+            aux = self.n_experts * (f * P).sum()
+        return out, aux
+
+
+class EngramFusion(nn.Module):
+    """Mid-stack Engram re-injection (after Nanbeige's NgramLayerFusion), gated by key/state agreement:
+
+        k = W_k r_t,  q = W_q RMSNorm(h_t)   (both `engram_fusion_dim` wide; r = the n-gram lookup of t)
+        out_t = W_o( σ(⟨q, k⟩/√D) · k )      (W_o zero-init: exact no-op at init)
+
+    h is the mean of the residual streams at the start of the layer; out is added to every stream.
+    """
+
+    def __init__(self, config: SpikeWhaleConfig):
+        super().__init__()
+        H, D = config.hidden_size, config.engram_fusion_dim
+        self.norm = SpikeWhaleRMSNorm(H, config.rms_norm_eps)
+        self.q_proj = nn.Linear(H, D, bias=False)
+        self.k_proj = nn.Linear(H, D, bias=False)
+        self.o_proj = nn.Linear(D, H, bias=False)
+        self.o_proj._spike_zero_init = True
+
+    def forward(self, h: torch.Tensor, retrieved: torch.Tensor) -> torch.Tensor:
+        k = self.k_proj(retrieved.to(h.device, h.dtype))
+        q = self.q_proj(self.norm(h))
+        agree = torch.sigmoid((q * k).sum(-1, keepdim=True) / math.sqrt(k.shape[-1]))
+        return self.o_proj(agree * k)
+
+
 class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
-    """One block: attention then FFN, each pre-normed and routed through Hyper-Connections (or a plain residual)."""
+    """One block: attention then FFN, each pre-normed and routed through Hyper-Connections (or a plain residual).
+
+    Optional per-layer extras: Engram fusion at the block input (`engram_fusion_layers`), the value-embedding
+    residual h += tanh(ve_gate)·token_embed on the attention input (`use_value_embed`), an MoE FFN
+    (`moe_layers`), and dropout `hidden_dropout` on both sub-layer outputs while training.
+    """
 
     def __init__(self, config: SpikeWhaleConfig, layer_idx: int):
         super().__init__()
         self.attn_norm = SpikeWhaleRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = SpikeWhaleAttention(config, layer_idx)
         self.ffn_norm = SpikeWhaleRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.ffn = SpikeWhaleMLP(config)
+        moe_layers = sorted(config.moe_layers) if config.use_moe else []
+        if layer_idx in moe_layers:
+            self.ffn = SpikeWhaleMoE(config, hash_routing=moe_layers.index(layer_idx) < config.num_hash_layers)
+        else:
+            self.ffn = SpikeWhaleMLP(config)
         self.use_hc = config.use_hyper_connections
         self.hc_attn = HyperConnection(config.hc_mult) if self.use_hc else None
         self.hc_ffn = HyperConnection(config.hc_mult) if self.use_hc else None
+        self.ve_gate = nn.Parameter(torch.zeros(1)) if config.use_value_embed else None
+        self.engram_fusion = EngramFusion(config) if layer_idx in config.engram_fusion_layers else None
+        self.hidden_dropout = config.hidden_dropout
 
     @force_accelerate_hooks(["hc_attn", "hc_ffn"])
-    def forward(self, X: torch.Tensor, ctx: ForwardContext = None, slot: int = 0, depth_sources: tuple = ()):
+    def forward(self, X: torch.Tensor, token_embed=None, engram_r=None, *depth_flat, ctx: ForwardContext = None,
+                slot: int = 0):
+        """X: the residual stream(s); token_embed / engram_r: the raw token embeddings and Engram lookup (used by
+        the value embedding and Engram fusion); depth_flat: k₀, v₀, k₁, v₁, ... of this pass's depth checkpoints.
+
+        Tensors that need gradients are positional, so re-entrant activation checkpointing sees them too.
+        Returns (X, MoE load-balance loss or None, depth k or None, depth v or None)."""
+        depth_sources = tuple(zip(depth_flat[0::2], depth_flat[1::2]))
+        if self.engram_fusion is not None:
+            fused = self.engram_fusion(X.mean(1) if self.use_hc else X, engram_r)
+            X = X + (fused[:, None] if self.use_hc else fused)
         h = self.hc_attn.pre_op(X) if self.use_hc else X
+        if self.ve_gate is not None:
+            h = h + torch.tanh(self.ve_gate).to(h.dtype) * token_embed.to(h.device, h.dtype)
         a, depth_entry = self.attn(self.attn_norm(h), ctx, slot, depth_sources)
+        a = F.dropout(a, self.hidden_dropout, self.training)
         X = self.hc_attn.post_op(X, a) if self.use_hc else X + a
         h = self.hc_ffn.pre_op(X) if self.use_hc else X
-        f = self.ffn(self.ffn_norm(h))
+        aux = None
+        if isinstance(self.ffn, SpikeWhaleMoE):
+            f, aux = self.ffn(self.ffn_norm(h), ctx)
+        else:
+            f = self.ffn(self.ffn_norm(h))
+        f = F.dropout(f, self.hidden_dropout, self.training)
         X = self.hc_ffn.post_op(X, f) if self.use_hc else X + f
-        return X, depth_entry
+        dk, dv = depth_entry if depth_entry is not None else (None, None)
+        return X, aux, dk, dv
 
 
 class HRMRefinement(nn.Module):
@@ -788,8 +959,18 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
             init.zeros_(module.mix_logits)
         elif isinstance(module, HRMRefinement):
             init.constant_(module.gate, float(self.config.hrm_gate_init))
-        elif isinstance(module, SpikeWhaleAttention) and module.depth_gate is not None:
-            init.zeros_(module.depth_gate)
+        elif isinstance(module, SpikeWhaleAttention):
+            if module.depth_gate is not None:
+                init.zeros_(module.depth_gate)
+            if module.attn_kind == "derf":
+                init.ones_(module.derf_alpha)
+                init.zeros_(module.derf_bias)
+                init.ones_(module.derf_gamma)
+            elif module.attn_kind == "elo":
+                init.zeros_(module.elo_gain)
+                init.constant_(module.elo_k, float(self.config.elo_k_init))
+        elif isinstance(module, SpikeWhaleDecoderLayer) and module.ve_gate is not None:
+            init.zeros_(module.ve_gate)
         elif isinstance(module, MemoryCacheBranch):
             init.zeros_(module.gate_bias)
             init.ones_(module.feature_scale)
@@ -801,6 +982,7 @@ class SpikeWhaleModelOutput(BaseModelOutputWithPast):
     """Backbone output; `refinement_states` are the normed HRM step outputs (the last is `last_hidden_state`)."""
 
     refinement_states: tuple[torch.Tensor, ...] | None = None
+    moe_aux_loss: torch.FloatTensor | None = None
 
 
 class SpikeWhaleModel(SpikeWhalePreTrainedModel):
@@ -922,13 +1104,16 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         if not use_cache:
             cache = None
         ctx = self._context(B, S, device, attention_mask, position_ids, cache)
+        ctx.token_ids = input_ids
 
         x = inputs_embeds
-        engram_c = None
+        engram_c = engram_r = None
         if self.engram is not None:
             prefix = cache.engram_prefix(self.config.engram_max_ngram - 1) if cache is not None else None
-            e, engram_c = self.engram(x, ctx.positions, prefix)
+            e, engram_c, engram_r = self.engram(x, ctx.positions, prefix)
             x = x + e
+        token_embed = inputs_embeds if self.config.use_value_embed else None
+        aux_terms = []
         X = x[:, None].expand(B, self.config.hc_mult, S, x.shape[-1]) if self.hc_out_mix is not None else x
         depth_sources: list = []
         for slot, ((layer_idx, loop_pass), starts_pass) in enumerate(zip(self.loop_plan.entries, self.loop_plan.pass_starts)):
@@ -938,9 +1123,12 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                     index = torch.full((1,), loop_pass, dtype=torch.long, device=X.device)
                     X = X + self.loop_pass_embed(index).to(X.device, X.dtype)
             layer = self.layers[layer_idx]
-            X, depth_entry = layer(X, ctx=ctx, slot=slot, depth_sources=tuple(depth_sources))
-            if depth_entry is not None:
-                depth_sources.append(depth_entry)
+            depth_flat = [t for entry in depth_sources for t in entry]
+            X, aux, dk, dv = layer(X, token_embed, engram_r, *depth_flat, ctx=ctx, slot=slot)
+            if dk is not None:
+                depth_sources.append((dk, dv))
+            if aux is not None:
+                aux_terms.append(aux.to(device))
         x = self.hc_out_mix(X) if self.hc_out_mix is not None else X
         steps = self.hrm_refine(x) if self.hrm_refine is not None else [x]
         steps = [self.norm(h) for h in steps]
@@ -948,24 +1136,54 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             seg = ctx.segments
             per_pos = (seg.base[:, None] + seg.rel) if (seg is not None and cache.record_past) else None
             cache.commit(ctx.valid, engram_c, seg.new_segment if seg is not None else None, per_pos)
-        return SpikeWhaleModelOutput(last_hidden_state=steps[-1], cache=cache, refinement_states=tuple(steps))
+        moe_aux = torch.stack(aux_terms).mean() if aux_terms else None
+        return SpikeWhaleModelOutput(
+            last_hidden_state=steps[-1], cache=cache, refinement_states=tuple(steps), moe_aux_loss=moe_aux
+        )
 
 
 @dataclass
 class SpikeWhaleCausalLMOutput(CausalLMOutputWithPast):
-    """Causal-LM output with each loss term reported separately (all None without labels)."""
+    """Causal-LM output.
+
+    With `labels` the training objective is
+
+        loss = lm_loss + zloss_coef·z_loss + mtp_loss_weight·mtp_loss + hrm_loss
+               + abstain_loss_weight·abstain_loss + moe_aux_loss_coef·moe_aux_loss
+
+    and every term is also reported un-weighted in its own field so it can be logged (None when its mechanism
+    is off or, for all of them, without labels). Every term skips targets equal to -100.
+
+    Abstain head (`use_abstain_head`): `abstain_probs[b, t]` is the head's probability that the model's argmax
+    prediction at position t (of token t+1, like `logits[b, t]`) is wrong; `abstain_mask` is
+    `abstain_probs > abstain_threshold` and `abstain_threshold` echoes `config.abstain_threshold` (0.6 by
+    default). All three are None without the head.
+    """
 
     lm_loss: torch.FloatTensor | None = None
     z_loss: torch.FloatTensor | None = None
     mtp_loss: torch.FloatTensor | None = None
     hrm_loss: torch.FloatTensor | None = None
+    abstain_loss: torch.FloatTensor | None = None
+    moe_aux_loss: torch.FloatTensor | None = None
+    abstain_probs: torch.FloatTensor | None = None
+    abstain_mask: torch.BoolTensor | None = None
+    abstain_threshold: float | None = None
     last_hidden_state: torch.FloatTensor | None = None
+
+
+def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean CE over targets != -100 (0, not NaN, when a batch has none), in float32."""
+    total = F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
+    return total / (target != -100).sum().clamp(min=1)
 
 
 class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
     """SpikeWhale language model: backbone, tied `lm_head` and the MTP heads (no `model.` prefix on the heads)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # The loss is a per-batch mean of several terms; let `Trainer` average it over accumulation steps.
+    accepts_loss_kwargs = False
 
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__(config)
@@ -974,11 +1192,33 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         self.mtp_heads = nn.ModuleList(MTPHead(config) for _ in range(config.num_nextn_predict_layers))
         for head in self.mtp_heads:
             head.proj._spike_zero_init = True
+        # Abstain head: one logit per position, σ(·) = P(the argmax prediction here is wrong).
+        self.abstain_head = nn.Linear(config.hidden_size, 1, bias=True) if config.use_abstain_head else None
         self.post_init()
+
+    def optimizer_param_groups(self, lr: float, **kwargs) -> list[dict]:
+        """The "three-tier optimizer" parameter groups; see `three_tier_param_groups`."""
+        return three_tier_param_groups(self, lr, **kwargs)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
+
+    def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
+        """`GenerationMixin.generate` (greedy, sampling, beams, processors, stopping criteria, streamers, ...) with
+        the exact loop-slot cache, plus:
+
+        - the context check: prompt (padded width) + new tokens beyond `max_position_embeddings` (or a passed
+          cache's `max_cache_len`) raises `ValueError` before any work; `truncate_to_context=True` instead drops
+          the oldest prompt tokens (keeping `<bos>`).
+        - `use_mtp=True`: greedy MTP self-speculative decoding, ids identical to `do_sample=False`; the draft
+          statistics are in `model.last_mtp_stats` and, with `return_dict_in_generate=True`, in
+          `mtp_acceptance_rate` / `mtp_drafted_tokens` / `mtp_accepted_tokens` of the output.
+          `mtp_draft_tokens=k` drafts with the first k MTP heads (default: all).
+        - a conversation continues from a previous call's cache: pass the full ids and `cache=out.cache`.
+        The work is done in `generation_utils.spike_whale_generate`.
+        """
+        return spike_whale_generate(self, super().generate, inputs, generation_config, **kwargs)
 
     def get_input_embeddings(self):
         return self.model.embed_tokens
@@ -1028,22 +1268,41 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             return self._with_loss(h, out, labels, attention_mask)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(h[:, keep])
-        return SpikeWhaleCausalLMOutput(logits=logits, cache=out.cache, last_hidden_state=h)
+        return SpikeWhaleCausalLMOutput(
+            logits=logits, cache=out.cache, last_hidden_state=h, **self._abstain_fields(h[:, keep])
+        )
+
+    def _abstain_fields(self, h: torch.Tensor) -> dict:
+        if self.abstain_head is None:
+            return {}
+        probs = torch.sigmoid(self.abstain_head(h).squeeze(-1).float())
+        threshold = float(self.config.abstain_threshold)
+        return dict(abstain_probs=probs, abstain_mask=probs > threshold, abstain_threshold=threshold)
 
     def _with_loss(self, h, out, labels, attention_mask) -> SpikeWhaleCausalLMOutput:
-        """labels = input ids: shifted CE + zloss_coef·z-loss + mtp_loss_weight·MTP CE (+ HRM deep supervision)."""
+        """labels = the input ids (HF style, shifted here). See `SpikeWhaleCausalLMOutput` for the objective.
+
+        - lm_loss: CE of logits[:, t] against labels[:, t+1].
+        - z_loss: mean over counted targets of logsumexp(logits)².
+        - mtp_loss: mean over MTP heads k = 1..K of the CE of head k at t against labels[:, t+k+1].
+        - hrm_loss: deep supervision — the CE of every refinement step before the last (each through the final
+          norm and lm_head), summed, so every step carries the same weight as the last one (which is lm_loss).
+        - abstain_loss: BCE-with-logits of the abstain head at t toward [argmax logits[:, t] != labels[:, t+1]],
+          positive class weighted by `abstain_pos_weight`, averaged over counted targets.
+        - moe_aux_loss: the load-balance loss averaged over every learned-router MoE layer application.
+        """
         cfg = self.config
         if attention_mask is not None:
-            labels = labels.masked_fill(attention_mask[:, -labels.shape[1]:] == 0, -100)
+            labels = labels.masked_fill(attention_mask[:, -labels.shape[1]:].to(labels.device) == 0, -100)
         logits = self.lm_head(h)
-        target = labels[:, 1:]
-        lm_loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), target.flatten(), ignore_index=-100)
+        target = labels[:, 1:].to(logits.device)
+        counted = target != -100
+        lm_loss = _cross_entropy(logits[:, :-1], target)
         loss = lm_loss
         z_loss = None
         if cfg.zloss_coef:
-            valid = (target != -100).float()
             lse = torch.logsumexp(logits[:, :-1].float(), -1)
-            z_loss = (lse.pow(2) * valid).sum() / valid.sum().clamp(min=1)
+            z_loss = (lse.pow(2) * counted).sum() / counted.sum().clamp(min=1)
             loss = loss + cfg.zloss_coef * z_loss
         mtp_loss = None
         if self.mtp_heads and cfg.mtp_loss_weight:
@@ -1052,23 +1311,74 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
                 if h.shape[1] <= k + 1:
                     continue
                 mtp_logits = self.lm_head(head(h[:, : -(k + 1)]))
-                terms.append(F.cross_entropy(mtp_logits.float().flatten(0, 1), labels[:, k + 1:].flatten(), ignore_index=-100))
+                terms.append(_cross_entropy(mtp_logits, labels[:, k + 1:].to(mtp_logits.device)))
             if terms:
                 mtp_loss = torch.stack(terms).mean()
                 loss = loss + cfg.mtp_loss_weight * mtp_loss
         hrm_loss = None
         steps = out.refinement_states or ()
         if cfg.use_hrm_refine and cfg.hrm_deep_supervision and len(steps) > 1:
-            terms = [
-                F.cross_entropy(self.lm_head(s[:, :-1]).float().flatten(0, 1), target.flatten(), ignore_index=-100)
-                for s in steps[:-1]
-            ]
-            hrm_loss = torch.stack(terms).mean()
+            hrm_loss = torch.stack([_cross_entropy(self.lm_head(s[:, :-1]), target) for s in steps[:-1]]).sum()
             loss = loss + hrm_loss
+        abstain_loss = None
+        if self.abstain_head is not None:
+            a_logit = self.abstain_head(h[:, :-1]).squeeze(-1).float()
+            wrong = (logits[:, :-1].detach().argmax(-1) != target).float()
+            pos_weight = torch.tensor(float(cfg.abstain_pos_weight), device=a_logit.device)
+            bce = F.binary_cross_entropy_with_logits(a_logit, wrong, pos_weight=pos_weight, reduction="none")
+            abstain_loss = (bce * counted).sum() / counted.sum().clamp(min=1)
+            if cfg.abstain_loss_weight:
+                loss = loss + cfg.abstain_loss_weight * abstain_loss
+        moe_aux_loss = out.moe_aux_loss
+        if moe_aux_loss is not None and cfg.moe_aux_loss_coef:
+            loss = loss + cfg.moe_aux_loss_coef * moe_aux_loss.to(loss.device)
         return SpikeWhaleCausalLMOutput(
-            loss=loss, logits=logits, cache=out.cache, lm_loss=lm_loss, z_loss=z_loss,
-            mtp_loss=mtp_loss, hrm_loss=hrm_loss, last_hidden_state=h,
+            loss=loss, logits=logits, cache=out.cache, lm_loss=lm_loss, z_loss=z_loss, mtp_loss=mtp_loss,
+            hrm_loss=hrm_loss, abstain_loss=abstain_loss, moe_aux_loss=moe_aux_loss, last_hidden_state=h,
+            **self._abstain_fields(h),
         )
+
+
+# Parameters of the "embedding / table" tier of `three_tier_param_groups`.
+_EMBEDDING_TIER = re.compile(r"(^|\.)(embed_tokens|engram\.lookup\.tables\.\d+|loop_pass_embed)\.weight$")
+
+
+def three_tier_param_groups(
+    model: nn.Module,
+    lr: float,
+    embedding_lr_scale: float = 0.1,
+    weight_decay: float = 0.1,
+) -> list[dict]:
+    """The seed's "three-tier optimizer" as `torch.optim` parameter groups (e.g. `AdamW(groups)`).
+
+    1. "embedding": the token embedding (= the tied lm_head), the Engram n-gram tables and the loop-pass
+       embeddings, at `lr * embedding_lr_scale` and no weight decay — they are lookup tables whose rows
+       see few updates each, so they train at a lower LR (the seed: "embed/table params trained at lower LR").
+    2. "matrix": every other parameter with 2+ dims (projections, experts, heads) at `lr` with `weight_decay`.
+    3. "scalar": vectors and scalars (norm weights, biases, gates, DERF/Elo/HC parameters) at `lr`, no decay.
+
+    The frozen Engram compressor (and anything else with requires_grad=False) is left out, so it stays frozen
+    whatever the optimizer does; tied parameters appear once. The 0.1 LR scale and the decay split are this
+    port's defaults [U]: the seed names the tiers' purpose, not their numbers.
+    """
+    groups = {"embedding": [], "matrix": [], "scalar": []}
+    seen = set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if _EMBEDDING_TIER.search(name) or name.endswith("lm_head.weight"):
+            groups["embedding"].append(p)
+        elif p.dim() >= 2:
+            groups["matrix"].append(p)
+        else:
+            groups["scalar"].append(p)
+    settings = {
+        "embedding": dict(lr=lr * embedding_lr_scale, weight_decay=0.0),
+        "matrix": dict(lr=lr, weight_decay=weight_decay),
+        "scalar": dict(lr=lr, weight_decay=0.0),
+    }
+    return [dict(params=ps, name=tier, **settings[tier]) for tier, ps in groups.items() if ps]
 
 
 SpikeWhaleLM = SpikeWhaleForCausalLM

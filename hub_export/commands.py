@@ -1,5 +1,5 @@
 """The `spike-whale` subcommands, one module each (each exposes `register(subparsers)`)."""
 
-from . import generate_text, init_tiny
+from . import convert, from_gguf, generate_text, init_tiny, push, to_gguf, widen
 
-MODULES = [init_tiny, generate_text]
+MODULES = [init_tiny, generate_text, convert, to_gguf, from_gguf, widen, push]

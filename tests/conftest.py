@@ -16,7 +16,7 @@ from spike_whale import SpikeWhaleConfig, SpikeWhaleForCausalLM
 # invisible at init; tests open them so that every mechanism changes the output.
 ZERO_INIT_GATES = (
     "mc_gate", "depth_gate", "loop_pass_embed", "hrm_refine.up", "mtp_heads", "pre_logits", "post_scale",
-    "mix_logits", "gate_bias",
+    "mix_logits", "gate_bias", "elo_gain", "ve_gate", "engram_fusion.o_proj",
 )
 
 

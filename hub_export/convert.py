@@ -1,0 +1,278 @@
+"""`spike-whale convert SRC OUT_DIR`: a released checkpoint (`.pt`, safetensors folder, GGUF) -> verified Hub folder.
+
+API: `convert_checkpoint(src, out_dir, ...)` (from a path) and `export_checkpoint(checkpoint, out_dir, ...)` (from a
+`Checkpoint` already read). Both write into a temporary sibling folder, verify it in a fresh process (every tensor
+bit-identical, logits equal, through `AutoModelForCausalLM`/`AutoTokenizer` with trust_remote_code), add the model
+card and provenance, and only then rename it to `out_dir`: a failure leaves no half-written folder behind.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..tokenization_spike import SpikeTokenizer
+from .checkpoint import (
+    DTYPES, Checkpoint, build_model, check_inv_freq, load_checkpoint, model_state, prepare_state_dict, widen_rope,
+)
+from .folder import (
+    CARD_FILE, EXPORT_FILES, PROVENANCE_FILE, save_hub_folder, sha256_file, write_model_card, write_provenance,
+)
+from .verify import VerificationResult, reference_logits, verify_folder
+
+
+@dataclass
+class ConversionResult:
+    out_dir: Path
+    verification: VerificationResult
+    context: tuple[int, int]
+    dtype: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def files(self) -> list[str]:
+        return sorted(p.name for p in self.out_dir.iterdir())
+
+
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"{out} exists and is not empty (pass --overwrite to replace it)")
+
+
+def default_permissions(path: Path) -> None:
+    """Give a file / folder made with `tempfile` (0600 / 0700) the permissions the umask asks for."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def _finalize(staging: Path, out: Path) -> None:
+    """Move the verified staging folder to `out` (replacing an existing one only after the new one is complete)."""
+    default_permissions(staging)
+    for p in staging.iterdir():
+        default_permissions(p)
+    backup = None
+    if out.exists():
+        if out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        else:
+            backup = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, backup)
+    os.replace(staging, out)
+    if backup is not None:
+        shutil.rmtree(backup, ignore_errors=True)
+
+
+def _source_files(ckpt: Checkpoint, progress: bool) -> dict:
+    return {
+        "path": str(ckpt.source.resolve()),
+        "kind": ckpt.kind,
+        "stage": ckpt.stage,
+        "tokenizer": str(Path(ckpt.vocab_source).resolve()) if ckpt.vocab_source and Path(ckpt.vocab_source).exists()
+        else ckpt.vocab_source,
+        "files": {str(p.resolve()): {"sha256": sha256_file(p, progress), "bytes": p.stat().st_size}
+                  for p in ckpt.source_files},
+    }
+
+
+def _previous_card(src: Path) -> dict:
+    """Stage / license recorded by an earlier export (so `widen` keeps them)."""
+    out = {}
+    prov = src / PROVENANCE_FILE
+    if src.is_dir() and prov.is_file():
+        try:
+            data = json.loads(prov.read_text(encoding="utf-8"))
+            out["stage"] = (data.get("conversion") or {}).get("stage") or (data.get("source") or {}).get("stage")
+        except (json.JSONDecodeError, AttributeError):
+            pass
+    if src.is_dir() and (src / CARD_FILE).is_file():
+        try:
+            from huggingface_hub import ModelCard
+
+            card = ModelCard.load(str(src / CARD_FILE))
+            out["license"] = card.data.get("license")
+            out["license_name"] = card.data.get("license_name")
+        except Exception:  # a foreign README is not an error
+            pass
+    return {k: v for k, v in out.items() if v}
+
+
+def export_checkpoint(
+    ckpt: Checkpoint,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: str | None = "fp32",
+    max_position_embeddings: int | None = None,
+    stage: str | None = None,
+    license: str | None = None,
+    license_name: str | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    log=print,
+) -> ConversionResult:
+    """Write `ckpt` as a verified Hub folder at `out_dir` (see the module docstring). `dtype=None` keeps the
+    source's floating dtype; `max_position_embeddings` widens the RoPE caches from the checkpoint's inv_freq."""
+    out = Path(out_dir)
+    check_out_dir(out, overwrite)
+    if ckpt.vocab is None:
+        raise ValueError(f"{ckpt.source}: no tokenizer found (looked for spike_vocab.json / tokenizer.json next to the "
+                         "checkpoint); pass --tokenizer path/to/tokenizer.json")
+    notes = list(ckpt.notes)
+    config = copy.deepcopy(ckpt.config)
+    sd = dict(ckpt.state_dict)
+    if dtype is None:
+        floats = [t.dtype for t in sd.values() if t.is_floating_point()]
+        torch_dtype = max(set(floats), key=floats.count) if floats else DTYPES["fp32"]
+    elif dtype in DTYPES:
+        torch_dtype = DTYPES[dtype]
+    else:
+        raise ValueError(f"--dtype must be one of fp32, bf16, fp16; got {dtype!r}")
+    check_inv_freq(sd, config, notes)
+    old_ctx = config.max_position_embeddings
+    if max_position_embeddings is not None and max_position_embeddings != old_ctx:
+        config, delta = widen_rope(sd, config, int(max_position_embeddings))
+        notes.append(f"context widened {old_ctx} -> {config.max_position_embeddings}: RoPE caches rebuilt from the "
+                     f"checkpoint's inv_freq, the first {old_ctx} positions kept bit-for-bit (recompute max |Δ| {delta:.1e})")
+    prepared = prepare_state_dict(sd, config, torch_dtype)
+    model = build_model(prepared, config)
+    expected = model_state(model)
+    tokenizer = SpikeTokenizer(ckpt.vocab)
+    ref_logits, ref_ids = reference_logits(model, tokenizer)
+    for note in notes:
+        log(f"  note: {note}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_hub_folder(model, tokenizer, staging)
+        log(f"verifying {len(expected)} tensors in a fresh process (AutoModelForCausalLM, trust_remote_code=True) ...")
+        result = verify_folder(staging, expected, ref_logits, ref_ids, expect_tied=bool(config.tie_word_embeddings))
+        dtype_name = str(torch_dtype).replace("torch.", "")
+        if ckpt.kind == "gguf":
+            types = sorted(set((ckpt.storage_types or {}).values()))
+            exact_note = (f"The source is a GGUF container ({', '.join(types)}): the weights here are its dequantized "
+                          "values, bit-identical to what the GGUF holds (f16 is within 0.008 and q8_0 within 0.079 of "
+                          "the original float32 weights, per tensor). The RoPE caches, which GGUF does not store, were "
+                          "rebuilt with the checkpoint's schedule.")
+        elif dtype_name != "float32":
+            exact_note = f"Stored in {dtype_name}: bit-identical to the source tensors cast to {dtype_name}."
+        else:
+            exact_note = "Same bits as the source checkpoint."
+        stage = stage or ckpt.stage
+        write_model_card(
+            staging, model, stage=stage, source_name=ckpt.source.name, source_kind=ckpt.kind,
+            verify_summary=result.summary, exact_note=exact_note, notes=notes, license=license,
+            license_name=license_name,
+        )
+        files = sorted(p.name for p in staging.iterdir())
+        expected_files = sorted(f for f in EXPORT_FILES if f != PROVENANCE_FILE)
+        if files != expected_files:
+            raise RuntimeError(f"unexpected folder contents: {sorted(set(files) ^ set(expected_files))}")
+        write_provenance(
+            staging,
+            source=_source_files(ckpt, progress),
+            conversion={"command": "convert", "stage": stage, "dtype": dtype_name,
+                        "max_position_embeddings": {"source": old_ctx, "output": config.max_position_embeddings},
+                        "gguf_storage_types": ckpt.storage_types and sorted(set(ckpt.storage_types.values())),
+                        "notes": notes},
+            verification=result.as_dict(),
+            progress=progress,
+        )
+        _finalize(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return ConversionResult(out, result, (old_ctx, config.max_position_embeddings), dtype_name, notes)
+
+
+def convert_checkpoint(
+    src: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    config: str | None = None,
+    tokenizer: str | os.PathLike | None = None,
+    dtype: str | None = "fp32",
+    max_position_embeddings: int | None = None,
+    stage: str | None = None,
+    license: str | None = None,
+    license_name: str | None = None,
+    overwrite: bool = False,
+    expect_kind: str | None = None,
+    progress: bool = True,
+    log=print,
+) -> ConversionResult:
+    """Read `src` (see `load_checkpoint`) and write it as a verified Hub folder (see `export_checkpoint`)."""
+    check_out_dir(Path(out_dir), overwrite)
+    previous = _previous_card(Path(src))
+    ckpt = load_checkpoint(src, config=config, tokenizer=tokenizer, progress=progress)
+    if expect_kind is not None and ckpt.kind != expect_kind:
+        raise ValueError(f"{src}: expected a {expect_kind} source, found {ckpt.kind}")
+    return export_checkpoint(
+        ckpt, out_dir, dtype=dtype, max_position_embeddings=max_position_embeddings,
+        stage=stage or previous.get("stage"), license=license or previous.get("license"),
+        license_name=license_name or previous.get("license_name"), overwrite=overwrite, progress=progress, log=log,
+    )
+
+
+def report(result: ConversionResult, log=print) -> None:
+    log(f"verified: {result.verification.summary}")
+    a, b = result.context
+    ctx = f"context {b}" if a == b else f"context {a} -> {b}"
+    log(f"wrote {result.out_dir} ({result.dtype}, {ctx}): {', '.join(result.files)}")
+
+
+def add_common_arguments(p, dtype_default: str | None = "fp32") -> None:
+    p.add_argument("--config", metavar="JSON", default=None,
+                   help="config.json path (or inline JSON) to use instead of the config found in the source")
+    p.add_argument("--tokenizer", metavar="PATH", default=None,
+                   help="released custom-format tokenizer.json (or spike_vocab.json); default: found next to SRC")
+    if dtype_default is not None:
+        p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=dtype_default,
+                       help="weight dtype of model.safetensors (default: %(default)s, the released precision)")
+    p.add_argument("--stage", default=None,
+                   help="stage for the model card, e.g. sft_7100 (default: read from the source name)")
+    p.add_argument("--license", default=None,
+                   help="license id for the model card (default: 'other' = the source checkpoint's license)")
+    p.add_argument("--license-name", default=None, help="license_name for the card when --license other")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists (only after verification)")
+
+
+def run(args) -> int:
+    result = convert_checkpoint(
+        args.src, args.out_dir, config=args.config, tokenizer=args.tokenizer, dtype=args.dtype,
+        max_position_embeddings=args.max_position_embeddings, stage=args.stage, license=args.license,
+        license_name=args.license_name, overwrite=args.overwrite,
+    )
+    report(result)
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="released checkpoint (.pt, safetensors folder, GGUF) -> verified Hub folder",
+        description=(
+            "Convert a released spike_whale checkpoint into a folder that transformers loads with "
+            "AutoModelForCausalLM/AutoTokenizer.from_pretrained(folder, trust_remote_code=True). SRC is a "
+            "released .pt (read with torch.load(weights_only=True); state dict and config blob under the usual "
+            "keys), a released safetensors folder (config.json, model.safetensors without lm_head.weight, the "
+            "custom-format tokenizer.json), an exported Hub folder, or a GGUF file. The folder gets the code files, "
+            "config.json with auto_map, model.safetensors, the tokenizer files, generation_config.json (serving "
+            "defaults), a README model card and provenance.json (sha256 of source and outputs). It is verified "
+            "in a fresh process before it appears at OUT_DIR: every tensor bit-identical to the source and the "
+            "logits on a fixed prompt equal; on any failure nothing is left behind."
+        ),
+    )
+    p.add_argument("src", metavar="SRC", help="released .pt, safetensors folder, Hub folder or .gguf")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (must not exist or be empty)")
+    p.add_argument("--max-position-embeddings", type=int, default=None, metavar="N",
+                   help="widen the context to N positions: RoPE caches rebuilt from the checkpoint's own inverse "
+                        "frequencies (fractal stays fractal), the first positions unchanged")
+    add_common_arguments(p)
+    p.set_defaults(func=run)
