@@ -38,3 +38,10 @@ def test_init_tiny_then_generate_in_fresh_process(tmp_path, chat):
 def test_generate_reports_missing_folder(tmp_path):
     proc = _run(["generate", str(tmp_path / "nope"), "-p", "x"], tmp_path, check=False)
     assert proc.returncode != 0 and "error" in proc.stderr.lower()
+
+
+def test_init_tiny_can_fit_the_demo_corpus(tmp_path):
+    out = _run(["init-tiny", str(tmp_path / "t"), "--train-steps", "4"], tmp_path).stdout
+    line = next(l for l in out.splitlines() if l.startswith("trained 4 steps"))
+    first, last = (float(x) for x in line.split("loss ")[1].split(" -> "))
+    assert last < first
