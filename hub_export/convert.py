@@ -16,9 +16,12 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from ..tokenization_spike import SpikeTokenizer
 from .checkpoint import (
-    DTYPES, Checkpoint, build_model, check_inv_freq, load_checkpoint, model_state, prepare_state_dict, widen_rope,
+    DTYPES, Checkpoint, build_model, check_inv_freq, load_checkpoint, model_state, prepare_state_dict, sniff_format,
+    widen_rope,
 )
 from .folder import (
     CARD_FILE, EXPORT_FILES, PROVENANCE_FILE, save_hub_folder, sha256_file, write_model_card, write_provenance,
@@ -115,6 +118,7 @@ def export_checkpoint(
     license_name: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    command: str = "convert",
     log=print,
 ) -> ConversionResult:
     """Write `ckpt` as a verified Hub folder at `out_dir` (see the module docstring). `dtype=None` keeps the
@@ -135,16 +139,24 @@ def export_checkpoint(
     else:
         raise ValueError(f"--dtype must be one of fp32, bf16, fp16; got {dtype!r}")
     check_inv_freq(sd, config, notes)
+    source_dtypes = sorted({str(t.dtype).replace("torch.", "") for t in sd.values() if t.is_floating_point()})
     old_ctx = config.max_position_embeddings
-    if max_position_embeddings is not None and max_position_embeddings != old_ctx:
+    tokenizer = SpikeTokenizer(ckpt.vocab)
+    widened = max_position_embeddings is not None and max_position_embeddings != old_ctx
+    if widened:
+        narrow = build_model(prepare_state_dict(sd, config, torch_dtype), config)
+        narrow_logits, _ = reference_logits(narrow, tokenizer)
+        del narrow
         config, delta = widen_rope(sd, config, int(max_position_embeddings))
         notes.append(f"context widened {old_ctx} -> {config.max_position_embeddings}: RoPE caches rebuilt from the "
                      f"checkpoint's inv_freq, the first {old_ctx} positions kept bit-for-bit (recompute max |Δ| {delta:.1e})")
     prepared = prepare_state_dict(sd, config, torch_dtype)
     model = build_model(prepared, config)
     expected = model_state(model)
-    tokenizer = SpikeTokenizer(ckpt.vocab)
     ref_logits, ref_ids = reference_logits(model, tokenizer)
+    if widened and not torch.equal(ref_logits, narrow_logits):
+        raise RuntimeError("widening changed the logits inside the old context (max |Δ| "
+                           f"{float((ref_logits - narrow_logits).abs().max()):.3g}); refusing to write it")
     for note in notes:
         log(f"  note: {note}")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -162,13 +174,19 @@ def export_checkpoint(
                           "rebuilt with the checkpoint's schedule.")
         elif dtype_name != "float32":
             exact_note = f"Stored in {dtype_name}: bit-identical to the source tensors cast to {dtype_name}."
+        elif source_dtypes != [dtype_name]:
+            exact_note = f"The source's {'/'.join(source_dtypes)} tensors, cast to {dtype_name} (exactly)."
         else:
             exact_note = "Same bits as the source checkpoint."
+        if widened:
+            exact_note += (f" Context widened from {old_ctx} to {config.max_position_embeddings}: the RoPE caches were "
+                           f"extended from each layer's stored inv_freq, their first {old_ctx} rows unchanged, and the "
+                           "logits on the prompt equal the unwidened model's.")
         stage = stage or ckpt.stage
         write_model_card(
             staging, model, stage=stage, source_name=ckpt.source.name, source_kind=ckpt.kind,
             verify_summary=result.summary, exact_note=exact_note, notes=notes, license=license,
-            license_name=license_name,
+            license_name=license_name, command=command,
         )
         files = sorted(p.name for p in staging.iterdir())
         expected_files = sorted(f for f in EXPORT_FILES if f != PROVENANCE_FILE)
@@ -177,7 +195,7 @@ def export_checkpoint(
         write_provenance(
             staging,
             source=_source_files(ckpt, progress),
-            conversion={"command": "convert", "stage": stage, "dtype": dtype_name,
+            conversion={"command": f"spike-whale {command}", "stage": stage, "dtype": dtype_name,
                         "max_position_embeddings": {"source": old_ctx, "output": config.max_position_embeddings},
                         "gguf_storage_types": ckpt.storage_types and sorted(set(ckpt.storage_types.values())),
                         "notes": notes},
@@ -205,18 +223,20 @@ def convert_checkpoint(
     overwrite: bool = False,
     expect_kind: str | None = None,
     progress: bool = True,
+    command: str = "convert",
     log=print,
 ) -> ConversionResult:
     """Read `src` (see `load_checkpoint`) and write it as a verified Hub folder (see `export_checkpoint`)."""
     check_out_dir(Path(out_dir), overwrite)
+    if expect_kind is not None and sniff_format(Path(src)) != expect_kind:
+        raise ValueError(f"{src}: expected a {expect_kind} file, found {sniff_format(Path(src))}")
     previous = _previous_card(Path(src))
     ckpt = load_checkpoint(src, config=config, tokenizer=tokenizer, progress=progress)
-    if expect_kind is not None and ckpt.kind != expect_kind:
-        raise ValueError(f"{src}: expected a {expect_kind} source, found {ckpt.kind}")
     return export_checkpoint(
         ckpt, out_dir, dtype=dtype, max_position_embeddings=max_position_embeddings,
         stage=stage or previous.get("stage"), license=license or previous.get("license"),
-        license_name=license_name or previous.get("license_name"), overwrite=overwrite, progress=progress, log=log,
+        license_name=license_name or previous.get("license_name"), overwrite=overwrite, progress=progress,
+        command=command, log=log,
     )
 
 

@@ -151,7 +151,7 @@ print(tokenizer.decode(out[0], skip_special_tokens=True))
 
 ## Exactness
 
-Converted from `{{ source_name }}` ({{ source_kind }}) by `spike-whale convert`. After writing, the folder was loaded
+Converted from `{{ source_name }}` ({{ source_kind }}) by `spike-whale {{ command }}`. After writing, the folder was loaded
 in a fresh process through `AutoModelForCausalLM` / `AutoTokenizer` and compared with the source:
 **{{ verify_summary }}** (every tensor bit-identical, logits on a fixed prompt equal).
 {{ exact_note }}
@@ -187,6 +187,7 @@ def write_model_card(
     license: str | None = None,
     license_name: str | None = None,
     repo: str | None = None,
+    command: str = "convert",
 ) -> Path:
     """Write README.md (huggingface_hub `ModelCard` from a template; no network)."""
     from huggingface_hub import ModelCard, ModelCardData
@@ -242,6 +243,7 @@ def write_model_card(
         exact_note=exact_note,
         notes=notes or [],
         license_text=license_text,
+        command=command,
     )
     path = Path(folder) / CARD_FILE
     card.save(str(path))

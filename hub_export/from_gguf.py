@@ -14,7 +14,7 @@ def run(args) -> int:
     result = convert_checkpoint(
         args.src, args.out_dir, config=args.config, tokenizer=args.tokenizer, dtype=args.dtype,
         max_position_embeddings=args.max_position_embeddings, stage=args.stage, license=args.license,
-        license_name=args.license_name, overwrite=args.overwrite, expect_kind="gguf",
+        license_name=args.license_name, overwrite=args.overwrite, expect_kind="gguf", command="from-gguf",
     )
     report(result)
     return 0

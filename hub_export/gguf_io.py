@@ -32,7 +32,7 @@ from ..tokenization_spike import (
     VOCAB_SIZE, normalize_vocab_data,
 )
 from .checkpoint import (
-    ROPE_CACHE_RE, TIED_HEAD, Checkpoint, _one_line, complete_rope, config_from_dict, infer_stage,
+    ROPE_CACHE_RE, TIED_HEAD, Checkpoint, _config_fields, _one_line, complete_rope, config_from_dict, infer_stage,
     normalize_state_dict,
 )
 
@@ -44,7 +44,6 @@ TOKENIZER_MODEL = "spike-lengthmax"
 ROUND_TRIP_BOUNDS = {"f16": 0.008, "q8_0": 0.079}
 # Inputs of the Engram sign-bit hash: rounding them moves tokens between buckets, so they stay F32.
 KEEP_F32 = (re.compile(r"\.engram\.compressor\."),)
-_CONFIG_DROP = ("transformers_version", "auto_map", "architectures", "_name_or_path", "dtype", "torch_dtype")
 
 
 def _gguf():
@@ -85,7 +84,9 @@ def storage_type(name: str, tensor: torch.Tensor, qtype: str, buffers: set[str])
 
 
 def config_json(config: SpikeWhaleConfig) -> str:
-    data = {k: v for k, v in config.to_dict().items() if k not in _CONFIG_DROP}
+    """Every SpikeWhaleConfig field (the model's full config; no transformers bookkeeping keys)."""
+    fields = _config_fields()
+    data = {k: v for k, v in config.to_dict().items() if k in fields}
     data["model_type"] = "spike_whale"
     return json.dumps(data, sort_keys=True)
 

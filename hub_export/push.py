@@ -54,13 +54,17 @@ def push_folder(folder, repo_id: str, *, private: bool = False, revision: str | 
                 commit_message: str | None = None, api: HfApi | None = None) -> PushResult:
     files, skipped = check_export_folder(folder)
     api = api or HfApi()
-    api.create_repo(repo_id=repo_id, repo_type="model", private=private, exist_ok=True)
-    if revision and revision != "main":
-        api.create_branch(repo_id=repo_id, branch=revision, repo_type="model", exist_ok=True)
-    info = api.upload_folder(
-        repo_id=repo_id, folder_path=str(folder), repo_type="model", revision=revision,
-        allow_patterns=files, commit_message=commit_message or f"Upload spike_whale export ({len(files)} files)",
-    )
+    try:
+        api.create_repo(repo_id=repo_id, repo_type="model", private=private, exist_ok=True)
+        if revision and revision != "main":
+            api.create_branch(repo_id=repo_id, branch=revision, repo_type="model", exist_ok=True)
+        info = api.upload_folder(
+            repo_id=repo_id, folder_path=str(folder), repo_type="model", revision=revision,
+            allow_patterns=files, commit_message=commit_message or f"Upload spike_whale export ({len(files)} files)",
+        )
+    except Exception as err:  # HTTP / auth / offline errors of huggingface_hub, as one line for the CLI
+        first = " ".join(str(err).split())[:300]
+        raise RuntimeError(f"push to {repo_id} failed: {type(err).__name__}: {first}") from err
     return PushResult(repo_id, revision, files, skipped, getattr(info, "commit_url", None))
 
 

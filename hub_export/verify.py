@@ -49,20 +49,22 @@ json.dump({"model_class": type(model).__module__ + "." + type(model).__qualname_
 
 @dataclass
 class VerificationResult:
-    tensors: int
+    tensors: int  # tensors stored in the folder (the tied head is stored once, as the embedding)
     mismatches: list[str]
     logits_max_abs_diff: float
     prompt_tokens: int
     model_class: str
     tokenizer_class: str
+    tied_head: bool = True
 
     @property
     def summary(self) -> str:
-        return (f"{self.tensors} tensors, {len(self.mismatches)} mismatches; logits max |Δ| "
+        tied = " (and the tied lm_head.weight)" if self.tied_head else ""
+        return (f"{self.tensors} tensors, {len(self.mismatches)} mismatches{tied}; logits max |Δ| "
                 f"{self.logits_max_abs_diff:.3g} on a {self.prompt_tokens}-token prompt")
 
     def as_dict(self) -> dict:
-        return {"tensors": self.tensors, "mismatches": len(self.mismatches),
+        return {"tensors": self.tensors, "tied_head_checked": self.tied_head, "mismatches": len(self.mismatches),
                 "logits_max_abs_diff": self.logits_max_abs_diff, "prompt_tokens": self.prompt_tokens,
                 "loaded_as": self.model_class, "tokenizer": self.tokenizer_class,
                 "method": "fresh process: AutoModelForCausalLM/AutoTokenizer.from_pretrained(trust_remote_code=True)"}
@@ -131,4 +133,6 @@ def verify_folder(
     diff = float((logits - ref_logits).abs().max())
     if not diff <= logits_atol:
         raise RuntimeError(f"verification failed: logits differ from the source model's (max |Δ| {diff:.3g})")
-    return VerificationResult(len(expected), [], diff, len(ref_ids), report["model_class"], report["tokenizer_class"])
+    tied = expect_tied and "lm_head.weight" in expected
+    return VerificationResult(len(expected) - int(tied), [], diff, len(ref_ids), report["model_class"],
+                              report["tokenizer_class"], tied)

@@ -19,7 +19,7 @@ def widen_folder(src_dir, out_dir, max_position_embeddings: int, *, overwrite: b
     if not Path(src_dir).is_dir():
         raise ValueError(f"{src_dir}: widen takes a model folder (use `convert --max-position-embeddings` for files)")
     return convert_checkpoint(src_dir, out_dir, dtype=None, max_position_embeddings=max_position_embeddings,
-                              overwrite=overwrite, progress=progress, log=log)
+                              overwrite=overwrite, progress=progress, command="widen", log=log)
 
 
 def run(args) -> int:
