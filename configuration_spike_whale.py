@@ -227,6 +227,7 @@ class SpikeWhaleConfig(PretrainedConfig):
     """
 
     model_type = "spike_whale"
+    _auto_class = "AutoConfig"
     # Scalars and helper fields of `SpikeWhaleCausalLMOutput` that `Trainer.predict` should not gather.
     keys_to_ignore_at_inference = [
         "cache", "last_hidden_state", "lm_loss", "z_loss", "mtp_loss", "hrm_loss", "abstain_loss",
@@ -551,7 +552,11 @@ class SpikeWhaleConfig(PretrainedConfig):
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "SpikeWhaleConfig":
-        """Build a config from a named preset (`PRESETS`), with field overrides."""
+        """Build a config from a named preset (`PRESETS`), with field overrides.
+
+        "byrne-15m-looped" reconstructs the Byrne-15M-Looped sibling from its card; which of its fields are
+        stated and which are inferred is written next to `_PRESET_BYRNE_15M_LOOPED`.
+        """
         if name not in PRESETS:
             raise ValueError(f"Unknown SpikeWhale preset {name!r}; choose one of {sorted(PRESETS)}.")
         return cls(**{**PRESETS[name], **overrides})

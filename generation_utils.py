@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, fields
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessorList
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.utils import logging
@@ -359,6 +359,30 @@ class SpikeWhaleCache(Cache):
         self.record_past = False
 
 
+def cache_footprint(config: SpikeWhaleConfig, batch_size: int = 1, dtype: torch.dtype = torch.bfloat16,
+                    max_cache_len: int | None = None) -> dict[str, int]:
+    """Bytes a full `SpikeWhaleCache` holds (computed, nothing allocated): K/V of every loop slot in `dtype`
+    (`kv`), the float32 Memory-Cache state of every slot (`memory_cache`: one (M, z, gate-mean) entry per segment
+    plus the running sums, O(segments)), the Engram codes (`engram`) and the padding/length bookkeeping
+    (`bookkeeping`). Elo attention ratings (`use_elo`, float32 [B, heads, length] per slot) are in `elo`."""
+    P = max_cache_len or config.max_position_embeddings
+    slots, B = config.num_loop_slots, batch_size
+    item = torch.empty((), dtype=dtype).element_size()
+    out = {"kv": 2 * slots * B * config.num_key_value_heads * P * config.head_dim * item}
+    if config.use_memory_cache:
+        n_seg = math.ceil(P / config.mc_segment_len)
+        nh, hd, gd = config.mc_num_heads, config.mc_head_dim, config.mc_gate_dim
+        entry = nh * hd * hd + nh * hd + gd
+        out["memory_cache"] = slots * B * 4 * ((n_seg + 1) * entry + entry + 1)
+    else:
+        out["memory_cache"] = 0
+    out["engram"] = B * P * config.engram_compress_dim * item if config.use_engram else 0
+    out["elo"] = slots * B * config.num_attention_heads * P * 4 if getattr(config, "use_elo", False) else 0
+    out["bookkeeping"] = B * P + 2 * B * 8  # key_valid (bool), num_real and mc_segment (int64)
+    out["total"] = sum(out.values())
+    return out
+
+
 def serving_generation_config(config: SpikeWhaleConfig) -> GenerationConfig:
     """The card's serving defaults: temperature 0.7, top_k 40, repetition penalty 1.3, up to 160 new tokens,
     stopping on `<eos>` or `<|im_end|>`, with the 111 reserved ids never generated."""
@@ -505,6 +529,10 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
             kwargs["attention_mask"] = new_mask
         kwargs.pop("position_ids", None)
 
+    # The model builds its cache in `forward`; `prefill_chunk_size` needs one before the first forward.
+    if eff.prefill_chunk_size and eff.use_cache and cache is None and eff.cache_implementation is None:
+        kwargs["cache"] = SpikeWhaleCache(model.config)
+
     # --- MTP self-speculative decoding ---
     if use_mtp:
         if kwargs.get("custom_generate") is not None:
@@ -607,12 +635,19 @@ def mtp_speculative_generate(
         unfinished = unfinished & ~stopping_criteria(input_ids, scores)
         return tok
 
+    # Drafts see the library's own (stateless) processors - repetition penalty, suppressed ids, n-gram bans, ... -
+    # so that they agree with the main head's processed choice more often; user-supplied processors are only run
+    # on the emitted tokens, exactly as in plain greedy decoding (they may keep state or have side effects).
+    draft_processor = LogitsProcessorList(
+        [p for p in logits_processor if type(p).__module__.startswith("transformers.generation.")]
+    )
+
     def draft(h_last: torch.Tensor, k: int) -> torch.Tensor:
         """k MTP drafts [B, k] from the hidden state [B, H] that produced the pending token."""
         ctx, out = input_ids, []
         for i in range(k):
             logits = model.lm_head(heads[i](h_last)).float()
-            d = torch.argmax(logits_processor(ctx, logits), dim=-1)
+            d = torch.argmax(draft_processor(ctx, logits), dim=-1)
             if has_eos_stopping_criteria:
                 d = d * unfinished + pad * (1 - unfinished)
             out.append(d)

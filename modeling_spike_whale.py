@@ -652,7 +652,9 @@ class SpikeWhaleAttention(nn.Module):
         mask = ctx.attn_mask.to(q.device) if ctx.attn_mask is not None else None
         dropout = self.config.attention_dropout if self.training else 0.0
         if self.attn_kind == "derf":
-            return derf_attention(q, k, v, mask, ctx.is_causal, dropout, self.derf_alpha, self.derf_bias, self.derf_gamma)
+            return derf_attention(
+                q, k, v, mask, ctx.is_causal, dropout, self.derf_alpha, self.derf_bias, self.derf_gamma
+            )
         if self.attn_kind == "elo":
             cache = ctx.cache
             past = cache.elo_state(slot) if cache is not None else None
@@ -661,7 +663,9 @@ class SpikeWhaleAttention(nn.Module):
             )
             if cache is not None:
                 start = cache.seq_len
-                per_pos = [per_query[:, :, j, : start + j + 1] for j in range(q.shape[2])] if cache.record_past else None
+                per_pos = None
+                if cache.record_past:
+                    per_pos = [per_query[:, :, j, : start + j + 1] for j in range(q.shape[2])]
                 cache.set_elo_state(slot, ratings, per_pos)
             return y.to(q.dtype)
         attend = ATTENTION_FUNCTIONS[getattr(self.config, "_attn_implementation", None) or "sdpa"]
@@ -790,7 +794,9 @@ class SpikeWhaleMoE(nn.Module):
             real = ctx.valid.to(u.device).reshape(-1).nonzero().squeeze(1)
         else:
             real = torch.arange(B * S, device=u.device)
-        token_ids = ctx.token_ids.to(u.device).reshape(-1)[real] if ctx is not None and ctx.token_ids is not None else None
+        token_ids = None
+        if ctx is not None and ctx.token_ids is not None:
+            token_ids = ctx.token_ids.to(u.device).reshape(-1)[real]
         x = flat[real]
         idx, w, scores = self.route(x, token_ids)
         y = self.dispatch(x, idx, w)
@@ -926,6 +932,9 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
     _is_stateful = True
+    # RoPE caches and the Engram hash projections stay float32 under a bf16/fp16 load: rounding the hash
+    # projections would move tokens between n-gram buckets.
+    _keep_in_fp32_modules_strict = ["rope", "hash_proj"]
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -1174,6 +1183,7 @@ class SpikeWhaleCausalLMOutput(CausalLMOutputWithPast):
 
 def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean CE over targets != -100 (0, not NaN, when a batch has none), in float32."""
+    target = target.to(logits.device)
     total = F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
     return total / (target != -100).sum().clamp(min=1)
 
@@ -1182,6 +1192,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
     """SpikeWhale language model: backbone, tied `lm_head` and the MTP heads (no `model.` prefix on the heads)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _auto_class = "AutoModelForCausalLM"
     # The loss is a per-batch mean of several terms; let `Trainer` average it over accumulation steps.
     accepts_loss_kwargs = False
 
@@ -1282,6 +1293,9 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
     def _with_loss(self, h, out, labels, attention_mask) -> SpikeWhaleCausalLMOutput:
         """labels = the input ids (HF style, shifted here). See `SpikeWhaleCausalLMOutput` for the objective.
 
+        Padding (attention_mask 0) is never a target nor a source: the first real token after left padding is
+        not predicted from a pad position.
+
         - lm_loss: CE of logits[:, t] against labels[:, t+1].
         - z_loss: mean over counted targets of logsumexp(logits)².
         - mtp_loss: mean over MTP heads k = 1..K of the CE of head k at t against labels[:, t+k+1].
@@ -1292,10 +1306,19 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         - moe_aux_loss: the load-balance loss averaged over every learned-router MoE layer application.
         """
         cfg = self.config
-        if attention_mask is not None:
-            labels = labels.masked_fill(attention_mask[:, -labels.shape[1]:].to(labels.device) == 0, -100)
         logits = self.lm_head(h)
-        target = labels[:, 1:].to(logits.device)
+        labels = labels.to(logits.device)
+        source_pad = None
+        if attention_mask is not None:
+            source_pad = attention_mask[:, -labels.shape[1]:].to(labels.device) == 0
+            labels = labels.masked_fill(source_pad, -100)
+
+        def shifted(k: int) -> torch.Tensor:
+            """Targets k steps ahead; a padding position predicts nothing (its output depends on the pad)."""
+            t = labels[:, k:]
+            return t if source_pad is None else t.masked_fill(source_pad[:, : t.shape[1]], -100)
+
+        target = shifted(1)
         counted = target != -100
         lm_loss = _cross_entropy(logits[:, :-1], target)
         loss = lm_loss
@@ -1311,7 +1334,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
                 if h.shape[1] <= k + 1:
                     continue
                 mtp_logits = self.lm_head(head(h[:, : -(k + 1)]))
-                terms.append(_cross_entropy(mtp_logits, labels[:, k + 1:].to(mtp_logits.device)))
+                terms.append(_cross_entropy(mtp_logits, shifted(k + 1)))
             if terms:
                 mtp_loss = torch.stack(terms).mean()
                 loss = loss + cfg.mtp_loss_weight * mtp_loss
@@ -1323,12 +1346,13 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         abstain_loss = None
         if self.abstain_head is not None:
             a_logit = self.abstain_head(h[:, :-1]).squeeze(-1).float()
-            wrong = (logits[:, :-1].detach().argmax(-1) != target).float()
+            wrong = (logits[:, :-1].detach().argmax(-1) != target).float().to(a_logit.device)
             pos_weight = torch.tensor(float(cfg.abstain_pos_weight), device=a_logit.device)
             bce = F.binary_cross_entropy_with_logits(a_logit, wrong, pos_weight=pos_weight, reduction="none")
-            abstain_loss = (bce * counted).sum() / counted.sum().clamp(min=1)
+            keep = counted.to(a_logit.device)
+            abstain_loss = (bce * keep).sum() / keep.sum().clamp(min=1)
             if cfg.abstain_loss_weight:
-                loss = loss + cfg.abstain_loss_weight * abstain_loss
+                loss = loss + cfg.abstain_loss_weight * abstain_loss.to(loss.device)
         moe_aux_loss = out.moe_aux_loss
         if moe_aux_loss is not None and cfg.moe_aux_loss_coef:
             loss = loss + cfg.moe_aux_loss_coef * moe_aux_loss.to(loss.device)

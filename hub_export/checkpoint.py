@@ -504,11 +504,14 @@ def prepare_state_dict(
                  for k in sorted(sd) if tuple(sd[k].shape) != tuple(expected[k].shape)]
     if bad_shape:
         raise ValueError(f"{len(bad_shape)} tensors have the wrong shape for this config: {bad_shape[:10]}")
+    # The model keeps some buffers in float32 under any load dtype (RoPE caches, Engram hash projections);
+    # store them that way too, so a bf16/fp16 export reloads bit-identically and hashes as the source does.
+    keep_fp32 = tuple(SpikeWhaleForCausalLM._keep_in_fp32_modules_strict or ())
     out = {}
     for k in sorted(sd):
         t = sd[k].detach()
         if t.is_floating_point():
-            t = t.to(dtype)
+            t = t.to(torch.float32 if any(p in k for p in keep_fp32) else dtype)
         out[k] = t.contiguous()
     return out
 

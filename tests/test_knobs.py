@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import logging
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import open_gates, tiny_config, tiny_model
+from conftest import tiny_config, tiny_model
 from spike_whale import LoopPlan, SpikeWhaleCache, SpikeWhaleConfig, SpikeWhaleForCausalLM
 from spike_whale.modeling_spike_whale import SpikeWhaleMoE, hash_expert_ids, rope_inv_freq
 
@@ -38,6 +39,16 @@ KNOBS = {
     "abstain_head": (dict(use_abstain_head=True), {}),
     "mtp_2_heads": (dict(num_nextn_predict_layers=2), {}),
 }
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core box the thread pool's spinning
+    makes these tests 10-40x slower; run them single-threaded and restore the setting afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 # Zero-init parameters of the knobs themselves (beyond conftest.ZERO_INIT_GATES), opened for the tests.
 KNOB_GATES = ("elo_gain", "ve_gate", "engram_fusion.o_proj")
@@ -174,7 +185,6 @@ def test_valid_edge_values_are_accepted():
     tiny_config(use_hrm_refine=False, hrm_deep_supervision=False)
     tiny_config(engram_gate_init_bias=-2.5)
     tiny_config(fractal_rope_gamma=0.0)
-    tiny_config(loop_mode="full", loop_middle_layers=3)  # documented: ignored unless middle_split
 
 
 def test_elo_takes_precedence_over_derf(caplog):
@@ -280,7 +290,10 @@ def test_moe_aux_loss_is_reported_weighted_and_trains_the_router():
     (out.moe_aux_loss).backward()
     router = model.model.layers[1].ffn.gate.weight
     assert router.grad is not None and router.grad.abs().sum() > 0
-    assert model.model.layers[0].ffn.gate.weight.grad is None  # hash layer: no balance term
+    with torch.no_grad():  # hash layers have no balance term; learned-router layers do
+        u = torch.randn(1, 5, 64)
+        ctx = SimpleNamespace(valid=torch.ones(1, 5, dtype=torch.bool), token_ids=torch.arange(5)[None])
+        assert model.model.layers[0].ffn(u, ctx)[1] is None and model.model.layers[1].ffn(u, ctx)[1] is not None
     assert tiny_model().eval()(ids, labels=ids).moe_aux_loss is None  # dense model
 
 
@@ -313,8 +326,12 @@ def test_derf_attention_equation():
 
 def test_elo_is_an_exact_no_op_at_init_and_ratings_follow_the_equation():
     base = tiny_model(seed=0)
-    elo = tiny_model(seed=0, use_elo=True)  # gain zero-init
+    elo = tiny_model(seed=0, use_elo=True)
     transplant(elo, base)
+    with torch.no_grad():
+        for layer in elo.model.layers:
+            assert torch.equal(layer.attn.elo_k, torch.full((4,), 0.5))
+            layer.attn.elo_gain.zero_()  # its init value (tiny_model opens it)
     ids = ids_batch(seq=20)
     with torch.no_grad():
         torch.testing.assert_close(elo(ids).logits, base(ids).logits, rtol=0, atol=1e-6)
@@ -353,7 +370,7 @@ def test_elo_ratings_live_in_the_cache_and_survive_select_reorder_and_crop():
         cache.reorder_cache(torch.tensor([1, 0]))
         cache.activate_past_recording()
         model(ids[[0, 2], 20:26], cache=cache, use_cache=True)
-        cache.crop(4)  # back to 22 positions
+        cache.crop(-4)  # remove the last 4: back to 22 positions
         assert cache.elo_state(0).shape[-1] == 22
         out = model(ids[[0, 2], 22:30], cache=cache, use_cache=True).logits
         torch.testing.assert_close(out, full[[0, 2], 22:30], rtol=0, atol=2e-6)
@@ -422,14 +439,14 @@ def test_plain_residual_qk_norm_and_xsa_switches_remove_their_parts():
         model = tiny_model(use_xsa=xsa)
         attn = model.model.layers[0].attn  # layer 0: no depth mixing, so v_self = v_proj(u)
         seen = {}
-        attn.v_proj.register_forward_hook(lambda m, i, o: seen.setdefault("v", o))
-        attn.o_a_proj.register_forward_hook(lambda m, i, o: seen.setdefault("y", i[0]))
+        attn.v_proj.register_forward_hook(lambda m, i, o: (seen.setdefault("v", o), None)[1])
+        attn.o_a_proj.register_forward_hook(lambda m, i, o: (seen.setdefault("y", i[0]), None)[1])
         with torch.no_grad():
             model(ids_batch(seq=6))
         y = seen["y"].view(2, 6, 2, 2, 16)  # [B, S, kv heads, group, hd]
         v = seen["v"].view(2, 6, 2, 1, 16)
-        cos = (y * v).sum(-1).abs() / (y.norm(dim=-1) * v.norm(dim=-1))
-        assert (cos.max() < 1e-5) if xsa else (cos.mean() > 1e-2)
+        along = (y * v / v.norm(dim=-1, keepdim=True)).sum(-1).abs()  # |<y, v̂>|
+        assert (along.max() < 1e-6) if xsa else (along[:, 1:].min() > 1e-6 and along.mean() > 1e-3)
 
 
 def test_hidden_dropout_acts_in_training_only():
@@ -473,6 +490,8 @@ def test_engram_fusion_is_a_zero_init_no_op_gated_by_agreement():
     base = tiny_model(seed=0)
     fused = tiny_model(seed=0, engram_fusion_layers=[1], engram_fusion_dim=16)
     transplant(fused, base)
+    with torch.no_grad():
+        fused.model.layers[1].engram_fusion.o_proj.weight.zero_()  # its init value (tiny_model opens it)
     ids = ids_batch(seq=12)
     with torch.no_grad():
         torch.testing.assert_close(fused(ids).logits, base(ids).logits, rtol=0, atol=0)
@@ -492,9 +511,14 @@ def test_value_embed_is_a_zero_init_residual_on_the_attention_input():
     ve = tiny_model(seed=0, use_value_embed=True)
     transplant(ve, base)
     names = dict(ve.named_parameters())
-    assert names["model.layers.2.ve_gate"].shape == (1,) and float(names["model.layers.2.ve_gate"]) == 0.0
+    assert names["model.layers.2.ve_gate"].shape == (1,)
+    assert not any(torch.count_nonzero(p) for n, p in tiny_model(gates_open=False, use_value_embed=True)
+                   .named_parameters() if "ve_gate" in n)
     ids = ids_batch(seq=12)
     with torch.no_grad():
+        for n, p in names.items():
+            if "ve_gate" in n:
+                p.zero_()
         torch.testing.assert_close(ve(ids).logits, base(ids).logits, rtol=0, atol=0)
         names["model.layers.2.ve_gate"].fill_(0.7)
         assert (ve(ids).logits - base(ids).logits).abs().max() > 1e-4
@@ -573,7 +597,8 @@ def test_byrne_15m_looped_preset_builds_and_trains():
     cfg = SpikeWhaleConfig.from_preset("byrne-15m-looped")
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.loop_count, cfg.num_attention_heads,
             cfg.num_key_value_heads, cfg.head_dim, cfg.qk_rope_head_dim) == (384, 10, 3, 8, 1, 64, 32)
-    assert (cfg.n_routed_experts, cfg.n_shared_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 1, 2, 160)
+    moe = (cfg.n_routed_experts, cfg.n_shared_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size)
+    assert moe == (4, 1, 2, 160)
     assert cfg.use_elo and cfg.use_abstain_head and cfg.hrm_refine_steps == 3 and cfg.hrm_deep_supervision
     assert cfg.engram_table_size == 1024 and cfg.use_xsa and cfg.use_hyper_connections and not cfg.use_memory_cache
     assert cfg.num_loop_slots == 30
@@ -589,5 +614,5 @@ def test_byrne_15m_looped_preset_builds_and_trains():
     out.loss.backward()
     named = dict(model.named_parameters())
     for key in ("model.layers.5.ffn.experts.0.up_proj.weight", "model.layers.5.ffn.gate.weight",
-                "model.layers.3.attn.elo_gain", "abstain_head.weight", "model.hrm_refine.gate"):
+                "model.layers.3.attn.elo_gain", "abstain_head.weight", "model.hrm_refine.up.weight"):
         assert named[key].grad is not None and named[key].grad.abs().sum() > 0, key
