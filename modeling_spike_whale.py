@@ -58,7 +58,7 @@ def rename_checkpoint_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, tor
 
 
 class SpikeWhaleRMSNorm(nn.Module):
-    """y = x · rsqrt(mean(x²) + ε) · w, in the input dtype (as the reference)."""
+    """y = x · rsqrt(mean(x²) + ε) · w (ε inside the root; bit-identical to the reference's formula in float32)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -66,7 +66,7 @@ class SpikeWhaleRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(rope_dim: int, theta: float, fractal: bool, gamma: float) -> torch.Tensor:
@@ -252,10 +252,9 @@ class MemoryCacheBranch(nn.Module):
             vf = lay.valid_f
             fk, v, gk = fk * vf[..., None, None], v * vf[..., None, None], gk * vf[..., None]
 
-        # Running sums of each token's own segment (causal), and each chunk segment's totals.
-        own_num, own_den, own_g, own_n = self._own_segment_sums(fq, fk, v, gk, lay)
+        # Each chunk segment's totals (the cache's running sums carried into relative segment 0).
         if lay.n_rel == 1:
-            seg_M = torch.einsum("bshd,bshe->bhde", fk, v)[:, None]
+            seg_M = torch.matmul(fk.permute(0, 2, 3, 1), v.transpose(1, 2))[:, None]
             seg_z, seg_g, seg_n = fk.sum(1)[:, None], gk.sum(1)[:, None], lay.valid_f.sum(1)[:, None]
         else:
             E = lay.onehot
@@ -264,17 +263,25 @@ class MemoryCacheBranch(nn.Module):
             seg_g = torch.einsum("bsr,bsg->brg", E, gk)
             seg_n = E.sum(1)
         if state is not None:
-            first = lay.first
-            own_num = own_num + first[..., None, None] * torch.einsum("bshd,bhde->bshe", fq, state.run_M)
-            own_den = own_den + first[..., None] * torch.einsum("bshd,bhd->bsh", fq, state.run_z)
-            own_g = own_g + first[..., None] * state.run_g[:, None]
-            own_n = own_n + first * state.run_n[:, None]
             seg_M[:, 0] += state.run_M
             seg_z[:, 0] += state.run_z
             seg_g[:, 0] += state.run_g
             seg_n[:, 0] += state.run_n
+
+        # Causal running sums of each token's own segment. A one-token chunk's are its segment's totals.
+        if S == 1 and lay.n_rel == 1:
+            own_num = torch.matmul(fq.transpose(1, 2), seg_M[:, 0]).transpose(1, 2)
+            own_den = (fq * seg_z).sum(-1)
+            own_g, own_n = seg_g, seg_n
+        else:
+            own_num, own_den, own_g, own_n = self._own_segment_sums(fq, fk, v, gk, lay)
+            if state is not None:
+                first = lay.first
+                own_num = own_num + first[..., None, None] * torch.einsum("bshd,bhde->bshe", fq, state.run_M)
+                own_den = own_den + first[..., None] * torch.einsum("bshd,bhd->bsh", fq, state.run_z)
+                own_g = own_g + first[..., None] * state.run_g[:, None]
+                own_n = own_n + first * state.run_n[:, None]
         seg_gmean = seg_g / seg_n.clamp(min=1)[..., None]
-        own = own_num / (own_den[..., None] + self.eps)
 
         # Finished segments a token may read: the cache's (i < base) and this chunk's earlier ones (r' < rel).
         cands = []
@@ -284,16 +291,21 @@ class MemoryCacheBranch(nn.Module):
         if lay.n_rel > 1:
             cands.append((seg_M, seg_z, seg_gmean, lay.chunk_mask))
         if not cands:
-            y = own
+            y = own_num / (own_den[..., None] + self.eps)
         else:
-            cand_M, cand_z, cand_g = (torch.cat(parts, 1) for parts in list(zip(*cands))[:3])
-            cand_mask = torch.cat([c[3] for c in cands], -1)
-            scores = torch.einsum("bsg,big->bsi", gu, cand_g).masked_fill(~cand_mask, float("-inf"))
+            cand_M, cand_z, cand_g, cand_mask = (
+                torch.cat(parts, 1 if i < 3 else -1) if len(parts) > 1 else parts[0] for i, parts in enumerate(zip(*cands))
+            )
+            I = cand_M.shape[1]
+            scores = torch.matmul(gu, cand_g.transpose(1, 2)).masked_fill(~cand_mask, float("-inf"))
             diag = (gu * own_g).sum(-1, keepdim=True) / own_n.clamp(min=1)[..., None]
             gamma = torch.softmax(torch.cat([scores, diag], -1), dim=-1)
-            g_fin, g_own = gamma[..., :-1], gamma[..., -1]
-            num = torch.einsum("bsi,bshd,bihde->bshe", g_fin, fq, cand_M) + g_own[..., None, None] * own_num
-            den = torch.einsum("bsi,bshd,bihd->bsh", g_fin, fq, cand_z) + g_own[..., None] * own_den
+            g_fin, g_own = gamma[..., :-1], gamma[..., -1:]
+            # Mix the candidate memories per token first (Σ_i γ_i M_i), then read them with φ(q).
+            mixed_M = torch.matmul(g_fin, cand_M.reshape(B, I, -1)).view(B, S, nh, hd, hd)
+            mixed_z = torch.matmul(g_fin, cand_z.reshape(B, I, -1)).view(B, S, nh, hd)
+            num = torch.matmul(fq.unsqueeze(-2), mixed_M).squeeze(-2) + g_own[..., None] * own_num
+            den = (fq * mixed_z).sum(-1) + g_own * own_den
             y = num / (den[..., None] + self.eps)
         y = y.reshape(B, S, nh * hd)
 
@@ -488,7 +500,8 @@ class HyperConnection(nn.Module):
         self.post_scale = nn.Parameter(torch.ones(hc_mult))
 
     def pre_op(self, X: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("m,bmsh->bsh", torch.softmax(self.pre_logits.float(), 0).to(X.dtype), X)
+        w = torch.softmax(self.pre_logits, 0, dtype=torch.float32).to(X.dtype)
+        return torch.matmul(w, X.flatten(2)).view(X.shape[0], *X.shape[2:])
 
     def post_op(self, X: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return X + self.post_scale.to(X.dtype)[None, :, None, None] * out[:, None]
@@ -502,7 +515,8 @@ class HCOutputMix(nn.Module):
         self.mix_logits = nn.Parameter(torch.zeros(hc_mult))
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("m,bmsh->bsh", torch.softmax(self.mix_logits.float(), 0).to(X.dtype), X)
+        w = torch.softmax(self.mix_logits, 0, dtype=torch.float32).to(X.dtype)
+        return torch.matmul(w, X.flatten(2)).view(X.shape[0], *X.shape[2:])
 
 
 class DepthAttention:
