@@ -74,6 +74,7 @@ class LoopSlotLayer(CacheLayerMixin):
         self.max_cache_len = max_cache_len
         self.mc: MemoryCacheState | None = None
         self.elo: torch.Tensor | None = None  # Elo attention: [B, heads, length] ratings of the cached keys
+        self.record_past = False  # set on every slot by `SpikeWhaleCache.activate_past_recording`
         self._length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -145,10 +146,10 @@ class SpikeWhaleCache(Cache):
     number of real tokens, the Memory-Cache segment index of each row, and the Engram compressed vectors
     of every cached position (the n-gram prefix of the next chunk).
 
-    Rollback: `crop(n)` removes the last `n` positions. K/V and the Engram prefix are positional; the
-    Memory-Cache running sums are not, so every forward records the per-slot running state at each
-    position of its chunk while `record_past` is on (see `activate_past_recording`), and at chunk
-    starts always; `crop` restores the state recorded at the new length and raises if none was recorded.
+    Rollback: `crop(-k)` removes the last `k` positions (transformers' convention). K/V and the Engram prefix
+    are positional; the Memory-Cache (and Elo) state is not, so every forward records the per-slot state at each
+    position of its chunk while `record_past` is on (see `activate_past_recording`), and at chunk starts
+    always; `crop` restores the state recorded at the new length and raises if none was recorded.
     """
 
     def __init__(self, config: SpikeWhaleConfig, max_cache_len: int | None = None):
@@ -170,6 +171,18 @@ class SpikeWhaleCache(Cache):
         self.record_past = False
         self._history: dict[int, list[MemoryCacheState | None]] = {}
         self._chunk_start = 0
+
+    @property
+    def record_past(self) -> bool:
+        """Whether forwards record per-position states for `crop`: on after `activate_past_recording()`, off
+        again after `deactivate_past_recording()` or when the slots' `record_past` flags are cleared (which is
+        how transformers' own generation loops end a recording)."""
+        return all(layer.record_past for layer in self.layers)
+
+    @record_past.setter
+    def record_past(self, value: bool) -> None:
+        for layer in self.layers:
+            layer.record_past = bool(value)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seq_len
@@ -271,14 +284,21 @@ class SpikeWhaleCache(Cache):
         return prefix
 
     def activate_past_recording(self) -> None:
-        """Record per-position Memory-Cache states until the next `crop`, so any rollback is exact."""
+        """Record per-position Memory-Cache (and Elo) states of every following forward, so that `crop` can roll
+        back into the middle of a chunk exactly. Stays on across crops (each crop drops the states it no longer
+        needs) until `deactivate_past_recording()` - transformers' semantics."""
         self.record_past = True
+
+    def deactivate_past_recording(self) -> None:
+        """Stop recording and drop the recorded states (a crop back to the last chunk start stays possible)."""
+        self.record_past = False
+        self._history = {k: [(p, s) for p, s in v if p == self._chunk_start][-1:] for k, v in self._history.items()}
 
     def crop(self, max_length: int) -> None:
         """Roll the cache back, with the `transformers` 5.x convention: `crop(-k)` removes the last `k`
         positions, `crop(n)` with n > 0 keeps the first `n` (the legacy "crop to max_length" form), and
-        `crop(0)` removes nothing. Every call ends `activate_past_recording` (the recorded per-position
-        states are dropped), as the library's own generation loops expect.
+        `crop(0)` removes nothing. Recorded states that can no longer be needed are dropped; an active
+        recording stays on (as in transformers: assisted decoding activates it once and crops every step).
 
         K/V, padding and the Engram prefix are positional; the Memory-Cache (and Elo) state is restored from
         the state recorded at the new length, which exists at every chunk start and, after
@@ -290,9 +310,12 @@ class SpikeWhaleCache(Cache):
                 f"Cannot crop a cache of length {self.seq_len} with crop({max_length}): crop(-k) removes k "
                 f"positions (0 <= k <= {self.seq_len}), crop(n) keeps the first n."
             )
-        if new_len == self.seq_len:  # keep what an unrecorded forward keeps: the last chunk's start
-            self.record_past = False
-            self._history = {k: [(p, s) for p, s in v if p == self._chunk_start][-1:] for k, v in self._history.items()}
+        if new_len == self.seq_len:
+            if self.record_past:  # keep the states at the last chunk's start and at the current length
+                keep = (self._chunk_start, self.seq_len)
+                self._history = {k: [(p, s) for p, s in v if p in keep][-2:] for k, v in self._history.items()}
+            else:  # keep what an unrecorded forward keeps: the last chunk's start
+                self.deactivate_past_recording()
             return
         old_len = self.seq_len
         restored = {}  # look every state up before touching anything, so a failed crop leaves the cache intact
@@ -321,7 +344,6 @@ class SpikeWhaleCache(Cache):
             self.engram_c[:, new_len:old_len] = 0
         self.seq_len = new_len
         self._chunk_start = new_len
-        self.record_past = False
         self._history = {k: [(p, s) for p, s in v if p <= new_len][-1:] for k, v in self._history.items()}
 
     def _recorded(self, key, length: int):
@@ -473,7 +495,8 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
     if getattr(eff, "use_mtp", None):
         # A config asking for MTP must never reach the library's own MTP path (it assumes the DeepSeek-V3
         # layout and refuses stateful models); ours is routed through `custom_generate` below.
-        generation_config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+        base = generation_config if generation_config is not None else model.generation_config
+        generation_config = copy.deepcopy(base)
         generation_config.use_mtp = False
 
     # --- context window: raise before any work (or truncate the prompt when explicitly asked) ---
@@ -529,14 +552,21 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
             kwargs["attention_mask"] = new_mask
         kwargs.pop("position_ids", None)
 
-    # The model builds its cache in `forward`; `prefill_chunk_size` needs one before the first forward.
-    if eff.prefill_chunk_size and eff.use_cache and cache is None and eff.cache_implementation is None:
+    # The model builds its cache in `forward`; chunked prefill and assisted decoding need one before the first.
+    needs_cache = (eff.prefill_chunk_size or kwargs.get("assistant_model") is not None
+                   or getattr(eff, "prompt_lookup_num_tokens", None))
+    if (needs_cache or getattr(eff, "is_assistant", False)) and eff.use_cache and cache is None \
+            and eff.cache_implementation is None:
         kwargs["cache"] = SpikeWhaleCache(model.config)
+        if getattr(eff, "is_assistant", False):  # drafting for another model: its candidates get rolled back
+            kwargs["cache"].activate_past_recording()
 
     # --- MTP self-speculative decoding ---
     if use_mtp:
         if kwargs.get("custom_generate") is not None:
-            raise ValueError("use_mtp=True runs spike_whale's own decoding loop; it cannot be combined with custom_generate.")
+            raise ValueError(
+                "use_mtp=True runs spike_whale's own decoding loop; it cannot be combined with custom_generate."
+            )
         if kwargs.get("assistant_model") is not None:
             raise ValueError("use_mtp=True drafts with the model's own MTP head; do not pass an assistant_model.")
         if eff.do_sample or eff.num_beams != 1:
@@ -550,7 +580,9 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
         if not len(getattr(model, "mtp_heads", ())):
             raise ValueError("use_mtp=True needs an MTP head, but this config has num_nextn_predict_layers=0.")
         if not eff.use_cache:
-            raise ValueError("use_mtp=True verifies drafts against the cache and rolls it back; it needs use_cache=True.")
+            raise ValueError(
+                "use_mtp=True verifies drafts against the cache and rolls it back; it needs use_cache=True."
+            )
         if draft_tokens is not None and not 1 <= int(draft_tokens) <= len(model.mtp_heads):
             raise ValueError(
                 f"mtp_draft_tokens={draft_tokens}: this model has {len(model.mtp_heads)} MTP head(s), one per "
@@ -655,43 +687,43 @@ def mtp_speculative_generate(
         return torch.stack(out, 1) if out else input_ids.new_zeros(B, 0)
 
     past = cache.get_seq_length()
-    if past >= input_ids.shape[1]:
+    embeds = model_kwargs.get("inputs_embeds")
+    prompt = {"inputs_embeds": embeds[:, past:]} if embeds is not None else {"input_ids": input_ids[:, past:]}
+    if next(iter(prompt.values())).shape[1] == 0:
         raise ValueError(
-            f"The cache already holds {past} positions but input_ids has {input_ids.shape[1]}; to continue a "
-            "conversation pass the full ids (previous turns + the new tokens) together with the returned cache."
+            f"The cache already holds {past} positions, as many as the prompt; to continue a conversation pass the "
+            "full ids (previous turns + the new tokens) together with the returned cache."
         )
-    out = model(input_ids=input_ids[:, past:], attention_mask=attention_mask, cache=cache, use_cache=True,
-                logits_to_keep=1)
+    out = model(**prompt, attention_mask=attention_mask, cache=cache, use_cache=True, logits_to_keep=1)
     stats.forwards += 1
     tok = emit(out.logits[:, -1])
     h_last = out.last_hidden_state[:, -1]
     max_length = generation_config.max_length
-    while unfinished.max() > 0:
-        cur = input_ids.shape[1]  # the cache holds cur - 1 positions; `tok` (the last id) is pending
-        k = max(0, min(K, max_length - cur - 1, cache.max_cache_len - cur))
-        drafts = draft(h_last, k)
-        chunk = torch.cat([tok[:, None], drafts], dim=1)
-        if k:
-            cache.activate_past_recording()
-        out = model(input_ids=chunk, cache=cache, use_cache=True)
-        stats.forwards += 1
-        stats.verify_steps += int(k > 0)
-        emitted, rejected = 0, False
-        for j in range(k + 1):
-            tok = emit(out.logits[:, j])
-            emitted += 1
-            if unfinished.max() == 0 or j == k:
-                break
-            stats.drafted += 1
-            if not bool(((tok == drafts[:, j]) | (unfinished == 0)).all()):
-                rejected = True
-                break
-            stats.accepted += 1
-        if k:
-            cache.crop(-(k + 1 - emitted))  # crop(0) still ends the per-position recording
+    cache.activate_past_recording()  # after the prefill: per-position states of the verification chunks only
+    try:
+        while unfinished.max() > 0:
+            cur = input_ids.shape[1]  # the cache holds cur - 1 positions; `tok` (the last id) is pending
+            k = max(0, min(K, max_length - cur - 1, cache.max_cache_len - cur))
+            drafts = draft(h_last, k)
+            out = model(input_ids=torch.cat([tok[:, None], drafts], dim=1), cache=cache, use_cache=True)
+            stats.forwards += 1
+            stats.verify_steps += int(k > 0)
+            emitted, rejected = 0, False
+            for j in range(k + 1):  # the main head's greedy choice after each fed token, until a draft is wrong
+                tok = emit(out.logits[:, j])
+                emitted += 1
+                if unfinished.max() == 0 or j == k:
+                    break
+                stats.drafted += 1
+                if not bool(((tok == drafts[:, j]) | (unfinished == 0)).all()):
+                    rejected = True
+                    break
+                stats.accepted += 1
+            cache.crop(-(k + 1 - emitted))  # drop the rejected drafts (crop(0) just trims the recorded states)
             stats.rollbacks += int(rejected)
-        h_last = out.last_hidden_state[:, emitted - 1]
-
+            h_last = out.last_hidden_state[:, emitted - 1]
+    finally:
+        cache.deactivate_past_recording()
     if streamer is not None:
         streamer.end()
     model.last_mtp_stats = stats

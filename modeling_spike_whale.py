@@ -945,7 +945,9 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
     _no_split_modules = ["SpikeWhaleDecoderLayer", "MTPHead"]
     _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
-    _is_stateful = True
+    # The loop-slot cache rolls back exactly (`crop` restores the Memory-Cache state), so assisted decoding and
+    # prompt lookup are allowed.
+    _is_stateful = False
     # RoPE caches and the Engram hash projections stay float32 under a bf16/fp16 load: rounding the hash
     # projections would move tokens between n-gram buckets.
     _keep_in_fp32_modules_strict = ["rope", "hash_proj"]

@@ -14,7 +14,6 @@ is 1 if any check fails.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -182,6 +181,10 @@ def format_table(results: list[CheckResult]) -> str:
     return "\n".join(lines)
 
 
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
 def run(args) -> int:
     from transformers import AutoModelForCausalLM
 
@@ -202,8 +205,8 @@ def run(args) -> int:
 
     fp = cache_footprint(cfg, 1, dtype)
     print(f"static cache per sequence at the full context ({cfg.num_loop_slots} slots x {cfg.max_position_embeddings} "
-          f"tok, {args.dtype}): K/V {fp['kv'] / 1e9:.3f} GB + Memory-Cache state {fp['memory_cache'] / 1e9:.3f} GB "
-          f"+ Engram codes {fp['engram'] / 1e9:.4f} GB")
+          f"tok, {args.dtype}): K/V {_size(fp['kv'])} + Memory-Cache state {_size(fp['memory_cache'])} "
+          f"+ Engram codes {_size(fp['engram'])}")
     mc = f"Memory-Cache segment {cfg.mc_segment_len} tokens" if cfg.use_memory_cache else "Memory Cache off"
     print(f"{mc}; context {cfg.max_position_embeddings}; reference: use_cache=False (full recompute every step)")
     print()
