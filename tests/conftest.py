@@ -47,6 +47,16 @@ def tiny_model(seed: int = 0, gates_open: bool = True, **overrides) -> SpikeWhal
     return open_gates(model) if gates_open else model
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and when the 2 cores are shared OpenMP's spinning makes
+    them 10-40x slower; run the tests single-threaded (`run_fresh_python` children follow)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def make_tiny_model():
     return tiny_model
@@ -54,7 +64,10 @@ def make_tiny_model():
 
 def run_fresh_python(code: str, tmp_path, timeout: int = 240) -> str:
     """Run `code` in a fresh interpreter (remote-code loading must not see this process's registrations)."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), TRANSFORMERS_VERBOSITY="error")
+    # The child uses this process's thread count, so float reductions run in the same order and logits
+    # computed on both sides compare bit for bit.
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), TRANSFORMERS_VERBOSITY="error",
+               OMP_NUM_THREADS=str(torch.get_num_threads()))
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=timeout,
         cwd=str(tmp_path),

@@ -34,15 +34,6 @@ L = 8  # Memory-Cache segment length of the tiny config
 TOL = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core box OpenMP waits make them ~20x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def model():
     return tiny_model(seed=0, tie_word_embeddings=False)

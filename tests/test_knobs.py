@@ -40,16 +40,6 @@ KNOBS = {
     "mtp_2_heads": (dict(num_nextn_predict_layers=2), {}),
 }
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core box the thread pool's spinning
-    makes these tests 10-40x slower; run them single-threaded and restore the setting afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # Zero-init parameters of the knobs themselves (beyond conftest.ZERO_INIT_GATES), opened for the tests.
 KNOB_GATES = ("elo_gain", "ve_gate", "engram_fusion.o_proj")
 

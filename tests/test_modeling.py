@@ -1,9 +1,8 @@
 import json
-import math
 
 import pytest
 import torch
-from conftest import open_gates, tiny_config, tiny_model
+from conftest import open_gates, tiny_model
 from safetensors import safe_open
 
 from spike_whale import SpikeWhaleCache, SpikeWhaleConfig, SpikeWhaleForCausalLM, SpikeWhaleLM

@@ -10,16 +10,6 @@ import torch.nn.functional as F
 from conftest import tiny_model
 from spike_whale.modeling_spike_whale import three_tier_param_groups
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core box the thread pool's spinning
-    makes these tests 10-40x slower; run them single-threaded and restore the setting afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # Every loss term on: learned-router MoE layers (plus a hash layer), HRM deep supervision over 3 steps,
 # the abstain head, two MTP heads and the z-loss, on top of the tiny model's 114M mechanisms.
 FULL = dict(
