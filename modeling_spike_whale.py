@@ -57,6 +57,16 @@ def rename_checkpoint_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, tor
     return out
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t.to(dtype)` without the dispatch when it already has that dtype (a decode step makes thousands)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t.to(device)` without the dispatch when it is already there."""
+    return t if t.device == device else t.to(device)
+
+
 class SpikeWhaleRMSNorm(nn.Module):
     """y = x · rsqrt(mean(x²) + ε) · w (ε inside the root; bit-identical to the reference's formula in float32)."""
 
@@ -120,7 +130,7 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     """[nope | r1 r2] → [nope | r1·cos − r2·sin, r1·sin + r2·cos] (rotate-half on the trailing rope slice)."""
     half = cos.shape[-1]
     nope, r1, r2 = x[..., : -2 * half], x[..., -2 * half : -half], x[..., -half:]
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    cos, sin = _as(cos, x.dtype), _as(sin, x.dtype)
     return torch.cat([nope, r1 * cos - r2 * sin, r1 * sin + r2 * cos], dim=-1)
 
 
@@ -224,7 +234,7 @@ class MemoryCacheBranch(nn.Module):
         self.mc_gate = nn.Parameter(torch.zeros(1))
 
     def phi(self, x: torch.Tensor) -> torch.Tensor:
-        return F.elu(x * self.feature_scale.float()) + 1.0
+        return F.elu(x * _as(self.feature_scale, torch.float32)) + 1.0
 
     @force_accelerate_hooks(["qkv_proj", "o_proj", "gate_proj"])
     def forward(self, u: torch.Tensor, ctx: ForwardContext, slot: int) -> torch.Tensor:
@@ -232,21 +242,24 @@ class MemoryCacheBranch(nn.Module):
         cache = ctx.cache
         state = cache.mc_state(slot) if cache is not None else None
         with torch.autocast(device_type=u.device.type, enabled=False):
-            y, new_state, per_pos = self._memory_readout(u.float(), lay, state, cache)
-            out = F.linear(y, self.o_proj.weight.float(), self.o_proj.bias.float())
-            out = torch.tanh(self.mc_gate.float()) * out
+            f32 = torch.float32
+            y, new_state, per_pos = self._memory_readout(_as(u, f32), lay, state, cache)
+            out = F.linear(y, _as(self.o_proj.weight, f32), _as(self.o_proj.bias, f32))
+            out = torch.tanh(_as(self.mc_gate, f32)) * out
             if lay.padded:
                 out = out * lay.valid_f[..., None]
         if cache is not None:
             cache.set_mc_state(slot, new_state, per_pos)
-        return out.to(u.dtype)
+        return _as(out, u.dtype)
 
     def _memory_readout(self, x, lay: SegmentLayout, state: MemoryCacheState | None, cache):
         B, S, _ = x.shape
         nh, hd, gd = self.nh, self.hd, self.gd
-        q, k, v = F.linear(x, self.qkv_proj.weight.float(), self.qkv_proj.bias.float()).view(B, S, 3, nh, hd).unbind(2)
-        g = F.linear(x, self.gate_proj.weight.float())
-        gu, gk = g[..., :gd] + self.gate_bias.float(), g[..., gd:]
+        f32 = torch.float32
+        qkv = F.linear(x, _as(self.qkv_proj.weight, f32), _as(self.qkv_proj.bias, f32))
+        q, k, v = qkv.view(B, S, 3, nh, hd).unbind(2)
+        g = F.linear(x, _as(self.gate_proj.weight, f32))
+        gu, gk = g[..., :gd] + _as(self.gate_bias, f32), g[..., gd:]
         fq, fk = self.phi(q), self.phi(k)
         if lay.padded:
             vf = lay.valid_f
@@ -254,19 +267,23 @@ class MemoryCacheBranch(nn.Module):
 
         # Each chunk segment's totals (the cache's running sums carried into relative segment 0).
         if lay.n_rel == 1:
-            seg_M = torch.matmul(fk.permute(0, 2, 3, 1), v.transpose(1, 2))[:, None]
-            seg_z, seg_g, seg_n = fk.sum(1)[:, None], gk.sum(1)[:, None], lay.valid_f.sum(1)[:, None]
+            seg_M, seg_z = torch.matmul(fk.permute(0, 2, 3, 1), v.transpose(1, 2)), fk.sum(1)
+            seg_g, seg_n = gk.sum(1), lay.valid_f.sum(1)
+            if state is not None:
+                seg_M, seg_z = seg_M + state.run_M, seg_z + state.run_z
+                seg_g, seg_n = seg_g + state.run_g, seg_n + state.run_n
+            seg_M, seg_z, seg_g, seg_n = seg_M[:, None], seg_z[:, None], seg_g[:, None], seg_n[:, None]
         else:
             E = lay.onehot
             seg_M = torch.einsum("bsr,bshd,bshe->brhde", E, fk, v)
             seg_z = torch.einsum("bsr,bshd->brhd", E, fk)
             seg_g = torch.einsum("bsr,bsg->brg", E, gk)
             seg_n = E.sum(1)
-        if state is not None:
-            seg_M[:, 0] += state.run_M
-            seg_z[:, 0] += state.run_z
-            seg_g[:, 0] += state.run_g
-            seg_n[:, 0] += state.run_n
+            if state is not None:
+                seg_M[:, 0] += state.run_M
+                seg_z[:, 0] += state.run_z
+                seg_g[:, 0] += state.run_g
+                seg_n[:, 0] += state.run_n
 
         # Causal running sums of each token's own segment. A one-token chunk's are its segment's totals.
         if S == 1 and lay.n_rel == 1:
@@ -500,11 +517,11 @@ class HyperConnection(nn.Module):
         self.post_scale = nn.Parameter(torch.ones(hc_mult))
 
     def pre_op(self, X: torch.Tensor) -> torch.Tensor:
-        w = torch.softmax(self.pre_logits, 0, dtype=torch.float32).to(X.dtype)
+        w = _as(torch.softmax(self.pre_logits, 0, dtype=torch.float32), X.dtype)
         return torch.matmul(w, X.flatten(2)).view(X.shape[0], *X.shape[2:])
 
     def post_op(self, X: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return X + self.post_scale.to(X.dtype)[None, :, None, None] * out[:, None]
+        return X + _as(self.post_scale, X.dtype)[None, :, None, None] * out[:, None]
 
 
 class HCOutputMix(nn.Module):
@@ -515,7 +532,7 @@ class HCOutputMix(nn.Module):
         self.mix_logits = nn.Parameter(torch.zeros(hc_mult))
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
-        w = torch.softmax(self.mix_logits, 0, dtype=torch.float32).to(X.dtype)
+        w = _as(torch.softmax(self.mix_logits, 0, dtype=torch.float32), X.dtype)
         return torch.matmul(w, X.flatten(2)).view(X.shape[0], *X.shape[2:])
 
 
@@ -531,11 +548,11 @@ class DepthAttention:
         B, nh, S, hd = q.shape
         kvh = k.shape[1]
         qbar = q.view(B, kvh, nh // kvh, S, hd).mean(2)
-        keys = torch.stack([src[0].to(k.device) for src in sources] + [k])
-        values = torch.stack([src[1].to(v.device) for src in sources] + [v])
-        w = torch.softmax((qbar * keys).sum(-1).float() / math.sqrt(hd), dim=0).to(v.dtype)
+        keys = torch.stack([_on(src[0], k.device) for src in sources] + [k])
+        values = torch.stack([_on(src[1], v.device) for src in sources] + [v])
+        w = _as(torch.softmax((qbar * keys).sum(-1) / math.sqrt(hd), dim=0, dtype=torch.float32), v.dtype)
         mixed = (w[..., None] * values).sum(0)
-        return v + torch.tanh(gate).to(v.dtype) * (mixed - v)
+        return v + _as(torch.tanh(gate), v.dtype) * (mixed - v)
 
 
 def sdpa_attention(q, k, v, mask, is_causal, dropout):
@@ -663,7 +680,7 @@ class SpikeWhaleAttention(nn.Module):
             self.elo_k = nn.Parameter(torch.full((nh,), float(config.elo_k_init)))
 
     def _attend(self, q, k, v, ctx: ForwardContext, slot: int) -> torch.Tensor:
-        mask = ctx.attn_mask.to(q.device) if ctx.attn_mask is not None else None
+        mask = _on(ctx.attn_mask, q.device) if ctx.attn_mask is not None else None
         dropout = self.config.attention_dropout if self.training else 0.0
         if self.attn_kind == "derf":
             return derf_attention(
@@ -692,7 +709,7 @@ class SpikeWhaleAttention(nn.Module):
         v = self.v_proj(u).view(B, S, self.kvh, self.hd).transpose(1, 2)
         if self.config.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self.rope(ctx.positions.to(u.device))
+        cos, sin = self.rope(_on(ctx.positions, u.device))
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
         depth_entry = (k, v) if self.is_depth_checkpoint else None
         if self.depth_gate is not None and depth_sources:
@@ -891,7 +908,8 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
         if self.ve_gate is not None:
             h = h + torch.tanh(self.ve_gate).to(h.dtype) * token_embed.to(h.device, h.dtype)
         a, depth_entry = self.attn(self.attn_norm(h), ctx, slot, depth_sources)
-        a = F.dropout(a, self.hidden_dropout, self.training)
+        if self.training and self.hidden_dropout:
+            a = F.dropout(a, self.hidden_dropout, True)
         X = self.hc_attn.post_op(X, a) if self.use_hc else X + a
         h = self.hc_ffn.pre_op(X) if self.use_hc else X
         aux = None
@@ -899,7 +917,8 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
             f, aux = self.ffn(self.ffn_norm(h), ctx)
         else:
             f = self.ffn(self.ffn_norm(h))
-        f = F.dropout(f, self.hidden_dropout, self.training)
+        if self.training and self.hidden_dropout:
+            f = F.dropout(f, self.hidden_dropout, True)
         X = self.hc_ffn.post_op(X, f) if self.use_hc else X + f
         dk, dv = depth_entry if depth_entry is not None else (None, None)
         return X, aux, dk, dv
@@ -1146,7 +1165,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                 depth_sources = []
                 if self.loop_pass_embed is not None:
                     index = torch.full((1,), loop_pass, dtype=torch.long, device=X.device)
-                    X = X + self.loop_pass_embed(index).to(X.device, X.dtype)
+                    X = X + _as(_on(self.loop_pass_embed(index), X.device), X.dtype)
             layer = self.layers[layer_idx]
             depth_flat = [t for entry in depth_sources for t in entry]
             X, aux, dk, dv = layer(X, token_embed, engram_r, *depth_flat, ctx=ctx, slot=slot)
