@@ -55,9 +55,6 @@ class MemoryCacheState:
             run_n=torch.zeros(batch, **f32),
         )
 
-    def running(self) -> tuple[torch.Tensor, ...]:
-        return self.run_M, self.run_z, self.run_g, self.run_n
-
     def map(self, fn) -> "MemoryCacheState":
         return MemoryCacheState(**{f.name: fn(getattr(self, f.name)) for f in fields(self)})
 

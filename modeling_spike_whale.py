@@ -373,6 +373,10 @@ class MemoryCacheBranch(nn.Module):
             state = MemoryCacheState.empty(B, cache.n_mc_segments, self.nh, self.hd, self.gd, device)
         if lay.n_rel == 1:
             return MemoryCacheState(state.fin_M, state.fin_z, state.fin_g, seg_M[:, 0], seg_z[:, 0], seg_g[:, 0], seg_n[:, 0])
+        # fin_* are written in place and shared with the states recorded for rollback. That is safe because a
+        # row only ever reads entries below its current segment, and an entry is written only once its segment
+        # is finished (the running segment and padding-only rows write to the sink); a rollback to an earlier
+        # segment masks the later entries until they are finished, and rewritten, again.
         last = lay.new_segment - lay.base
         rows = torch.arange(B, device=device)
         sink = state.fin_M.shape[1] - 1
