@@ -59,6 +59,17 @@ class LoopPlan:
     def num_slots(self) -> int:
         return len(self.entries)
 
+    @property
+    def runs(self) -> tuple[tuple[int, int, int | None], ...]:
+        """The plan cut at pass starts: (first slot, end slot, loop pass or None if the run starts no pass).
+        Depth attention reads only layers of its own run."""
+        cuts = [i for i, start in enumerate(self.pass_starts) if start and i > 0] + [len(self.entries)]
+        runs, lo = [], 0
+        for hi in cuts:
+            runs.append((lo, hi, self.entries[lo][1] if self.pass_starts[lo] else None))
+            lo = hi
+        return tuple(runs)
+
 
 _PRESET_BYRNE_100M = dict(
     vocab_size=16512,

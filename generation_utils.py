@@ -96,6 +96,10 @@ class LoopSlotLayer(CacheLayerMixin):
         self._length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
+    def mark_written(self, end: int) -> None:
+        """Record that `keys`/`values` were written in place up to `end` (the one-token decode path)."""
+        self._length = end
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self._length + query_length, 0
 

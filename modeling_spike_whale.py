@@ -242,25 +242,61 @@ class MemoryCacheBranch(nn.Module):
         cache = ctx.cache
         state = cache.mc_state(slot) if cache is not None else None
         with torch.autocast(device_type=u.device.type, enabled=False):
-            f32 = torch.float32
-            y, new_state, per_pos = self._memory_readout(_as(u, f32), lay, state, cache)
-            out = F.linear(y, _as(self.o_proj.weight, f32), _as(self.o_proj.bias, f32))
-            out = torch.tanh(_as(self.mc_gate, f32)) * out
+            y, new_state, per_pos = self._memory_readout(_as(u, torch.float32), lay, state, cache)
+            out = self._output(y)
             if lay.padded:
                 out = out * lay.valid_f[..., None]
         if cache is not None:
             cache.set_mc_state(slot, new_state, per_pos)
         return _as(out, u.dtype)
 
-    def _memory_readout(self, x, lay: SegmentLayout, state: MemoryCacheState | None, cache):
+    def _features(self, x: torch.Tensor):
+        """φ(q), φ(k), v ([B, S, nh, hd]) and the gate query u / gate key W_k x ([B, S, gd]) of float32 x."""
         B, S, _ = x.shape
-        nh, hd, gd = self.nh, self.hd, self.gd
         f32 = torch.float32
         qkv = F.linear(x, _as(self.qkv_proj.weight, f32), _as(self.qkv_proj.bias, f32))
-        q, k, v = qkv.view(B, S, 3, nh, hd).unbind(2)
+        q, k, v = qkv.view(B, S, 3, self.nh, self.hd).unbind(2)
         g = F.linear(x, _as(self.gate_proj.weight, f32))
-        gu, gk = g[..., :gd] + _as(self.gate_bias, f32), g[..., gd:]
-        fq, fk = self.phi(q), self.phi(k)
+        gu, gk = g[..., : self.gd] + _as(self.gate_bias, f32), g[..., self.gd :]
+        return self.phi(q), self.phi(k), v, gu, gk
+
+    def _output(self, y: torch.Tensor) -> torch.Tensor:
+        """tanh(mc_gate) · o_proj(y), float32."""
+        f32 = torch.float32
+        out = F.linear(y, _as(self.o_proj.weight, f32), _as(self.o_proj.bias, f32))
+        return torch.tanh(_as(self.mc_gate, f32)) * out
+
+    def decode(self, u: torch.Tensor, state: tuple, fin_mask: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """`forward` for one new token per row that stays in its row's current segment, with the slot's state
+        passed in (the fields of `MemoryCacheState`) and returned: O(finished segments), nothing re-read.
+
+        fin_mask: [B, n] readable finished segments (n = the cache's finished-segment count)."""
+        fin_M, fin_z, fin_g, run_M, run_z, run_g, run_n = state
+        B = u.shape[0]
+        with torch.autocast(device_type=u.device.type, enabled=False):
+            fq, fk, v, gu, gk = (t[:, 0] for t in self._features(_as(u, torch.float32)))
+            run_M = run_M + fk[..., :, None] * v[..., None, :]
+            run_z, run_g, run_n = run_z + fk, run_g + gk, run_n + 1
+            num = torch.matmul(fq.unsqueeze(-2), run_M).squeeze(-2)
+            den = (fq * run_z).sum(-1)
+            n = fin_mask.shape[1]
+            if n:
+                scores = torch.matmul(fin_g[:, :n], gu[..., None]).squeeze(-1).masked_fill(~fin_mask, float("-inf"))
+                diag = (gu * run_g).sum(-1, keepdim=True) / run_n.clamp(min=1)[:, None]
+                gamma = torch.softmax(torch.cat([scores, diag], -1), dim=-1)
+                g_fin, g_own = gamma[:, None, :-1], gamma[:, -1:]
+                mixed_M = torch.matmul(g_fin, fin_M[:, :n].reshape(B, n, -1)).view(run_M.shape)
+                mixed_z = torch.matmul(g_fin, fin_z[:, :n].reshape(B, n, -1)).view(run_z.shape)
+                num = torch.matmul(fq.unsqueeze(-2), mixed_M).squeeze(-2) + g_own[..., None] * num
+                den = (fq * mixed_z).sum(-1) + g_own * den
+            y = (num / (den[..., None] + self.eps)).reshape(B, 1, self.nh * self.hd)
+            out = self._output(y)
+        return _as(out, u.dtype), (fin_M, fin_z, fin_g, run_M, run_z, run_g, run_n)
+
+    def _memory_readout(self, x, lay: SegmentLayout, state: MemoryCacheState | None, cache):
+        B, S, _ = x.shape
+        nh, hd = self.nh, self.hd
+        fq, fk, v, gu, gk = self._features(x)
         if lay.padded:
             vf = lay.valid_f
             fk, v, gk = fk * vf[..., None, None], v * vf[..., None, None], gk * vf[..., None]
@@ -579,6 +615,20 @@ def eager_attention(q, k, v, mask, is_causal, dropout):
 ATTENTION_FUNCTIONS = {"sdpa": sdpa_attention, "eager": eager_attention}
 
 
+def decode_attention(q, k, v, mask):
+    """softmax(q·kᵀ/√hd)·v for one query per row, each KV head's query group read at once (no K/V repeat):
+    the decode step's softmax attention, as CPU SDPA kernels are slow for a single query. The softmax is spelled
+    out so that inductor keeps it (its attention pattern matcher would swap the SDPA kernel back in)."""
+    B, nh, _, hd = q.shape
+    kvh = k.shape[1]
+    scores = torch.matmul(q.view(B, kvh, nh // kvh, hd), k.transpose(-1, -2)).float() / math.sqrt(hd)
+    if mask is not None:
+        scores = scores.masked_fill(~mask.view(B, 1, 1, -1), float("-inf"))
+    e = torch.exp(scores - scores.amax(-1, keepdim=True))
+    probs = _as(e / e.sum(-1, keepdim=True), v.dtype)
+    return torch.matmul(probs, v).view(B, nh, 1, hd)
+
+
 def _visible(mask, is_causal, S: int, N: int, device) -> torch.Tensor:
     """The boolean [B|1, 1, S, N] "query may read key" matrix behind (mask, is_causal)."""
     if mask is not None:
@@ -685,49 +735,84 @@ class SpikeWhaleAttention(nn.Module):
 
     def _attend(self, q, k, v, ctx: ForwardContext, slot: int) -> torch.Tensor:
         mask = _on(ctx.attn_mask, q.device) if ctx.attn_mask is not None else None
+        if self.attn_kind != "elo":
+            return self._attend_stateless(q, k, v, mask, ctx.is_causal)
+        dropout = self.config.attention_dropout if self.training else 0.0
+        cache = ctx.cache
+        past = cache.elo_state(slot) if cache is not None else None
+        y, ratings, per_query = elo_attention(
+            q, k, v, mask, ctx.is_causal, dropout, self.elo_gain, self.elo_k, past, ctx.valid.to(q.device)
+        )
+        if cache is not None:
+            start = cache.seq_len
+            per_pos = None
+            if cache.record_past:
+                per_pos = [per_query[:, :, j, : start + j + 1] for j in range(q.shape[2])]
+            cache.set_elo_state(slot, ratings, per_pos)
+        return y.to(q.dtype)
+
+    def _attend_stateless(self, q, k, v, mask, is_causal: bool) -> torch.Tensor:
+        """Softmax (SDPA / eager) or DERF attention weights: everything but Elo, whose ratings are state."""
         dropout = self.config.attention_dropout if self.training else 0.0
         if self.attn_kind == "derf":
-            return derf_attention(
-                q, k, v, mask, ctx.is_causal, dropout, self.derf_alpha, self.derf_bias, self.derf_gamma
-            )
-        if self.attn_kind == "elo":
-            cache = ctx.cache
-            past = cache.elo_state(slot) if cache is not None else None
-            y, ratings, per_query = elo_attention(
-                q, k, v, mask, ctx.is_causal, dropout, self.elo_gain, self.elo_k, past, ctx.valid.to(q.device)
-            )
-            if cache is not None:
-                start = cache.seq_len
-                per_pos = None
-                if cache.record_past:
-                    per_pos = [per_query[:, :, j, : start + j + 1] for j in range(q.shape[2])]
-                cache.set_elo_state(slot, ratings, per_pos)
-            return y.to(q.dtype)
+            return derf_attention(q, k, v, mask, is_causal, dropout, self.derf_alpha, self.derf_bias, self.derf_gamma)
         attend = ATTENTION_FUNCTIONS[getattr(self.config, "_attn_implementation", None) or "sdpa"]
-        return attend(q, k, v, mask, ctx.is_causal, dropout)
+        return attend(q, k, v, mask, is_causal, dropout)
 
-    def forward(self, u: torch.Tensor, ctx: ForwardContext, slot: int, depth_sources: tuple):
+    def _project(self, u: torch.Tensor, positions: torch.Tensor):
+        """q [B, nh, S, hd] and k, v [B, kvh, S, hd]: low-rank Q, QK-norm, then partial RoPE on q and k."""
         B, S, _ = u.shape
         q = self.q_b_proj(self.q_a_norm(self.q_a_proj(u))).view(B, S, self.nh, self.hd).transpose(1, 2)
         k = self.k_proj(u).view(B, S, self.kvh, self.hd).transpose(1, 2)
         v = self.v_proj(u).view(B, S, self.kvh, self.hd).transpose(1, 2)
         if self.config.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self.rope(_on(ctx.positions, u.device))
-        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        cos, sin = self.rope(_on(positions, u.device))
+        return apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin), v
+
+    def _mix_depth(self, q, k, v, depth_sources: tuple):
+        """V after depth attention, and this layer's (k, v) if it is a depth checkpoint (else None)."""
         depth_entry = (k, v) if self.is_depth_checkpoint else None
         if self.depth_gate is not None and depth_sources:
             v = DepthAttention.mix(q, k, v, depth_sources, self.depth_gate)
+        return v, depth_entry
+
+    def _output(self, y: torch.Tensor, v_self: torch.Tensor) -> torch.Tensor:
+        """XSA on the attention output, then the low-rank output projection back to [B, S, H]."""
+        if self.config.use_xsa:
+            y = self.remove_self_echo(y, v_self)
+        B, nh, S, hd = y.shape
+        return self.o_b_proj(self.o_a_proj(y.transpose(1, 2).reshape(B, S, nh * hd)))
+
+    def forward(self, u: torch.Tensor, ctx: ForwardContext, slot: int, depth_sources: tuple):
+        q, k, v = self._project(u, ctx.positions)
+        v, depth_entry = self._mix_depth(q, k, v, depth_sources)
         v_self = v
         if ctx.cache is not None:
             k, v = ctx.cache.layers[slot].update(k, v, start=ctx.cache.seq_len)
-        y = self._attend(q, k, v, ctx, slot)
-        if self.config.use_xsa:
-            y = self.remove_self_echo(y, v_self)
-        out = self.o_b_proj(self.o_a_proj(y.transpose(1, 2).reshape(B, S, self.nh * self.hd)))
+        out = self._output(self._attend(q, k, v, ctx, slot), v_self)
         if self.mc is not None:
             out = out + self.mc(u, ctx, slot)
         return out, depth_entry
+
+    def decode(self, u, positions, attn_mask, fin_mask, start: int, keys, values, mc_state, depth_sources: tuple):
+        """`forward` for one new token per row with the slot's state passed in: K/V are written into the slot's
+        static buffers at `start` and the Memory-Cache state tuple comes back updated (see `DecodeStep`)."""
+        q, k, v = self._project(u, positions)
+        v, depth_entry = self._mix_depth(q, k, v, depth_sources)
+        end = start + 1
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        keys, values = keys[:, :, :end], values[:, :, :end]
+        if self.attn_kind == "softmax":
+            y = decode_attention(q, keys, values, attn_mask)
+        else:
+            y = self._attend_stateless(q, keys, values, attn_mask, False)
+        out = self._output(y, v)
+        if self.mc is not None:
+            mc_out, mc_state = self.mc.decode(u, mc_state, fin_mask)
+            out = out + mc_out
+        return out, depth_entry, mc_state
 
     def remove_self_echo(self, y: torch.Tensor, v_self: torch.Tensor) -> torch.Tensor:
         """XSA: y ← y − ⟨y, v̂⟩v̂ with v̂ = v_t/(‖v_t‖ + 1e-8), the query token's own (GQA-shared) value."""
@@ -905,13 +990,22 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
         Tensors that need gradients are positional, so re-entrant activation checkpointing sees them too.
         Returns (X, MoE load-balance loss or None, depth k or None, depth v or None)."""
         depth_sources = tuple(zip(depth_flat[0::2], depth_flat[1::2]))
+        X, aux, (depth_entry,) = self.block(
+            X, token_embed, engram_r, lambda u: self.attn(u, ctx, slot, depth_sources), ctx
+        )
+        dk, dv = depth_entry if depth_entry is not None else (None, None)
+        return X, aux, dk, dv
+
+    def block(self, X, token_embed, engram_r, attention, ctx: ForwardContext | None):
+        """The block around an attention callable u -> (output, *extras): Engram fusion, HC pre/post (or the
+        plain residual), value embedding, pre-norms, FFN or MoE, dropout. Returns (X, MoE aux loss, extras)."""
         if self.engram_fusion is not None:
             fused = self.engram_fusion(X.mean(1) if self.use_hc else X, engram_r)
             X = X + (fused[:, None] if self.use_hc else fused)
         h = self.hc_attn.pre_op(X) if self.use_hc else X
         if self.ve_gate is not None:
             h = h + torch.tanh(self.ve_gate).to(h.dtype) * token_embed.to(h.device, h.dtype)
-        a, depth_entry = self.attn(self.attn_norm(h), ctx, slot, depth_sources)
+        a, *extras = attention(self.attn_norm(h))
         if self.training and self.hidden_dropout:
             a = F.dropout(a, self.hidden_dropout, True)
         X = self.hc_attn.post_op(X, a) if self.use_hc else X + a
@@ -924,8 +1018,98 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
         if self.training and self.hidden_dropout:
             f = F.dropout(f, self.hidden_dropout, True)
         X = self.hc_ffn.post_op(X, f) if self.use_hc else X + f
-        dk, dv = depth_entry if depth_entry is not None else (None, None)
-        return X, aux, dk, dv
+        return X, aux, extras
+
+
+def decode_block(layer: SpikeWhaleDecoderLayer, X, token_embed, engram_r, depth_flat: tuple, positions, attn_mask,
+                 fin_mask, start: int, keys, values, mc_state):
+    """One block of a one-token decode step as a function of tensors (and the write offset) only, so that
+    `torch.compile` can trace it once for every layer and slot. Returns (X, depth entry or None, MC state)."""
+    depth_sources = tuple(zip(depth_flat[0::2], depth_flat[1::2]))
+
+    def attention(u):
+        return layer.attn.decode(u, positions, attn_mask, fin_mask, start, keys, values, mc_state, depth_sources)
+
+    X, _, (depth_entry, mc_state) = layer.block(X, token_embed, engram_r, attention, None)
+    return X, depth_entry, mc_state
+
+
+def decode_run(layers: tuple, X, pass_embed, token_embed, engram_r, positions, attn_mask, fin_mask, start: int,
+               kv: tuple, mc: tuple):
+    """A one-token decode step through one run of the loop plan (a loop pass, or the layers before or after the
+    loop), as a function of tensors and the write offset only, so that `torch.compile` traces it once and reuses
+    it for every pass. kv / mc: per slot of the run, its (K, V) buffers and Memory-Cache state tuple (or None).
+    Returns (X, the run's new Memory-Cache state tuples)."""
+    if pass_embed is not None:
+        X = X + pass_embed
+    depth, mc_out = (), []
+    for layer, (keys, values), state in zip(layers, kv, mc):
+        X, entry, state = decode_block(
+            layer, X, token_embed, engram_r, depth, positions, attn_mask, fin_mask, start, keys, values, state
+        )
+        depth = depth + entry if entry is not None else depth
+        mc_out.append(state)
+    return X, tuple(mc_out)
+
+
+class DecodeStep:
+    """Drives a one-token decode step run by run (`decode_run`, or its `torch.compile`d twin): hands the blocks
+    their slots' static K/V buffers and Memory-Cache state as plain tensors and stores what comes back.
+
+    It runs when every row adds one real token that stays in its current Memory-Cache segment, the cache is warm,
+    no layer keeps state it cannot carry (Elo ratings, MoE routing by token id) and no accelerate hooks move
+    tensors between devices. Anything else takes the general chunk path, which computes the same function.
+    """
+
+    def __init__(self, ctx: ForwardContext, run_fn):
+        self.cache = ctx.cache
+        self.start = ctx.cache.seq_len
+        self.positions, self.attn_mask = ctx.positions, ctx.attn_mask
+        self.fin_mask = ctx.segments.fin_mask if ctx.segments is not None else None
+        self.run_fn = run_fn
+
+    @staticmethod
+    def applies(model: "SpikeWhaleModel", ctx: ForwardContext) -> bool:
+        cache, seg, config = ctx.cache, ctx.segments, model.config
+        if cache is None or cache.seq_len == 0 or ctx.positions.shape[1] != 1 or model.training:
+            return False
+        if config.use_elo or config.use_moe or any(hasattr(layer, "_hf_hook") for layer in model.layers):
+            return False
+        if seg is not None and (seg.padded or seg.n_rel != 1):
+            return False
+        if seg is None and not bool(ctx.valid.all()):
+            return False
+        return all(
+            layer.is_initialized and (seg is None or cache.mc_state(slot) is not None)
+            for slot, layer in enumerate(cache.layers)
+        )
+
+    def run(self, model: "SpikeWhaleModel", X, token_embed, engram_r):
+        """X after every slot of the loop plan."""
+        plan, cache = model.loop_plan, self.cache
+        X = X.contiguous()  # the streams start as an expanded view; one memory layout means one compiled graph
+        for lo, hi, loop_pass in plan.runs:
+            pass_embed = None
+            if loop_pass is not None and model.loop_pass_embed is not None:
+                index = torch.full((1,), loop_pass, dtype=torch.long, device=X.device)
+                pass_embed = _as(model.loop_pass_embed(index), X.dtype)
+            layers = tuple(model.layers[layer_idx] for layer_idx, _ in plan.entries[lo:hi])
+            kv = tuple((cache.layers[slot].keys, cache.layers[slot].values) for slot in range(lo, hi))
+            mc = tuple(self._state_tuple(cache.mc_state(slot)) for slot in range(lo, hi))
+            X, mc_out = self.run_fn(
+                layers, X, pass_embed, token_embed, engram_r, self.positions, self.attn_mask, self.fin_mask,
+                self.start, kv, mc,
+            )
+            for slot, state in zip(range(lo, hi), mc_out):
+                cache.layers[slot].mark_written(self.start + 1)
+                if state is not None:
+                    state = MemoryCacheState(*state)
+                    cache.set_mc_state(slot, state, [state] if cache.record_past else None)
+        return X
+
+    @staticmethod
+    def _state_tuple(state: MemoryCacheState | None) -> tuple | None:
+        return None if state is None else tuple(getattr(state, f.name) for f in fields(state))
 
 
 class HRMRefinement(nn.Module):
@@ -1047,6 +1231,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         self.hrm_refine = HRMRefinement(config) if config.use_hrm_refine else None
         self.norm = SpikeWhaleRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.gradient_checkpointing = False
+        self._decode_run = decode_run
         if self.engram is not None:
             for table in self.engram.lookup.tables:
                 table._spike_init_std = 0.01
@@ -1132,6 +1317,23 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             segments = SegmentLayout.build(positions, valid, base, L, n_fin)
         return ForwardContext(positions, valid, attn_mask, is_causal, cache, segments)
 
+    def _run_slots(self, X, token_embed, engram_r, ctx: ForwardContext):
+        """The general chunk path through every loop-plan slot. Returns (X, the MoE load-balance losses)."""
+        aux_terms, depth_sources = [], []
+        for slot, ((layer_idx, loop_pass), starts_pass) in enumerate(zip(self.loop_plan.entries, self.loop_plan.pass_starts)):
+            if starts_pass:
+                depth_sources = []
+                if self.loop_pass_embed is not None:
+                    index = torch.full((1,), loop_pass, dtype=torch.long, device=X.device)
+                    X = X + _as(_on(self.loop_pass_embed(index), X.device), X.dtype)
+            depth_flat = [t for entry in depth_sources for t in entry]
+            X, aux, dk, dv = self.layers[layer_idx](X, token_embed, engram_r, *depth_flat, ctx=ctx, slot=slot)
+            if dk is not None:
+                depth_sources.append((dk, dv))
+            if aux is not None:
+                aux_terms.append(aux.to(ctx.positions.device))
+        return X, aux_terms
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -1161,22 +1363,11 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             e, engram_c, engram_r = self.engram(x, ctx.positions, prefix)
             x = x + e
         token_embed = inputs_embeds if self.config.use_value_embed else None
-        aux_terms = []
         X = x[:, None].expand(B, self.config.hc_mult, S, x.shape[-1]) if self.hc_out_mix is not None else x
-        depth_sources: list = []
-        for slot, ((layer_idx, loop_pass), starts_pass) in enumerate(zip(self.loop_plan.entries, self.loop_plan.pass_starts)):
-            if starts_pass:
-                depth_sources = []
-                if self.loop_pass_embed is not None:
-                    index = torch.full((1,), loop_pass, dtype=torch.long, device=X.device)
-                    X = X + _as(_on(self.loop_pass_embed(index), X.device), X.dtype)
-            layer = self.layers[layer_idx]
-            depth_flat = [t for entry in depth_sources for t in entry]
-            X, aux, dk, dv = layer(X, token_embed, engram_r, *depth_flat, ctx=ctx, slot=slot)
-            if dk is not None:
-                depth_sources.append((dk, dv))
-            if aux is not None:
-                aux_terms.append(aux.to(device))
+        if DecodeStep.applies(self, ctx):
+            X, aux_terms = DecodeStep(ctx, self._decode_run).run(self, X, token_embed, engram_r), []
+        else:
+            X, aux_terms = self._run_slots(X, token_embed, engram_r, ctx)
         x = self.hc_out_mix(X) if self.hc_out_mix is not None else X
         steps = self.hrm_refine(x) if self.hrm_refine is not None else [x]
         steps = [self.norm(h) for h in steps]
@@ -1269,6 +1460,25 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         The work is done in `generation_utils.spike_whale_generate`.
         """
         return spike_whale_generate(self, super().generate, inputs, generation_config, **kwargs)
+
+    def compile_decode(self, enable: bool = True, **compile_kwargs) -> None:
+        """Run one-token decode steps through `torch.compile` (the gpt-fast recipe, on the loop-slot cache).
+
+        Each run of the loop plan (a loop pass) becomes one graph with dynamic shapes, traced on the first
+        eligible step and reused by every pass and step after it; prefill, multi-token chunks and the other
+        cases `DecodeStep` leaves to the general path stay eager. The first compiled step takes about a minute
+        for the 114M preset on 2 CPU cores (inductor caches the result on disk for later processes).
+        `compile_kwargs` go to `torch.compile` (e.g. `mode=...`, `options={"cpp_wrapper": True}`). Guards on
+        built-in modules (`nn.Linear`, ...) are skipped to keep the per-pass dispatch cheap, so call this again
+        after replacing or re-typing weights. `enable=False` returns to eager decoding.
+        """
+        if not enable:
+            self.model._decode_run = decode_run
+            return
+        options = {"guard_filter_fn": torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe}
+        options.update(compile_kwargs.pop("options", None) or {})
+        compile_kwargs.setdefault("dynamic", True)
+        self.model._decode_run = torch.compile(decode_run, options=options, **compile_kwargs)
 
     def get_input_embeddings(self):
         return self.model.embed_tokens

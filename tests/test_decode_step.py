@@ -1,0 +1,116 @@
+"""The one-token decode path (`DecodeStep` / `decode_run`) and its `torch.compile`d form.
+
+Every other generation test already decodes through `DecodeStep` where it applies; these tests pin down where
+it applies, that it computes the same function as the general chunk path (and a full recompute), and that
+`compile_decode()` does too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spike_whale import modeling_spike_whale as msw
+
+from conftest import tiny_model
+
+L = 8  # Memory-Cache segment length of the tiny config
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=3)
+
+
+def count_decode_steps(monkeypatch):
+    calls = []
+    run = msw.DecodeStep.run
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.start)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(msw.DecodeStep, "run", counted)
+    return calls
+
+
+def decode_logits(model, ids, mask, prefill: int) -> torch.Tensor:
+    """Logits of a prefill of `prefill` positions followed by one-token steps over the rest of `ids`."""
+    with torch.no_grad():
+        out = model(ids[:, :prefill], attention_mask=mask[:, :prefill], use_cache=True)
+        cache, got = out.cache, [out.logits]
+        for t in range(prefill, ids.shape[1]):
+            got.append(model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache, use_cache=True).logits)
+    return torch.cat(got, 1)
+
+
+def batch(seed: int = 0):
+    """Two rows, the second left-padded by 3, 4 * L positions (so decode crosses 3 segment boundaries)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, 500, (2, 4 * L), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ids[1, :3] = 0
+    return ids, mask
+
+
+def test_decode_step_runs_where_it_applies_and_equals_the_general_path(model, monkeypatch):
+    ids, mask = batch()
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+    calls = count_decode_steps(monkeypatch)
+    fast = decode_logits(model, ids, mask, prefill=5)
+    # Every one-token step but those whose token opens a new segment in some row (row 0 at 8, 16, 24; row 1,
+    # three positions behind, at 11, 19, 27).
+    opening = {8, 16, 24, 11, 19, 27}
+    assert calls == [t for t in range(5, 4 * L) if t not in opening]
+    monkeypatch.setattr(msw.DecodeStep, "applies", staticmethod(lambda model, ctx: False))
+    general = decode_logits(model, ids, mask, prefill=5)
+    real = mask.bool()
+    assert float((fast - general)[real].abs().max()) <= TOL
+    assert float((fast - full)[real].abs().max()) <= TOL
+
+
+@pytest.mark.parametrize("config", [dict(use_memory_cache=False), dict(use_hyper_connections=False, use_derf=True),
+                                    dict(use_depth_attention=False, loop_mode="middle_split", num_hidden_layers=5)])
+def test_decode_step_on_other_configs(config, monkeypatch):
+    model = tiny_model(seed=4, **config)
+    ids, mask = batch(seed=1)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+    calls = count_decode_steps(monkeypatch)
+    fast = decode_logits(model, ids, mask, prefill=3)
+    assert calls, "the one-token path never ran"
+    assert float((fast - full)[mask.bool()].abs().max()) <= TOL
+
+
+def test_general_path_where_decode_step_does_not_apply(monkeypatch):
+    model = tiny_model(seed=5, use_elo=True)
+    calls = count_decode_steps(monkeypatch)
+    ids, mask = batch(seed=2)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+    got = decode_logits(model, ids, mask, prefill=4)
+    assert calls == []
+    assert float((got - full)[mask.bool()].abs().max()) <= TOL
+
+
+def test_compile_decode_equals_eager(model, monkeypatch):
+    torch._dynamo.reset()
+    calls = count_decode_steps(monkeypatch)
+    ids = torch.randint(10, 500, (1, L + 2), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        eager = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True)
+        model.compile_decode()
+        try:
+            assert model.model._decode_run is not msw.decode_run
+            compiled = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
+                                      return_dict_in_generate=True)
+        finally:
+            model.compile_decode(enable=False)
+    assert model.model._decode_run is msw.decode_run
+    assert len(calls) == 10  # 5 decode steps in each generate, all inside segment 1 (one compiled graph)
+    assert torch.equal(eager.sequences, compiled.sequences)
+    assert max(float((a - b).abs().max()) for a, b in zip(eager.logits, compiled.logits)) <= TOL
