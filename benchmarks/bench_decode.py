@@ -11,6 +11,10 @@ sequence, so that row decodes only `--nocache-new-tokens` tokens (its per-step c
 The "512 context" ratio compares one cached decode step at 512 tokens of context with the forward that a
 no-cache decoder needs for the same token (512 tokens, use_cache=False), medians of `--repeats` runs.
 
+spike_whale is timed twice: eager, and with `model.compile_decode()` (the one-token step through torch.compile;
+its one-off compile time per batch size is reported separately and excluded). The Llama anchor runs the way
+transformers runs it by default (eager, DynamicCache).
+
 Issue targets: spike_whale cached decode >= 1.15x the Llama anchor, and >= 18x faster than no cache at 512.
 Results: a table on stdout and JSON (default benchmarks/results/decode.json).
 """
@@ -28,14 +32,14 @@ from pathlib import Path
 
 import torch
 
+from spike_whale import SpikeWhaleConfig, SpikeWhaleForCausalLM
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def build_models(seed: int = 0):
     import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from spike_whale import SpikeWhaleConfig, SpikeWhaleForCausalLM
 
     torch.manual_seed(seed)
     sw_cfg = SpikeWhaleConfig.from_preset("byrne-100m-ultra-mc")
@@ -132,6 +136,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--no-llama", action="store_true", help="skip the Llama anchor")
     p.add_argument("--mtp", action="store_true", help="also time use_mtp=True (random weights: drafts mostly rejected)")
+    p.add_argument("--no-compile", action="store_true", help="skip the compile_decode() rows")
+    p.add_argument("--cpp-wrapper", action="store_true",
+                   help="compile with inductor's C++ wrapper (less per-step overhead, minutes more compile time)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode.json"))
     args = p.parse_args(argv)
     prompt = args.prompt or (128 if args.quick else 256)
@@ -153,14 +160,33 @@ def main(argv=None) -> int:
     for _, m in models:
         time_generate(m, torch.randint(10, 16000, (1, 16)), 3, use_cache=True)
 
+    def prompt_ids(batch: int) -> torch.Tensor:
+        ids = torch.randint(10, 16000, (batch, prompt), generator=torch.Generator().manual_seed(batch))
+        ids[:, 0] = 2
+        return ids
+
+    compile_s = {}
+    compiled = None
+    if not args.no_compile:
+        compiled = SpikeWhaleForCausalLM(spike.config).eval()  # the same weights, decoding through torch.compile
+        compiled.load_state_dict(spike.state_dict())
+        compiled.compile_decode(**({"options": {"cpp_wrapper": True}} if args.cpp_wrapper else {}))
+        for batch in args.batch_sizes:  # one compile per batch size (batch 1 is specialised), excluded from timing
+            t = time.perf_counter()
+            time_generate(compiled, prompt_ids(batch), 3, use_cache=True)
+            compile_s[batch] = time.perf_counter() - t
+            print(f"compile_decode(): first decode steps at batch {batch} took {compile_s[batch]:.0f} s "
+                  "(tracing and compiling, once)", flush=True)
+
     runs: dict[tuple, list[dict]] = {}
     for r in range(repeats):
         for batch in args.batch_sizes:
-            ids = torch.randint(10, 16000, (batch, prompt), generator=torch.Generator().manual_seed(batch))
-            ids[:, 0] = 2
+            ids = prompt_ids(batch)
             plan = [("spike_whale", spike, True, {}), ("spike_whale", spike, False, {})]
             if not args.no_llama:
                 plan.insert(1, ("llama", llama, True, {}))
+            if compiled is not None:
+                plan.insert(1, ("spike_whale+compile", compiled, True, {}))
             if args.mtp and batch == 1:
                 plan.append(("spike_whale+mtp", spike, True, {"use_mtp": True}))
             for name, m, use_cache, kw in plan:
@@ -174,37 +200,51 @@ def main(argv=None) -> int:
                       f"{row['decode_tok_s']:8.2f} tok/s ({row['ms_per_step']:.0f} ms/step, prefill {row['prefill_s']:.1f}s)",
                       flush=True)
 
-    ratio_runs = {"cached": [], "nocache": [], "verify_2_tokens": []}
+    ratio_runs = {"cached": [], "cached_compiled": [], "nocache": [], "verify_2_tokens": []}
     for r in range(repeats):
         ratio_runs["cached"].append(time_step_at_context(spike, args.ratio_context, 1, use_cache=True))
+        if compiled is not None:
+            ratio_runs["cached_compiled"].append(time_step_at_context(compiled, args.ratio_context, 1, use_cache=True))
         ratio_runs["verify_2_tokens"].append(time_step_at_context(spike, args.ratio_context, 1, use_cache=True, width=2))
         ratio_runs["nocache"].append(time_step_at_context(spike, args.ratio_context, 1, use_cache=False))
     cached_s, nocache_s = statistics.median(ratio_runs["cached"]), statistics.median(ratio_runs["nocache"])
+    compiled_s = statistics.median(ratio_runs["cached_compiled"]) if compiled is not None else None
     verify_s = statistics.median(ratio_runs["verify_2_tokens"])
     load_after = os.getloadavg()
 
     rows = [median_rows(v) for v in runs.values()]
     by = {(r["model"], r["batch"], r["cache"]): r for r in rows}
     print()
-    print(f"{'model':<34}{'batch':>6}{'prefill s':>11}{'decode tok/s':>14}{'ms/step':>10}")
+    print(f"{'model':<40}{'batch':>6}{'prefill s':>11}{'decode tok/s':>14}{'ms/step':>10}")
     for r in rows:
-        label = {"spike_whale": "spike_whale 114M", "llama": "Llama 48L anchor", "spike_whale+mtp": "spike_whale 114M, MTP"}[r["model"]]
+        label = {"spike_whale": "spike_whale 114M", "llama": "Llama 48L anchor", "spike_whale+mtp": "spike_whale 114M, MTP",
+                 "spike_whale+compile": "spike_whale 114M compiled"}[r["model"]]
         label += ", cache" if r["cache"] else ", no cache"
-        print(f"{label:<34}{r['batch']:>6}{r['prefill_s']:>11.2f}{r['decode_tok_s']:>14.2f}{r['ms_per_step']:>10.1f}")
+        print(f"{label:<40}{r['batch']:>6}{r['prefill_s']:>11.2f}{r['decode_tok_s']:>14.2f}{r['ms_per_step']:>10.1f}")
     summary = {}
     print()
     for batch in args.batch_sizes:
         sw, nc, ll = by.get(("spike_whale", batch, True)), by.get(("spike_whale", batch, False)), by.get(("llama", batch, True))
+        sc = by.get(("spike_whale+compile", batch, True))
         if ll:
             x = sw["decode_tok_s"] / ll["decode_tok_s"]
             summary[f"spike_vs_llama_b{batch}"] = x
-            print(f"batch {batch}: spike_whale / Llama decode speed {x:.2f}x (target >= 1.15x)")
+            print(f"batch {batch}: spike_whale / Llama decode speed {x:.2f}x eager", end="")
+            if sc:
+                x = sc["decode_tok_s"] / ll["decode_tok_s"]
+                summary[f"spike_compiled_vs_llama_b{batch}"] = x
+                print(f", {x:.2f}x with compile_decode()", end="")
+            print(" (target >= 1.15x)")
         x = sw["decode_tok_s"] / nc["decode_tok_s"]
         summary[f"cache_vs_nocache_b{batch}_prompt{prompt}"] = x
         print(f"batch {batch}: cache / no cache decode speed at ~{prompt} tokens of context {x:.1f}x")
     summary[f"cache_vs_nocache_ctx{args.ratio_context}"] = nocache_s / cached_s
     print(f"{args.ratio_context} tokens of context, batch 1: cached step {1000 * cached_s:.0f} ms vs no-cache forward "
-          f"{1000 * nocache_s:.0f} ms -> {nocache_s / cached_s:.1f}x (target >= 18x)")
+          f"{1000 * nocache_s:.0f} ms -> {nocache_s / cached_s:.1f}x eager", end="")
+    if compiled_s is not None:
+        summary[f"cache_compiled_vs_nocache_ctx{args.ratio_context}"] = nocache_s / compiled_s
+        print(f", {nocache_s / compiled_s:.1f}x with compile_decode() ({1000 * compiled_s:.0f} ms)", end="")
+    print(" (target >= 18x)")
     summary["mtp_verify_step_cost"] = verify_s / cached_s
     print(f"MTP: a 2-token verification step costs {verify_s / cached_s:.2f}x a 1-token step at {args.ratio_context} "
           f"context, so self-speculation pays off above {100 * (verify_s / cached_s - 1):.0f}% draft acceptance "
@@ -221,11 +261,13 @@ def main(argv=None) -> int:
             "loadavg_before": load_before, "loadavg_after": load_after,
         },
         "settings": {"prompt": prompt, "new_tokens": new, "nocache_new_tokens": new_nc, "batch_sizes": args.batch_sizes,
-                     "repeats": repeats, "quick": args.quick, "ratio_context": args.ratio_context},
+                     "repeats": repeats, "quick": args.quick, "ratio_context": args.ratio_context,
+                     "cpp_wrapper": args.cpp_wrapper},
         "params": {"spike_whale": n_params(spike), "llama": n_params(llama)},
         "rows": rows,
-        "ratio_context": {"context": args.ratio_context, "cached_step_s": cached_s, "nocache_forward_s": nocache_s,
-                          "mtp_verify_2_tokens_s": verify_s, "runs": ratio_runs},
+        "ratio_context": {"context": args.ratio_context, "cached_step_s": cached_s, "cached_compiled_step_s": compiled_s,
+                          "nocache_forward_s": nocache_s, "mtp_verify_2_tokens_s": verify_s, "runs": ratio_runs},
+        "compile_s": compile_s,
         "summary": summary,
         "targets": {"spike_vs_llama": 1.15, "cache_vs_nocache_ctx512": 18.0},
     }
