@@ -1023,8 +1023,8 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
 
 def decode_block(layer: SpikeWhaleDecoderLayer, X, token_embed, engram_r, depth_flat: tuple, positions, attn_mask,
                  fin_mask, start: int, keys, values, mc_state):
-    """One block of a one-token decode step as a function of tensors (and the write offset) only, so that
-    `torch.compile` can trace it once for every layer and slot. Returns (X, depth entry or None, MC state)."""
+    """One block of a one-token decode step, reading and writing its slot's state passed in as tensors (see
+    `decode_run`). Returns (X, the layer's depth entry or None, the new Memory-Cache state tuple or None)."""
     depth_sources = tuple(zip(depth_flat[0::2], depth_flat[1::2]))
 
     def attention(u):

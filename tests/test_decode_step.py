@@ -96,14 +96,22 @@ def test_general_path_where_decode_step_does_not_apply(monkeypatch):
     assert float((got - full)[mask.bool()].abs().max()) <= TOL
 
 
-def test_compile_decode_equals_eager(model, monkeypatch):
+def test_compile_decode_equals_eager(model, monkeypatch, tmp_path):
     torch._dynamo.reset()
     calls = count_decode_steps(monkeypatch)
     ids = torch.randint(10, 500, (1, L + 2), generator=torch.Generator().manual_seed(7))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         eager = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
                                return_dict_in_generate=True)
         model.compile_decode()
+        gate = model.model.layers[0].ffn.gate_proj.weight
+        assert gate.stride() == (1, gate.shape[0])  # FFN weights stored column-major, same values
+        after = model.state_dict()
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+        model.save_pretrained(tmp_path)
+        reloaded = type(model).from_pretrained(tmp_path).eval()
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
         try:
             assert model.model._decode_run is not msw.decode_run
             compiled = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
