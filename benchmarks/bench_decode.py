@@ -137,8 +137,6 @@ def main(argv=None) -> int:
     p.add_argument("--no-llama", action="store_true", help="skip the Llama anchor")
     p.add_argument("--mtp", action="store_true", help="also time use_mtp=True (random weights: drafts mostly rejected)")
     p.add_argument("--no-compile", action="store_true", help="skip the compile_decode() rows")
-    p.add_argument("--cpp-wrapper", action="store_true",
-                   help="compile with inductor's C++ wrapper (less per-step overhead, minutes more compile time)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode.json"))
     args = p.parse_args(argv)
     prompt = args.prompt or (128 if args.quick else 256)
@@ -170,7 +168,7 @@ def main(argv=None) -> int:
     if not args.no_compile:
         compiled = SpikeWhaleForCausalLM(spike.config).eval()  # the same weights, decoding through torch.compile
         compiled.load_state_dict(spike.state_dict())
-        compiled.compile_decode(**({"options": {"cpp_wrapper": True}} if args.cpp_wrapper else {}))
+        compiled.compile_decode()
         for batch in args.batch_sizes:  # one compile per batch size (batch 1 is specialised), excluded from timing
             t = time.perf_counter()
             time_generate(compiled, prompt_ids(batch), 3, use_cache=True)
@@ -261,8 +259,7 @@ def main(argv=None) -> int:
             "loadavg_before": load_before, "loadavg_after": load_after,
         },
         "settings": {"prompt": prompt, "new_tokens": new, "nocache_new_tokens": new_nc, "batch_sizes": args.batch_sizes,
-                     "repeats": repeats, "quick": args.quick, "ratio_context": args.ratio_context,
-                     "cpp_wrapper": args.cpp_wrapper},
+                     "repeats": repeats, "quick": args.quick, "ratio_context": args.ratio_context},
         "params": {"spike_whale": n_params(spike), "llama": n_params(llama)},
         "rows": rows,
         "ratio_context": {"context": args.ratio_context, "cached_step_s": cached_s, "cached_compiled_step_s": compiled_s,
