@@ -1069,11 +1069,22 @@ class DecodeStep:
         self.run_fn = run_fn
 
     @staticmethod
+    def unsupported(model: "SpikeWhaleModel") -> str | None:
+        """Why this model's decode steps always take the general path, or None."""
+        if model.config.use_elo:
+            return "Elo attention keeps per-key ratings"
+        if model.config.use_moe:
+            return "MoE layers route by token id"
+        if any(hasattr(layer, "_hf_hook") for layer in model.layers):
+            return "accelerate hooks move tensors between devices"
+        return None
+
+    @staticmethod
     def applies(model: "SpikeWhaleModel", ctx: ForwardContext) -> bool:
-        cache, seg, config = ctx.cache, ctx.segments, model.config
+        cache, seg = ctx.cache, ctx.segments
         if cache is None or cache.seq_len == 0 or ctx.positions.shape[1] != 1 or model.training:
             return False
-        if config.use_elo or config.use_moe or any(hasattr(layer, "_hf_hook") for layer in model.layers):
+        if DecodeStep.unsupported(model) is not None:
             return False
         if seg is not None and (seg.padded or seg.n_rel != 1):
             return False
@@ -1478,6 +1489,12 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         if not enable:
             self.model._decode_run = decode_run
             return
+        reason = DecodeStep.unsupported(self.model)
+        if reason is not None:
+            raise ValueError(
+                f"compile_decode() would have no effect: every decode step of this model takes the general chunk "
+                f"path because {reason}. Generate without it."
+            )
         if self.device.type == "cpu":
             with torch.no_grad():
                 for module in self.model.modules():

@@ -94,6 +94,8 @@ def test_general_path_where_decode_step_does_not_apply(monkeypatch):
     got = decode_logits(model, ids, mask, prefill=4)
     assert calls == []
     assert float((got - full)[mask.bool()].abs().max()) <= TOL
+    with pytest.raises(ValueError, match="Elo attention"):
+        model.compile_decode()
 
 
 def test_compile_decode_equals_eager(model, monkeypatch, tmp_path):
