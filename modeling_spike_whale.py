@@ -617,15 +617,14 @@ ATTENTION_FUNCTIONS = {"sdpa": sdpa_attention, "eager": eager_attention}
 
 def decode_attention(q, k, v, mask):
     """softmax(q·kᵀ/√hd)·v for one query per row, each KV head's query group read at once (no K/V repeat):
-    the decode step's softmax attention, as CPU SDPA kernels are slow for a single query. The softmax is spelled
-    out so that inductor keeps it (its attention pattern matcher would swap the SDPA kernel back in)."""
+    the decode step's softmax attention, as eager CPU SDPA is slow for a single query (under `torch.compile`
+    inductor recognises the pattern and may pick its own attention kernel)."""
     B, nh, _, hd = q.shape
     kvh = k.shape[1]
     scores = torch.matmul(q.view(B, kvh, nh // kvh, hd), k.transpose(-1, -2)).float() / math.sqrt(hd)
     if mask is not None:
         scores = scores.masked_fill(~mask.view(B, 1, 1, -1), float("-inf"))
-    e = torch.exp(scores - scores.amax(-1, keepdim=True))
-    probs = _as(e / e.sum(-1, keepdim=True), v.dtype)
+    probs = _as(torch.softmax(scores, -1), v.dtype)
     return torch.matmul(probs, v).view(B, nh, 1, hd)
 
 
