@@ -9,6 +9,7 @@ and an explicit `pad_token_id=0`.
 from __future__ import annotations
 
 import math
+import functools
 from dataclasses import dataclass
 
 from transformers import PretrainedConfig
@@ -59,7 +60,7 @@ class LoopPlan:
     def num_slots(self) -> int:
         return len(self.entries)
 
-    @property
+    @functools.cached_property
     def runs(self) -> tuple[tuple[int, int, int | None], ...]:
         """The plan cut at pass starts: (first slot, end slot, loop pass or None if the run starts no pass).
         Depth attention reads only layers of its own run."""

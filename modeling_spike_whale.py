@@ -617,8 +617,8 @@ ATTENTION_FUNCTIONS = {"sdpa": sdpa_attention, "eager": eager_attention}
 
 def decode_attention(q, k, v, mask):
     """softmax(q·kᵀ/√hd)·v for one query per row, each KV head's query group read at once (no K/V repeat):
-    the decode step's softmax attention, as eager CPU SDPA is slow for a single query (under `torch.compile`
-    inductor recognises the pattern and may pick its own attention kernel)."""
+    the decode step's softmax attention (eager CPU SDPA takes twice as long for one query per row at batch 8;
+    under `torch.compile` inductor recognises the pattern and may pick its own attention kernel)."""
     B, nh, _, hd = q.shape
     kvh = k.shape[1]
     scores = torch.matmul(q.view(B, kvh, nh // kvh, hd), k.transpose(-1, -2)).float() / math.sqrt(hd)
@@ -1020,11 +1020,10 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
         return X, aux, extras
 
 
-def decode_block(layer: SpikeWhaleDecoderLayer, X, token_embed, engram_r, depth_flat: tuple, positions, attn_mask,
+def decode_block(layer: SpikeWhaleDecoderLayer, X, token_embed, engram_r, depth_sources: tuple, positions, attn_mask,
                  fin_mask, start: int, keys, values, mc_state):
     """One block of a one-token decode step, reading and writing its slot's state passed in as tensors (see
     `decode_run`). Returns (X, the layer's depth entry or None, the new Memory-Cache state tuple or None)."""
-    depth_sources = tuple(zip(depth_flat[0::2], depth_flat[1::2]))
 
     def attention(u):
         return layer.attn.decode(u, positions, attn_mask, fin_mask, start, keys, values, mc_state, depth_sources)
@@ -1046,7 +1045,7 @@ def decode_run(layers: tuple, X, pass_embed, token_embed, engram_r, positions, a
         X, entry, state = decode_block(
             layer, X, token_embed, engram_r, depth, positions, attn_mask, fin_mask, start, keys, values, state
         )
-        depth = depth + entry if entry is not None else depth
+        depth = depth + (entry,) if entry is not None else depth
         mc_out.append(state)
     return X, tuple(mc_out)
 
@@ -1101,8 +1100,7 @@ class DecodeStep:
         for lo, hi, loop_pass in plan.runs:
             pass_embed = None
             if loop_pass is not None and model.loop_pass_embed is not None:
-                index = torch.full((1,), loop_pass, dtype=torch.long, device=X.device)
-                pass_embed = _as(model.loop_pass_embed(index), X.dtype)
+                pass_embed = model.pass_embedding(loop_pass, X)
             layers = tuple(model.layers[layer_idx] for layer_idx, _ in plan.entries[lo:hi])
             kv = tuple((cache.layers[slot].keys, cache.layers[slot].values) for slot in range(lo, hi))
             mc = tuple(self._state_tuple(cache.mc_state(slot)) for slot in range(lo, hi))
@@ -1327,6 +1325,11 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             segments = SegmentLayout.build(positions, valid, base, L, n_fin)
         return ForwardContext(positions, valid, attn_mask, is_causal, cache, segments)
 
+    def pass_embedding(self, loop_pass: int, X: torch.Tensor) -> torch.Tensor:
+        """The loop-pass embedding added to the streams at the start of pass `loop_pass`, [1, H] like X."""
+        index = torch.full((1,), loop_pass, dtype=torch.long, device=X.device)
+        return _as(_on(self.loop_pass_embed(index), X.device), X.dtype)
+
     def _run_slots(self, X, token_embed, engram_r, ctx: ForwardContext):
         """The general chunk path through every loop-plan slot. Returns (X, the MoE load-balance losses)."""
         aux_terms, depth_sources = [], []
@@ -1334,8 +1337,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             if starts_pass:
                 depth_sources = []
                 if self.loop_pass_embed is not None:
-                    index = torch.full((1,), loop_pass, dtype=torch.long, device=X.device)
-                    X = X + _as(_on(self.loop_pass_embed(index), X.device), X.dtype)
+                    X = X + self.pass_embedding(loop_pass, X)
             depth_flat = [t for entry in depth_sources for t in entry]
             X, aux, dk, dv = self.layers[layer_idx](X, token_embed, engram_r, *depth_flat, ctx=ctx, slot=slot)
             if dk is not None:
