@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
@@ -25,8 +26,7 @@ from .tokenization_spike import CHAT_EOS_IDS, RESERVED_IDS
 logger = logging.get_logger(__name__)
 
 
-@dataclass
-class MemoryCacheState:
+class MemoryCacheState(NamedTuple):
     """Memory-Cache state of one slot: finished-segment summaries and the running sums of the current segment.
 
     fin_M[b, i] = Σ_{m∈seg i} φ(k_m) v_mᵀ, fin_z[b, i] = Σ φ(k_m), fin_g[b, i] = mean gate key of segment i
@@ -56,7 +56,7 @@ class MemoryCacheState:
         )
 
     def map(self, fn) -> "MemoryCacheState":
-        return MemoryCacheState(**{f.name: fn(getattr(self, f.name)) for f in fields(self)})
+        return MemoryCacheState(*(fn(t) for t in self))
 
 
 class LoopSlotLayer(CacheLayerMixin):

@@ -250,13 +250,18 @@ class MemoryCacheBranch(nn.Module):
             cache.set_mc_state(slot, new_state, per_pos)
         return _as(out, u.dtype)
 
-    def _features(self, x: torch.Tensor):
-        """φ(q), φ(k), v ([B, S, nh, hd]) and the gate query u / gate key W_k x ([B, S, gd]) of float32 x."""
+    def _features(self, x: torch.Tensor, proj: tuple | None = None):
+        """φ(q), φ(k), v ([B, S, nh, hd]) and the gate query u / gate key W_k x ([B, S, gd]) of float32 x.
+
+        proj: x's (qkv_proj, gate_proj) outputs when the caller already has them (a `FusedLinears` GEMM)."""
         B, S, _ = x.shape
         f32 = torch.float32
-        qkv = F.linear(x, _as(self.qkv_proj.weight, f32), _as(self.qkv_proj.bias, f32))
+        if proj is None:
+            proj = F.linear(x, _as(self.qkv_proj.weight, f32), _as(self.qkv_proj.bias, f32)), F.linear(
+                x, _as(self.gate_proj.weight, f32)
+            )
+        qkv, g = proj
         q, k, v = qkv.view(B, S, 3, self.nh, self.hd).unbind(2)
-        g = F.linear(x, _as(self.gate_proj.weight, f32))
         gu, gk = g[..., : self.gd] + _as(self.gate_bias, f32), g[..., self.gd :]
         return self.phi(q), self.phi(k), v, gu, gk
 
@@ -266,15 +271,17 @@ class MemoryCacheBranch(nn.Module):
         out = F.linear(y, _as(self.o_proj.weight, f32), _as(self.o_proj.bias, f32))
         return torch.tanh(_as(self.mc_gate, f32)) * out
 
-    def decode(self, u: torch.Tensor, state: tuple, fin_mask: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    def decode(self, u: torch.Tensor, state: tuple, fin_mask: torch.Tensor, proj: tuple | None = None
+               ) -> tuple[torch.Tensor, tuple]:
         """`forward` for one new token per row that stays in its row's current segment, with the slot's state
         passed in (the fields of `MemoryCacheState`) and returned: O(finished segments), nothing re-read.
 
-        fin_mask: [B, n] readable finished segments (n = the cache's finished-segment count)."""
+        fin_mask: [B, n] readable finished segments (n = the cache's finished-segment count); proj: see
+        `_features`."""
         fin_M, fin_z, fin_g, run_M, run_z, run_g, run_n = state
         B = u.shape[0]
         with torch.autocast(device_type=u.device.type, enabled=False):
-            fq, fk, v, gu, gk = (t[:, 0] for t in self._features(_as(u, torch.float32)))
+            fq, fk, v, gu, gk = (t[:, 0] for t in self._features(_as(u, torch.float32), proj))
             run_M = run_M + fk[..., :, None] * v[..., None, :]
             run_z, run_g, run_n = run_z + fk, run_g + gk, run_n + 1
             num = torch.matmul(fq.unsqueeze(-2), run_M).squeeze(-2)
@@ -695,6 +702,31 @@ def elo_attention(q, k, v, mask, is_causal, dropout, gain, k_factor, past_rating
     return _read_values(w, v, dropout), after[:, :, -1], after
 
 
+class FusedLinears:
+    """[x·W₁ᵀ + b₁, …, x·Wₙᵀ + bₙ] as one GEMM: the weights of nn.Linear layers that read the same input re-stored
+    as the row blocks of one matrix, so a decode step streams them in one pass instead of n small ones.
+
+    Each Linear's weight becomes a view of its block: values, state dict and in-place updates stay shared. Moving
+    or re-typing a module gives its weights new storage; `intact` notices, and the owner fuses again.
+    """
+
+    def __init__(self, linears: tuple[nn.Linear, ...]):
+        self.linears = linears
+        self.sizes = [linear.out_features for linear in linears]
+        with torch.no_grad():
+            self.weight = torch.cat([linear.weight for linear in linears])
+        for linear, block in zip(linears, self.weight.split(self.sizes)):
+            linear.weight.data = block
+        self._blocks = tuple(linear.weight.data_ptr() for linear in linears)
+
+    def intact(self) -> bool:
+        return all(linear.weight.data_ptr() == ptr for linear, ptr in zip(self.linears, self._blocks))
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        parts = F.linear(x, self.weight).split(self.sizes, -1)
+        return tuple(y if linear.bias is None else y + linear.bias for y, linear in zip(parts, self.linears))
+
+
 class SpikeWhaleAttention(nn.Module):
     """MLA attention: low-rank Q, direct GQA K/V, QK-norm before partial RoPE, XSA, low-rank output,
     depth mixing of V before caching, and the Memory Cache branch added to the output."""
@@ -731,6 +763,23 @@ class SpikeWhaleAttention(nn.Module):
         if self.attn_kind == "elo":
             self.elo_gain = nn.Parameter(torch.zeros(nh))
             self.elo_k = nn.Parameter(torch.full((nh,), float(config.elo_k_init)))
+        self.fused_input: FusedLinears | None = None
+
+    def fuse_input_projections(self, enable: bool = True) -> None:
+        """Let `decode` read every projection of its input u in one GEMM (`FusedLinears`): q_a, k, v and, for a
+        float32 branch (it computes in float32), the Memory Cache's qkv and gate. `enable=False` undoes it."""
+        linears = (self.q_a_proj, self.k_proj, self.v_proj)
+        if self.mc is not None and self.q_a_proj.weight.dtype == torch.float32:
+            linears += (self.mc.qkv_proj, self.mc.gate_proj)
+        same = len({(linear.weight.dtype, linear.weight.device) for linear in linears}) == 1
+        self.fused_input = FusedLinears(linears) if enable and same else None
+
+    def _fused_projections(self, u: torch.Tensor) -> tuple | None:
+        """u's projections from `fused_input`, or None where decode must project one by one: not fused, or under
+        autocast, which would run the float32 Memory-Cache projections in low precision too."""
+        if self.fused_input is None or torch.is_autocast_enabled(u.device.type):
+            return None
+        return self.fused_input(u)
 
     def _attend(self, q, k, v, ctx: ForwardContext, slot: int) -> torch.Tensor:
         mask = _on(ctx.attn_mask, q.device) if ctx.attn_mask is not None else None
@@ -758,12 +807,15 @@ class SpikeWhaleAttention(nn.Module):
         attend = ATTENTION_FUNCTIONS[getattr(self.config, "_attn_implementation", None) or "sdpa"]
         return attend(q, k, v, mask, is_causal, dropout)
 
-    def _project(self, u: torch.Tensor, positions: torch.Tensor):
-        """q [B, nh, S, hd] and k, v [B, kvh, S, hd]: low-rank Q, QK-norm, then partial RoPE on q and k."""
+    def _project(self, u: torch.Tensor, positions: torch.Tensor, proj: tuple | None = None):
+        """q [B, nh, S, hd] and k, v [B, kvh, S, hd]: low-rank Q, QK-norm, then partial RoPE on q and k.
+
+        proj: u's (q_a_proj, k_proj, v_proj) outputs when the caller already has them (`fused_input`)."""
         B, S, _ = u.shape
-        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(u))).view(B, S, self.nh, self.hd).transpose(1, 2)
-        k = self.k_proj(u).view(B, S, self.kvh, self.hd).transpose(1, 2)
-        v = self.v_proj(u).view(B, S, self.kvh, self.hd).transpose(1, 2)
+        q_lat, k, v = proj if proj is not None else (self.q_a_proj(u), self.k_proj(u), self.v_proj(u))
+        q = self.q_b_proj(self.q_a_norm(q_lat)).view(B, S, self.nh, self.hd).transpose(1, 2)
+        k = k.view(B, S, self.kvh, self.hd).transpose(1, 2)
+        v = v.view(B, S, self.kvh, self.hd).transpose(1, 2)
         if self.config.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self.rope(_on(positions, u.device))
@@ -797,7 +849,8 @@ class SpikeWhaleAttention(nn.Module):
     def decode(self, u, positions, attn_mask, fin_mask, start: int, keys, values, mc_state, depth_sources: tuple):
         """`forward` for one new token per row with the slot's state passed in: K/V are written into the slot's
         static buffers at `start` and the Memory-Cache state tuple comes back updated (see `DecodeStep`)."""
-        q, k, v = self._project(u, positions)
+        fused = self._fused_projections(u)
+        q, k, v = self._project(u, positions, fused[:3] if fused is not None else None)
         v, depth_entry = self._mix_depth(q, k, v, depth_sources)
         end = start + 1
         keys[:, :, start:end] = k
@@ -809,7 +862,8 @@ class SpikeWhaleAttention(nn.Module):
             y = self._attend_stateless(q, keys, values, attn_mask, False)
         out = self._output(y, v)
         if self.mc is not None:
-            mc_out, mc_state = self.mc.decode(u, mc_state, fin_mask)
+            mc_proj = fused[3:] if fused is not None and len(fused) == 5 else None
+            mc_out, mc_state = self.mc.decode(u, mc_state, fin_mask, mc_proj)
             out = out + mc_out
         return out, depth_entry, mc_state
 
@@ -1096,6 +1150,9 @@ class DecodeStep:
     def run(self, model: "SpikeWhaleModel", X, token_embed, engram_r):
         """X after every slot of the loop plan."""
         plan, cache = model.loop_plan, self.cache
+        for layer in model.layers:
+            if layer.attn.fused_input is not None and not layer.attn.fused_input.intact():
+                layer.attn.fuse_input_projections()
         X = X.contiguous()  # the streams start as an expanded view; one memory layout means one compiled graph
         for lo, hi, loop_pass in plan.runs:
             pass_embed = None
@@ -1103,7 +1160,7 @@ class DecodeStep:
                 pass_embed = model.pass_embedding(loop_pass, X)
             layers = tuple(model.layers[layer_idx] for layer_idx, _ in plan.entries[lo:hi])
             kv = tuple((cache.layers[slot].keys, cache.layers[slot].values) for slot in range(lo, hi))
-            mc = tuple(self._state_tuple(cache.mc_state(slot)) for slot in range(lo, hi))
+            mc = tuple(cache.mc_state(slot) for slot in range(lo, hi))
             X, mc_out = self.run_fn(
                 layers, X, pass_embed, token_embed, engram_r, self.positions, self.attn_mask, self.fin_mask,
                 self.start, kv, mc,
@@ -1111,13 +1168,9 @@ class DecodeStep:
             for slot, state in zip(range(lo, hi), mc_out):
                 cache.layers[slot].mark_written(self.start + 1)
                 if state is not None:
-                    state = MemoryCacheState(*state)
+                    state = MemoryCacheState._make(state)
                     cache.set_mc_state(slot, state, [state] if cache.record_past else None)
         return X
-
-    @staticmethod
-    def _state_tuple(state: MemoryCacheState | None) -> tuple | None:
-        return None if state is None else tuple(getattr(state, f.name) for f in fields(state))
 
 
 class HRMRefinement(nn.Module):
@@ -1484,11 +1537,15 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         built-in modules (`nn.Linear`, ...) are skipped to keep the per-pass dispatch cheap, so call this again
         after replacing or re-typing weights. `enable=False` returns to eager decoding.
 
-        On CPU it also stores the FFN weights column-major (same shapes and values; `state_dict` and
-        `save_pretrained` are unchanged): the BLAS kernels read them about 25% faster for a batch of a few rows.
+        It re-stores weights for the one-token GEMMs, with the same shapes and values (`state_dict` and
+        `save_pretrained` are unchanged): each attention's projections of its input become one matrix
+        (`SpikeWhaleAttention.fuse_input_projections`), and on CPU the FFN weights are stored column-major, which
+        the BLAS kernels read about 25% faster for a batch of a few rows.
         """
         if not enable:
             self.model._decode_run = decode_run
+            for layer in self.model.layers:
+                layer.attn.fuse_input_projections(enable=False)
             return
         reason = DecodeStep.unsupported(self.model)
         if reason is not None:
@@ -1502,7 +1559,17 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
                     if isinstance(module, SpikeWhaleMLP):
                         for linear in (module.gate_proj, module.up_proj, module.down_proj):
                             linear.weight.data = linear.weight.data.t().contiguous().t()
-        options = {"guard_filter_fn": torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe}
+        for layer in self.model.layers:
+            layer.attn.fuse_input_projections()
+        # Dynamo's guards already pin every input's size and stride, so inductor's own per-call asserts only add
+        # latency; its attention pattern rewrite swaps in an SDPA kernel slower than the plain matmuls here.
+        options = {
+            "guard_filter_fn": torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe,
+            "size_asserts": False,
+            "alignment_asserts": False,
+            "scalar_asserts": False,
+            "pattern_matcher": False,
+        }
         options.update(compile_kwargs.pop("options", None) or {})
         compile_kwargs.setdefault("dynamic", True)
         self.model._decode_run = torch.compile(decode_run, options=options, **compile_kwargs)

@@ -109,6 +109,7 @@ def test_compile_decode_equals_eager(model, monkeypatch, tmp_path):
         model.compile_decode()
         gate = model.model.layers[0].ffn.gate_proj.weight
         assert gate.stride() == (1, gate.shape[0])  # FFN weights stored column-major, same values
+        assert all(layer.attn.fused_input is not None for layer in model.model.layers)
         after = model.state_dict()
         assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
         model.save_pretrained(tmp_path)
@@ -121,6 +122,53 @@ def test_compile_decode_equals_eager(model, monkeypatch, tmp_path):
         finally:
             model.compile_decode(enable=False)
     assert model.model._decode_run is msw.decode_run
+    assert all(layer.attn.fused_input is None for layer in model.model.layers)
     assert len(calls) == 10  # 5 decode steps in each generate, all inside segment 1 (one compiled graph)
     assert torch.equal(eager.sequences, compiled.sequences)
     assert max(float((a - b).abs().max()) for a, b in zip(eager.logits, compiled.logits)) <= TOL
+
+
+def test_fused_input_projections_share_storage_and_refuse_after_rebinding(monkeypatch):
+    model = tiny_model(seed=6)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for layer in model.model.layers:
+        layer.attn.fuse_input_projections()
+    attn = model.model.layers[0].attn
+    fused = attn.fused_input
+    assert fused.linears == (attn.q_a_proj, attn.k_proj, attn.v_proj, attn.mc.qkv_proj, attn.mc.gate_proj)
+    start = fused.weight.data_ptr()
+    end = start + fused.weight.numel() * fused.weight.element_size()
+    assert all(start <= lin.weight.data_ptr() < end for lin in fused.linears)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+    calls = count_decode_steps(monkeypatch)
+    ids, mask = batch(seed=3)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+        got = decode_logits(model, ids, mask, prefill=3)
+        assert calls
+        assert float((got - full)[mask.bool()].abs().max()) <= TOL
+        # New storage for one weight (what .to() / .half() / assignment do): the next decode step fuses again.
+        attn.k_proj.weight.data = attn.k_proj.weight.data * 1.5
+        assert not fused.intact()
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+        got = decode_logits(model, ids, mask, prefill=3)
+    assert attn.fused_input is not fused and attn.fused_input.intact()
+    assert float((got - full)[mask.bool()].abs().max()) <= TOL
+
+
+def test_fused_input_projections_keep_the_memory_cache_in_float32():
+    model = tiny_model(seed=6).to(torch.bfloat16)
+    attn = model.model.layers[0].attn
+    attn.fuse_input_projections()
+    assert attn.fused_input.linears == (attn.q_a_proj, attn.k_proj, attn.v_proj)  # the MC branch computes in fp32
+    model = tiny_model(seed=6)
+    attn = model.model.layers[0].attn
+    attn.fuse_input_projections()
+    u = torch.randn(1, 1, model.config.hidden_size)
+    assert attn._fused_projections(u) is not None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert attn._fused_projections(u) is None  # autocast would run the fp32 MC projections in bf16
+    attn.fuse_input_projections(enable=False)
+    assert attn.fused_input is None
