@@ -1154,22 +1154,22 @@ class DecodeStep:
             if layer.attn.fused_input is not None and not layer.attn.fused_input.intact():
                 layer.attn.fuse_input_projections()
         X = X.contiguous()  # the streams start as an expanded view; one memory layout means one compiled graph
+        record, end = cache.record_past, self.start + 1
         for lo, hi, loop_pass in plan.runs:
             pass_embed = None
             if loop_pass is not None and model.loop_pass_embed is not None:
                 pass_embed = model.pass_embedding(loop_pass, X)
             layers = tuple(model.layers[layer_idx] for layer_idx, _ in plan.entries[lo:hi])
-            kv = tuple((cache.layers[slot].keys, cache.layers[slot].values) for slot in range(lo, hi))
-            mc = tuple(cache.mc_state(slot) for slot in range(lo, hi))
+            slots = cache.layers[lo:hi]
             X, mc_out = self.run_fn(
                 layers, X, pass_embed, token_embed, engram_r, self.positions, self.attn_mask, self.fin_mask,
-                self.start, kv, mc,
+                self.start, tuple((s.keys, s.values) for s in slots), tuple(s.mc for s in slots),
             )
-            for slot, state in zip(range(lo, hi), mc_out):
-                cache.layers[slot].mark_written(self.start + 1)
+            for slot, slot_cache, state in zip(range(lo, hi), slots, mc_out):
+                slot_cache.mark_written(end)
                 if state is not None:
                     state = MemoryCacheState._make(state)
-                    cache.set_mc_state(slot, state, [state] if cache.record_past else None)
+                    cache.set_mc_state(slot, state, [state] if record else None)
         return X
 
 

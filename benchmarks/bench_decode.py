@@ -11,8 +11,9 @@ sequence, so that row decodes only `--nocache-new-tokens` tokens (its per-step c
 The "512 context" ratio compares one cached decode step at 512 tokens of context with the forward that a
 no-cache decoder needs for the same token (512 tokens, use_cache=False), medians of `--repeats` runs.
 
-spike_whale is timed twice: eager, and with `model.compile_decode()` (the one-token step through torch.compile;
-its one-off compile time per batch size is reported separately and excluded). The Llama anchor runs the way
+spike_whale is timed eager and with `model.compile_decode()` (the one-token step through torch.compile; its one-off
+compile time per batch size is reported separately and excluded); `--cpp-wrapper` adds, at batch 1, a third twin
+compiled with `options={"cpp_wrapper": True}` (inductor's C++ wrapper: less per-kernel dispatch, slower compile). The Llama anchor runs the way
 transformers runs it by default (eager, DynamicCache).
 
 Issue targets: spike_whale cached decode >= 1.15x the Llama anchor, and >= 18x faster than no cache at 512.
@@ -137,6 +138,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-llama", action="store_true", help="skip the Llama anchor")
     p.add_argument("--mtp", action="store_true", help="also time use_mtp=True (random weights: drafts mostly rejected)")
     p.add_argument("--no-compile", action="store_true", help="skip the compile_decode() rows")
+    p.add_argument("--cpp-wrapper", action="store_true",
+                   help="also time compile_decode(options={'cpp_wrapper': True}) at batch 1 (minutes more to compile)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode.json"))
     args = p.parse_args(argv)
     prompt = args.prompt or (128 if args.quick else 256)
@@ -163,18 +166,26 @@ def main(argv=None) -> int:
         ids[:, 0] = 2
         return ids
 
-    compile_s = {}
-    compiled = None
-    if not args.no_compile:
-        compiled = SpikeWhaleForCausalLM(spike.config).eval()  # the same weights, decoding through torch.compile
-        compiled.load_state_dict(spike.state_dict())
-        compiled.compile_decode()
-        for batch in args.batch_sizes:  # one compile per batch size (batch 1 is specialised), excluded from timing
+    def compiled_twin(batch_sizes: list[int], **options) -> tuple[SpikeWhaleForCausalLM, dict]:
+        """A second model with the same weights, decoding through compile_decode(), compiled for `batch_sizes` (one
+        graph per batch size; batch 1 is specialised). The one-off compile times are returned, not timed as decode."""
+        twin = SpikeWhaleForCausalLM(spike.config).eval()
+        twin.load_state_dict(spike.state_dict())
+        twin.compile_decode(options=options)
+        seconds = {}
+        for batch in batch_sizes:
             t = time.perf_counter()
-            time_generate(compiled, prompt_ids(batch), 3, use_cache=True)
-            compile_s[batch] = time.perf_counter() - t
-            print(f"compile_decode(): first decode steps at batch {batch} took {compile_s[batch]:.0f} s "
-                  "(tracing and compiling, once)", flush=True)
+            time_generate(twin, prompt_ids(batch), 3, use_cache=True)
+            seconds[batch] = time.perf_counter() - t
+            print(f"compile_decode({'cpp_wrapper' if options else ''}): first decode steps at batch {batch} took "
+                  f"{seconds[batch]:.0f} s (tracing and compiling, once)", flush=True)
+        return twin, seconds
+
+    compile_s, compiled, compiled_cpp = {}, None, None
+    if not args.no_compile:
+        compiled, compile_s["python_wrapper"] = compiled_twin(args.batch_sizes)
+        if args.cpp_wrapper and 1 in args.batch_sizes:
+            compiled_cpp, compile_s["cpp_wrapper"] = compiled_twin([1], cpp_wrapper=True)
 
     runs: dict[tuple, list[dict]] = {}
     for r in range(repeats):
@@ -185,6 +196,8 @@ def main(argv=None) -> int:
                 plan.insert(1, ("llama", llama, True, {}))
             if compiled is not None:
                 plan.insert(1, ("spike_whale+compile", compiled, True, {}))
+            if compiled_cpp is not None and batch == 1:
+                plan.insert(2, ("spike_whale+compile_cpp", compiled_cpp, True, {}))
             if args.mtp and batch == 1:
                 plan.append(("spike_whale+mtp", spike, True, {"use_mtp": True}))
             for name, m, use_cache, kw in plan:
@@ -216,7 +229,8 @@ def main(argv=None) -> int:
     print(f"{'model':<40}{'batch':>6}{'prefill s':>11}{'decode tok/s':>14}{'ms/step':>10}")
     for r in rows:
         label = {"spike_whale": "spike_whale 114M", "llama": "Llama 48L anchor", "spike_whale+mtp": "spike_whale 114M, MTP",
-                 "spike_whale+compile": "spike_whale 114M compiled"}[r["model"]]
+                 "spike_whale+compile": "spike_whale 114M compiled",
+                 "spike_whale+compile_cpp": "spike_whale 114M compiled, C++ wrapper"}[r["model"]]
         label += ", cache" if r["cache"] else ", no cache"
         print(f"{label:<40}{r['batch']:>6}{r['prefill_s']:>11.2f}{r['decode_tok_s']:>14.2f}{r['ms_per_step']:>10.1f}")
     summary = {}
@@ -224,6 +238,7 @@ def main(argv=None) -> int:
     for batch in args.batch_sizes:
         sw, nc, ll = by.get(("spike_whale", batch, True)), by.get(("spike_whale", batch, False)), by.get(("llama", batch, True))
         sc = by.get(("spike_whale+compile", batch, True))
+        scc = by.get(("spike_whale+compile_cpp", batch, True))
         if ll:
             x = sw["decode_tok_s"] / ll["decode_tok_s"]
             summary[f"spike_vs_llama_b{batch}"] = x
@@ -232,6 +247,10 @@ def main(argv=None) -> int:
                 x = sc["decode_tok_s"] / ll["decode_tok_s"]
                 summary[f"spike_compiled_vs_llama_b{batch}"] = x
                 print(f", {x:.2f}x with compile_decode()", end="")
+            if scc:
+                x = scc["decode_tok_s"] / ll["decode_tok_s"]
+                summary[f"spike_compiled_cpp_vs_llama_b{batch}"] = x
+                print(f", {x:.2f}x with the C++ wrapper", end="")
             print(" (target >= 1.15x)")
         x = sw["decode_tok_s"] / nc["decode_tok_s"]
         summary[f"cache_vs_nocache_b{batch}_prompt{prompt}"] = x
