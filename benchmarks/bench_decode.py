@@ -13,8 +13,8 @@ no-cache decoder needs for the same token (512 tokens, use_cache=False), medians
 
 spike_whale is timed eager and with `model.compile_decode()` (the one-token step through torch.compile; its one-off
 compile time per batch size is reported separately and excluded); `--cpp-wrapper` adds, at batch 1, a third twin
-compiled with `options={"cpp_wrapper": True}` (inductor's C++ wrapper: less per-kernel dispatch, slower compile). The Llama anchor runs the way
-transformers runs it by default (eager, DynamicCache).
+compiled with `options={"cpp_wrapper": True}` (inductor's C++ wrapper: less per-kernel dispatch, slower compile).
+The Llama anchor runs the way transformers runs it by default (eager, DynamicCache).
 
 Issue targets: spike_whale cached decode >= 1.15x the Llama anchor, and >= 18x faster than no cache at 512.
 Results: a table on stdout and JSON (default benchmarks/results/decode.json).
