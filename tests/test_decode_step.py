@@ -109,6 +109,8 @@ def test_compile_decode_equals_eager(model, monkeypatch, tmp_path):
         model.compile_decode()
         gate = model.model.layers[0].ffn.gate_proj.weight
         assert gate.stride() == (1, gate.shape[0])  # FFN weights stored column-major, same values
+        o_b = model.model.layers[0].attn.o_b_proj.weight
+        assert o_b.stride() == (1, o_b.shape[0])  # and the rank→hidden up-projections
         assert all(layer.attn.fused_input is not None for layer in model.model.layers)
         after = model.state_dict()
         assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
@@ -172,3 +174,29 @@ def test_fused_input_projections_keep_the_memory_cache_in_float32():
         assert attn._fused_projections(u) is None  # autocast would run the fp32 MC projections in bf16
     attn.fuse_input_projections(enable=False)
     assert attn.fused_input is None
+
+
+def test_compile_decode_refuses_a_moved_or_retyped_model():
+    model = tiny_model(seed=8)
+    model.compile_decode()
+    model.to(torch.float64)
+    ids = torch.randint(10, 500, (1, 6))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).cache  # prefill takes the general path
+        with pytest.raises(ValueError, match="call model.compile_decode\\(\\) again"):
+            model(ids[:, :1], cache=cache, use_cache=True)
+    model.compile_decode(enable=False)
+    with torch.no_grad():
+        assert model(ids[:, :1], cache=cache, use_cache=True).logits.dtype == torch.float64
+
+
+def test_compile_decode_with_the_cpp_wrapper_equals_eager():
+    model = tiny_model(seed=3)
+    ids = torch.randint(10, 500, (1, L + 2), generator=torch.Generator().manual_seed(9))
+    kw = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        eager = model.generate(ids, **kw)
+        model.compile_decode(options={"cpp_wrapper": True})
+        compiled = model.generate(ids, **kw)
+    assert torch.equal(eager.sequences, compiled.sequences)
+    assert max(float((a - b).abs().max()) for a, b in zip(eager.logits, compiled.logits)) <= TOL
