@@ -1552,14 +1552,16 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         for the 114M preset on 2 CPU cores (inductor caches the result on disk for later processes).
         `compile_kwargs` go to `torch.compile` (e.g. `mode=...`, `options={"cpp_wrapper": True}`). To keep the
         per-pass dispatch cheap, the guards on built-in modules and on parameter tensors are skipped
-        (`compiled_decode_guards`): moving or re-typing the model afterwards raises until this is called again, and
-        so should replacing weights or registering module hooks. `enable=False` returns to eager decoding.
+        (`compiled_decode_guards`): moving or re-typing the model afterwards raises until this is called again;
+        call it again too after giving weights another layout or registering module hooks. `enable=False` returns
+        to eager decoding.
 
         It re-stores weights for the one-token GEMMs, with the same shapes and values (`state_dict` and
         `save_pretrained` are unchanged): each attention's projections of its input become one matrix
         (`SpikeWhaleAttention.fuse_input_projections`), and on CPU the FFN weights and the rank→hidden
-        up-projections are stored column-major, which MKL reads 10-25% faster for a batch of a few rows. On CPU, `options={"cpp_wrapper": True}`
-        trims the per-kernel dispatch further (a few percent at batch 1) for two to three times the compile time.
+        up-projections are stored column-major, which MKL reads 10-25% faster for a batch of a few rows. On CPU,
+        `options={"cpp_wrapper": True}` trims the per-kernel dispatch further (~9% faster at batch 1 in one
+        benchmark run) for about twice the compile time.
         """
         if not enable:
             self.model._decode_run, self.model._compiled_for = decode_run, None
