@@ -1592,7 +1592,15 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             layer.attn.fuse_input_projections()
         options.update(compile_kwargs.pop("options", None) or {})
         compile_kwargs.setdefault("dynamic", True)
-        self.model._decode_run = torch.compile(decode_run, options=options, **compile_kwargs)
+        compiled = torch.compile(decode_run, options=options, **compile_kwargs)
+
+        def compiled_decode_run(*args):
+            # The blocks' Python floats (RMSNorm eps, ...) are constants of the model: traced as constants, they are
+            # guarded in C++ rather than by per-call Python shape guards.
+            with torch._dynamo.config.patch(specialize_float=True):
+                return compiled(*args)
+
+        self.model._decode_run = compiled_decode_run
         self.model._compiled_for = (self.model.embed_tokens.weight.dtype, self.model.embed_tokens.weight.device)
 
     def _column_major_linears(self) -> list[nn.Linear]:
