@@ -766,8 +766,9 @@ class SpikeWhaleAttention(nn.Module):
         self.fused_input: FusedLinears | None = None
 
     def fuse_input_projections(self, enable: bool = True) -> None:
-        """Let `decode` read every projection of its input u in one GEMM (`FusedLinears`): q_a, k, v and, for a
-        float32 branch (it computes in float32), the Memory Cache's qkv and gate. `enable=False` undoes it."""
+        """Let `decode` read every projection of its input u in one GEMM (`FusedLinears`): q_a, k, v and, when the
+        weights are float32 (the branch computes in float32), the Memory Cache's qkv and gate. `enable=False`
+        undoes it."""
         linears = (self.q_a_proj, self.k_proj, self.v_proj)
         if self.mc is not None and self.q_a_proj.weight.dtype == torch.float32:
             linears += (self.mc.qkv_proj, self.mc.gate_proj)
@@ -1560,8 +1561,8 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         `save_pretrained` are unchanged): each attention's projections of its input become one matrix
         (`SpikeWhaleAttention.fuse_input_projections`), and on CPU the FFN weights and the rank→hidden
         up-projections are stored column-major, which MKL reads 10-25% faster for a batch of a few rows. On CPU,
-        `options={"cpp_wrapper": True}` trims the per-kernel dispatch further (~9% faster at batch 1 in one
-        benchmark run) for about twice the compile time.
+        `options={"cpp_wrapper": True}` trims the per-kernel dispatch further (4-9% faster at batch 1 in two
+        benchmark runs) for about twice the compile time.
         """
         if not enable:
             self.model._decode_run, self.model._compiled_for = decode_run, None
