@@ -361,8 +361,8 @@ class SpikeTokenizer(PreTrainedTokenizer):
           ``split_special_tokens=True`` (or `encode_ordinary`) to encode such text as plain bytes.
         * Decoding joins the bytes of ordinary tokens and decodes them as UTF-8 with ``errors="replace"``;
           special tokens are written literally unless ``skip_special_tokens=True``.
-        * ``add_bos_token`` is not written to ``tokenizer_config.json`` by transformers; the default
-          (``True``) is restored on reload.
+        * ``add_bos_token`` is saved in ``tokenizer_config.json`` (transformers leaves it out; see
+          `save_chat_templates`), so ``False`` survives ``save_pretrained`` / ``from_pretrained``.
         * ``padding_side`` defaults to ``"left"`` (decoder-only generation).
     """
 
@@ -608,6 +608,12 @@ class SpikeTokenizer(PreTrainedTokenizer):
         return "".join(out)
 
     # ---- save ---------------------------------------------------------------------------------------
+
+    def save_chat_templates(self, save_directory, tokenizer_config: dict, filename_prefix, save_jinja_files):
+        # `save_pretrained` pops `add_bos_token` from the config it writes and calls this right after: put the
+        # flag back, or a tokenizer saved with add_bos_token=False would reload prepending <bos>.
+        tokenizer_config["add_bos_token"] = self._add_bos_token
+        return super().save_chat_templates(save_directory, tokenizer_config, filename_prefix, save_jinja_files)
 
     def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str, ...]:
         if not os.path.isdir(save_directory):

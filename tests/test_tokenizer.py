@@ -373,11 +373,16 @@ def test_bos_added_once(tok):
     assert batch == [[BOS_ID, 4 + ord("a")], [BOS_ID, 4 + ord("b")]]
 
 
-def test_add_bos_token_false(tricky_data):
+def test_add_bos_token_false(tricky_data, tmp_path):
     t = SpikeTokenizer(tricky_data, add_bos_token=False)
     assert t("hi")["input_ids"] == t.encode_ordinary("hi")
+    t.save_pretrained(str(tmp_path / "no_bos"))
+    reloaded = SpikeTokenizer.from_pretrained(str(tmp_path / "no_bos"))
+    assert reloaded.add_bos_token is False and reloaded("hi")["input_ids"] == t.encode_ordinary("hi")
     t.add_bos_token = True
     assert t("hi")["input_ids"][0] == BOS_ID
+    t.save_pretrained(str(tmp_path / "bos"))
+    assert SpikeTokenizer.from_pretrained(str(tmp_path / "bos"))("hi")["input_ids"][0] == BOS_ID
 
 
 def test_truncation_keeps_single_bos(tok):
