@@ -624,8 +624,8 @@ ATTENTION_FUNCTIONS = {"sdpa": sdpa_attention, "eager": eager_attention}
 
 def decode_attention(q, k, v, mask):
     """softmax(q·kᵀ/√hd)·v for one query per row, each KV head's query group read at once (no K/V repeat):
-    the decode step's softmax attention (eager CPU SDPA takes twice as long for one query per row at batch 8;
-    under `torch.compile` inductor recognises the pattern and may pick its own attention kernel)."""
+    the decode step's softmax attention (eager CPU SDPA takes twice as long for one query per row at batch 8, and
+    `compile_decode` keeps inductor from rewriting this back into its CPU SDPA kernel)."""
     B, nh, _, hd = q.shape
     kvh = k.shape[1]
     scores = torch.matmul(q.view(B, kvh, nh // kvh, hd), k.transpose(-1, -2)).float() / math.sqrt(hd)

@@ -226,31 +226,28 @@ def main(argv=None) -> int:
     rows = [median_rows(v) for v in runs.values()]
     by = {(r["model"], r["batch"], r["cache"]): r for r in rows}
     print()
-    print(f"{'model':<40}{'batch':>6}{'prefill s':>11}{'decode tok/s':>14}{'ms/step':>10}")
+    print(f"{'model':<48}{'batch':>6}{'prefill s':>11}{'decode tok/s':>14}{'ms/step':>10}")
     for r in rows:
         label = {"spike_whale": "spike_whale 114M", "llama": "Llama 48L anchor", "spike_whale+mtp": "spike_whale 114M, MTP",
                  "spike_whale+compile": "spike_whale 114M compiled",
                  "spike_whale+compile_cpp": "spike_whale 114M compiled, C++ wrapper"}[r["model"]]
         label += ", cache" if r["cache"] else ", no cache"
-        print(f"{label:<40}{r['batch']:>6}{r['prefill_s']:>11.2f}{r['decode_tok_s']:>14.2f}{r['ms_per_step']:>10.1f}")
+        print(f"{label:<48}{r['batch']:>6}{r['prefill_s']:>11.2f}{r['decode_tok_s']:>14.2f}{r['ms_per_step']:>10.1f}")
     summary = {}
     print()
     for batch in args.batch_sizes:
         sw, nc, ll = by.get(("spike_whale", batch, True)), by.get(("spike_whale", batch, False)), by.get(("llama", batch, True))
-        sc = by.get(("spike_whale+compile", batch, True))
-        scc = by.get(("spike_whale+compile_cpp", batch, True))
         if ll:
             x = sw["decode_tok_s"] / ll["decode_tok_s"]
             summary[f"spike_vs_llama_b{batch}"] = x
             print(f"batch {batch}: spike_whale / Llama decode speed {x:.2f}x eager", end="")
-            if sc:
-                x = sc["decode_tok_s"] / ll["decode_tok_s"]
-                summary[f"spike_compiled_vs_llama_b{batch}"] = x
-                print(f", {x:.2f}x with compile_decode()", end="")
-            if scc:
-                x = scc["decode_tok_s"] / ll["decode_tok_s"]
-                summary[f"spike_compiled_cpp_vs_llama_b{batch}"] = x
-                print(f", {x:.2f}x with the C++ wrapper", end="")
+            for model, key, how in (("spike_whale+compile", "compiled", "compile_decode()"),
+                                    ("spike_whale+compile_cpp", "compiled_cpp", "the C++ wrapper")):
+                row = by.get((model, batch, True))
+                if row:
+                    x = row["decode_tok_s"] / ll["decode_tok_s"]
+                    summary[f"spike_{key}_vs_llama_b{batch}"] = x
+                    print(f", {x:.2f}x with {how}", end="")
             print(" (target >= 1.15x)")
         x = sw["decode_tok_s"] / nc["decode_tok_s"]
         summary[f"cache_vs_nocache_b{batch}_prompt{prompt}"] = x
