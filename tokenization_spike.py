@@ -38,7 +38,6 @@ import json
 import os
 import re
 import threading
-from collections import Counter
 from collections.abc import Iterable, Mapping
 
 from transformers import PreTrainedTokenizer
@@ -107,6 +106,9 @@ ALL_SPECIAL_IDS = tuple(range(BYTE_OFFSET)) + tuple(SPECIAL_TOKEN_IDS.values()) 
 CHAT_EOS_IDS = (EOS_ID, IM_END_ID)
 
 DEFAULT_MAX_TOKEN_LEN = 24
+# Greedy matching compiles the tokens into a regex nested as deep as the longest token; Python's `re` parser
+# recurses once per level and fails near 400, so longer tokens are refused when the vocab is read.
+MAX_TOKEN_LEN_LIMIT = 256
 VOCAB_FILE_NAME = "spike_vocab.json"
 ALGORITHM = "length-max"
 
@@ -136,7 +138,7 @@ _NON_TEXT_TOKENS = frozenset(BASE_SPECIAL_TOKENS) | frozenset(SPECIAL_TOKENS) | 
 _BOS_STATE = threading.local()
 
 
-def _unused_token(index: int) -> str:
+def unused_token(index: int) -> str:
     """Placeholder token for an id in 260..16383 that the vocab file leaves undefined."""
     return f"\u27e8unused_{index}\u27e9"
 
@@ -158,15 +160,16 @@ def _latin1_to_bytes(text: str) -> bytes:
 # --------------------------------------------------------------------------------------------------
 
 
-def compile_greedy_regex(tokens: Iterable[str]) -> re.Pattern:
-    """Compile `tokens` into a regex whose successive matches are the greedy longest-match segmentation.
+def greedy_trie_pattern(tokens: Iterable[str], escape=re.escape) -> str:
+    """An ordered-alternation regex whose successive matches are the greedy longest-match segmentation.
 
     Each trie node becomes ``(?:child_1...|child_2...|...|)``: children are tried first and the empty
-    "stop here" alternative, present only on nodes that are tokens, comes last.  Python's backtracking
-    engine walks the single trie path that matches the text and backs off to the deepest terminal, i.e.
-    the longest token that is a prefix of the remaining text.  Children start with distinct characters,
-    so their order only affects speed (larger subtrees first).  All 256 single bytes must be in `tokens`
-    for `findall` to cover every input without gaps.
+    "stop here" alternative, present only on nodes that are tokens, comes last.  A backtracking engine
+    (Python's ``re``, Oniguruma in `tokenizers`) walks the single trie path that matches the text and backs
+    off to the deepest terminal, i.e. the longest token that is a prefix of the remaining text.  Children
+    start with distinct characters, so their order only affects speed (larger subtrees first).  All 256
+    single bytes must be in `tokens` for the matches to cover every input without gaps.  Built without
+    recursion; the nesting depth is at most the longest token's length (see `MAX_TOKEN_LEN_LIMIT`).
     """
     root: dict = {}
     end = ""  # key marking "a token ends here" ("" is never a character key)
@@ -177,36 +180,41 @@ def compile_greedy_regex(tokens: Iterable[str]) -> re.Pattern:
         for ch in tok:
             node = node.setdefault(ch, {})
         node[end] = True
+    if not root:
+        raise ValueError("cannot compile an empty token set")
 
     sizes: dict[int, int] = {}
-
-    def size(node: dict) -> int:
-        key = id(node)
-        if key not in sizes:
-            sizes[key] = 1 + sum(size(child) for ch, child in node.items() if ch != end)
-        return sizes[key]
-
-    def emit(node: dict) -> str:
+    patterns: dict[int, str] = {}
+    stack = [(root, False)]
+    while stack:  # post-order: children are emitted before their parent
+        node, children_done = stack.pop()
         children = [(ch, child) for ch, child in node.items() if ch != end]
+        if not children_done:
+            stack.append((node, True))
+            stack.extend((child, False) for _, child in children)
+            continue
+        sizes[id(node)] = 1 + sum(sizes[id(child)] for _, child in children)
         leaves = sorted(ch for ch, child in children if len(child) == 1 and end in child)
         inner = sorted(
             ((ch, child) for ch, child in children if not (len(child) == 1 and end in child)),
-            key=lambda item: (-size(item[1]), item[0]),
+            key=lambda item: (-sizes[id(item[1])], item[0]),
         )
-        alts = [re.escape(ch) + emit(child) for ch, child in inner]
+        alts = [escape(ch) + patterns.pop(id(child)) for ch, child in inner]
+        for ch, child in children:
+            patterns.pop(id(child), None)
         if len(leaves) == 1:
-            alts.append(re.escape(leaves[0]))
+            alts.append(escape(leaves[0]))
         elif leaves:
-            alts.append("[" + "".join(re.escape(ch) for ch in leaves) + "]")
+            alts.append("[" + "".join(escape(ch) for ch in leaves) + "]")
         if end in node:
             alts.append("")
-        if len(alts) == 1:
-            return alts[0]
-        return "(?:" + "|".join(alts) + ")"
+        patterns[id(node)] = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+    return patterns[id(root)]
 
-    if not root:
-        raise ValueError("cannot compile an empty token set")
-    return re.compile(emit(root))
+
+def compile_greedy_regex(tokens: Iterable[str]) -> re.Pattern:
+    """`greedy_trie_pattern` compiled with Python's ``re`` (the slow tokenizer's matcher)."""
+    return re.compile(greedy_trie_pattern(tokens))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -243,6 +251,12 @@ def normalize_vocab_data(data, source: str = "vocab") -> dict:
         max_token_len = DEFAULT_MAX_TOKEN_LEN
     if not _is_int(max_token_len) or max_token_len < 1:
         raise ValueError(f"{source}: 'max_token_len' must be a positive integer, got {max_token_len!r}")
+    if max_token_len > MAX_TOKEN_LEN_LIMIT:
+        raise ValueError(
+            f"{source}: 'max_token_len' is {max_token_len}, at most {MAX_TOKEN_LEN_LIMIT} is supported (greedy "
+            "matching compiles the tokens into a regular expression nested as deep as the longest token); "
+            f"set it to {MAX_TOKEN_LEN_LIMIT} or less: longer tokens are then kept for decoding but never produced"
+        )
 
     listed = data.get("special_tokens")
     if listed is not None:
@@ -349,8 +363,9 @@ class SpikeTokenizer(PreTrainedTokenizer):
 
     Args:
         vocab_file (`str`, `os.PathLike` or `dict`, *optional*):
-            Path to ``spike_vocab.json`` or to a released custom-format ``tokenizer.json``; a vocab dict
-            (as returned by `build_lengthmax_vocab`) is also accepted.
+            Path to ``spike_vocab.json`` or to a released custom-format ``tokenizer.json``; a vocab dict in the
+            same format is also accepted.  Without one, the tokenizer is byte-level: the 256 byte tokens and the
+            released specials at their ids (every text still encodes, one token per UTF-8 byte).
         add_bos_token (`bool`, defaults to `True`):
             Prepend ``<bos>`` (id 2) when ``add_special_tokens=True`` (the default of ``__call__``), never
             twice: input that already starts with ``<bos>`` is left alone.  No ``<eos>`` is appended.
@@ -385,11 +400,8 @@ class SpikeTokenizer(PreTrainedTokenizer):
         # spike_vocab.json) passes it as `tokenizer_file`; never record it in the saved config.
         tokenizer_file = kwargs.pop("tokenizer_file", None)
         source = vocab_file if vocab_file is not None else tokenizer_file
-        if source is None:
-            raise ValueError(
-                "SpikeTokenizer needs a vocabulary: pass the path of spike_vocab.json (or of a released "
-                "custom-format tokenizer.json) or a vocab dict from build_lengthmax_vocab()."
-            )
+        if source is None:  # the byte-level tokenizer: 256 bytes and the released specials, no multi-byte tokens
+            source = {"vocab": {chr(b): b + BYTE_OFFSET for b in range(256)}}
         if isinstance(source, Mapping):
             data = normalize_vocab_data(source, source="vocab dict")
             self.vocab_file = None
@@ -454,7 +466,7 @@ class SpikeTokenizer(PreTrainedTokenizer):
         self._unused_tokens = {}
         for idx in range(FIRST_MULTIBYTE_ID, SPECIAL_START_ID):
             if id_to_token[idx] is None:
-                placeholder = _unused_token(idx)
+                placeholder = unused_token(idx)
                 id_to_token[idx] = placeholder
                 self._unused_tokens[placeholder] = idx
         self._id_to_token = id_to_token
@@ -467,6 +479,7 @@ class SpikeTokenizer(PreTrainedTokenizer):
             if BYTE_OFFSET <= idx < SPECIAL_START_ID and len(tok) <= self.max_token_len
         }
         self._regex = None
+        self._added_split = None
 
     def _check_layout(self) -> None:
         # Every sequence was trained to start with <bos> (id 2); eos/pad/unk may be re-pointed by the user
@@ -541,7 +554,8 @@ class SpikeTokenizer(PreTrainedTokenizer):
     def prepare_for_model(self, ids, pair_ids=None, add_special_tokens=True, **kwargs):
         # Never add <bos> twice: drop one leading <bos> the text already had and let the base class add it
         # back (so truncation lengths and the special-tokens mask stay exact); "<bos><bos>x" keeps both.
-        if not (add_special_tokens and self._add_bos_token):
+        # Pretokenized words are taken literally (a word "<bos>" stays a token), as the fast twin does.
+        if not (add_special_tokens and self._add_bos_token) or getattr(_BOS_STATE, "words", False):
             return super().prepare_for_model(ids, pair_ids=pair_ids, add_special_tokens=add_special_tokens, **kwargs)
         if ids and ids[0] == BOS_ID:
             ids = ids[1:]
@@ -567,6 +581,78 @@ class SpikeTokenizer(PreTrainedTokenizer):
         if not text:
             return []
         return self.greedy_regex.findall(_to_latin1(text))
+
+    def _split_added_tokens(self, text: str) -> list[str] | None:
+        """`text` cut into added tokens and the text between them (leftmost-longest, as the base class's trie),
+        or None where an added token has lstrip/rstrip/single_word (then the base class handles it)."""
+        if self._added_split is None:
+            tokens = self._added_tokens_decoder.values()
+            if any(t.lstrip or t.rstrip or t.single_word for t in tokens):
+                return None
+            contents = sorted((t.content for t in tokens), key=len, reverse=True)
+            self._added_split = re.compile("(" + "|".join(map(re.escape, contents)) + ")")
+        return self._added_split.split(text)
+
+    def _update_trie(self, unique_no_split_tokens=None):
+        self._added_split = None  # rebuilt on next use, with the new added tokens
+        super()._update_trie(unique_no_split_tokens)
+
+    def tokenize(self, text: str, **kwargs) -> list[str]:
+        """Tokens of `text`: added tokens split out first, greedy longest match in between.
+
+        With ``is_split_into_words=True`` (one word of pretokenized input) every stretch of text gets a
+        leading space unless it has one, the convention of transformers' byte-level tokenizers (GPT-2,
+        RoBERTa): ``["hello", "world"]`` encodes as ``" hello world"``.
+        """
+        split_special_tokens = kwargs.pop("split_special_tokens", self.split_special_tokens)
+        as_word = kwargs.pop("is_split_into_words", False)
+        pieces = [text] if split_special_tokens else self._split_added_tokens(text)
+        if pieces is None:
+            return super().tokenize(text, split_special_tokens=split_special_tokens, **kwargs)
+        out: list[str] = []
+        findall = self.greedy_regex.findall
+        for i, piece in enumerate(pieces):
+            if i % 2:  # odd pieces are the separators: added tokens
+                out.append(piece)
+            elif piece:
+                if as_word and not piece.startswith(" "):
+                    piece = " " + piece
+                out.extend(findall(_to_latin1(piece)))
+        return out
+
+    def convert_tokens_to_ids(self, tokens):
+        if isinstance(tokens, str):
+            return super().convert_tokens_to_ids(tokens)
+        # One dict lookup per token: added tokens (the specials) are in `_added_tokens_encoder`, every other
+        # token this tokenizer produces is in `_token_to_id`.
+        added, regular = self._added_tokens_encoder, self._token_to_id
+        return [added[t] if t in added else regular.get(t, UNK_ID) for t in tokens]
+
+    def _encode_plus(self, text, text_pair=None, *args, is_split_into_words: bool = False, **kwargs):
+        if kwargs.pop("return_offsets_mapping", False):
+            raise NotImplementedError(
+                "SpikeTokenizer (the slow, pure-Python tokenizer) does not compute offsets: use SpikeTokenizerFast "
+                "(what AutoTokenizer returns by default) for return_offsets_mapping=True"
+            )
+        is_words = is_split_into_words and isinstance(text, (list, tuple)) and bool(text)
+        if is_words and isinstance(text[0], str):  # one pretokenized sequence (or pair): encode word by word here
+            split = kwargs.get("split_special_tokens")
+
+            def ids_of(words):
+                if words is None or not words or not isinstance(words[0], str):
+                    return words
+                opts = {} if split is None else {"split_special_tokens": split}
+                return self.convert_tokens_to_ids(
+                    [t for word in words for t in self.tokenize(word, is_split_into_words=True, **opts)]
+                )
+
+            previous = getattr(_BOS_STATE, "words", False)
+            _BOS_STATE.words = True
+            try:
+                return super()._encode_plus(ids_of(text), ids_of(text_pair), *args, **kwargs)
+            finally:
+                _BOS_STATE.words = previous
+        return super()._encode_plus(text, text_pair, *args, is_split_into_words=is_split_into_words, **kwargs)
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Greedy ids of `text` with no special-token handling and no <bos> (fast path for data prep).
@@ -642,207 +728,14 @@ class SpikeTokenizer(PreTrainedTokenizer):
             return cls(path, *init_inputs, **kwargs)
         return super().from_pretrained(pretrained_model_name_or_path, *init_inputs, **kwargs)
 
-    @classmethod
-    def from_texts(cls, texts, *, target_size: int = NUM_BASE_IDS, max_token_len: int = DEFAULT_MAX_TOKEN_LEN,
-                   rounds: int = 6, max_ngram: int = 8, min_freq: int = 2, **tokenizer_kwargs) -> "SpikeTokenizer":
-        """Train a Length-MAX vocab on `texts` with `build_lengthmax_vocab` and return a tokenizer over it."""
-        data = build_lengthmax_vocab(
-            texts, target_size=target_size, max_token_len=max_token_len, rounds=rounds, max_ngram=max_ngram,
-            min_freq=min_freq,
-        )
-        return cls(data, **tokenizer_kwargs)
-
-
-# --------------------------------------------------------------------------------------------------
-# Length-MAX vocab builder (demo / tests; no released vocab is available offline)
-# --------------------------------------------------------------------------------------------------
-
-
-def build_lengthmax_vocab(
-    texts,
-    target_size: int = NUM_BASE_IDS,
-    max_token_len: int = DEFAULT_MAX_TOKEN_LEN,
-    rounds: int = 6,
-    max_ngram: int = 8,
-    min_freq: int = 2,
-) -> dict:
-    """Build a vocab in the released file format with a simple batched Length-MAX greedy.
-
-    Each round segments the corpus with the *current* vocab (greedy longest match, as the tokenizer
-    does), counts every run of 2..`max_ngram` consecutive tokens whose bytes fit in `max_token_len`,
-    scores each byte string by the tokens it would save, ``sum (n - 1)`` over its occurrences
-    (about ``(len - 1) * freq`` for the paper's ``freq * len`` objective), and adds the best new strings
-    seen at least `min_freq` times.  Every round adds an equal share of the remaining slots, so later
-    rounds can build longer tokens from earlier ones.  Pure Python: ~100 KB of text takes a few seconds.
-
-    Layout of the result: ids 0..3 base specials, 4..259 the 256 bytes, multi-byte tokens at
-    260, 261, ... with no holes, the 17 specials at 16384.. and the 111 reserved slots.  ``target_size``
-    bounds the multi-byte ids (``< target_size <= 16384``).  A small corpus may run out of candidates;
-    the ids between the last multi-byte token and 16383 are then simply absent from ``vocab`` (the
-    tokenizer still reports 16,512 ids; those decode to the empty string and are never produced).
-    """
-    if isinstance(texts, str):
-        texts = [texts]
-    if not FIRST_MULTIBYTE_ID <= target_size <= NUM_BASE_IDS:
-        raise ValueError(f"target_size must be in {FIRST_MULTIBYTE_ID}..{NUM_BASE_IDS}, got {target_size}")
-    if not _is_int(max_token_len) or max_token_len < 2:
-        raise ValueError(f"max_token_len must be an integer >= 2, got {max_token_len!r}")
-    if rounds < 1 or max_ngram < 2 or min_freq < 1:
-        raise ValueError("rounds >= 1, max_ngram >= 2 and min_freq >= 1 are required")
-
-    docs = [_to_latin1(t) for t in texts if t]
-    known = {chr(b) for b in range(256)}
-    forbidden = set(_NON_TEXT_TOKENS)
-    selected: list[str] = []
-    capacity = target_size - FIRST_MULTIBYTE_ID
-
-    for round_idx in range(rounds):
-        remaining = capacity - len(selected)
-        if remaining <= 0 or not docs:
-            break
-        regex = compile_greedy_regex(known)
-        score: Counter = Counter()
-        freq: Counter = Counter()
-        for doc in docs:
-            seg = regex.findall(doc)
-            n_seg = len(seg)
-            for i in range(n_seg - 1):
-                piece = seg[i]
-                for n in range(2, max_ngram + 1):
-                    if i + n > n_seg:
-                        break
-                    piece += seg[i + n - 1]
-                    if len(piece) > max_token_len:
-                        break
-                    score[piece] += n - 1
-                    freq[piece] += 1
-        candidates = [
-            (s, piece)
-            for piece, s in score.items()
-            if freq[piece] >= min_freq and piece not in known and piece not in forbidden
-        ]
-        if not candidates:
-            break
-        candidates.sort(key=lambda item: (-item[0], item[1]))
-        take = -(-remaining // (rounds - round_idx))  # ceil
-        for _, piece in candidates[:take]:
-            selected.append(piece)
-            known.add(piece)
-
-    vocab = {tok: i for i, tok in enumerate(BASE_SPECIAL_TOKENS)}
-    vocab.update({chr(b): b + BYTE_OFFSET for b in range(256)})
-    vocab.update({tok: FIRST_MULTIBYTE_ID + i for i, tok in enumerate(selected)})
-    vocab.update(SPECIAL_TOKEN_IDS)
-    vocab.update({tok: RESERVED_START_ID + i for i, tok in enumerate(RESERVED_TOKENS)})
-    return {
-        "vocab": vocab,
-        "max_token_len": max_token_len,
-        "vocab_size": VOCAB_SIZE,
-        "algorithm": ALGORITHM,
-        "special_tokens": list(SPECIAL_TOKENS),
-    }
-
-
-DEMO_CORPUS = r'''
-The harbour was quiet before dawn. Fishing boats rocked against the pier, their ropes creaking in
-the cold wind, and a single gull walked along the railing as if it owned the whole town. By six
-o'clock the first trucks arrived, the market opened its shutters, and the smell of coffee and
-diesel filled the narrow streets. Nobody noticed the whale until the tide turned.
-
-It surfaced twice near the breakwater, a long grey back and a spout of mist that hung in the air
-for a moment before the wind took it. Children ran to the end of the pier. Their parents followed,
-phones raised, arguing about whether it was a humpback or a minke. The harbour master, who had seen
-both, said it was neither: it was a young fin whale, lost and hungry, following the herring that
-had crowded into the bay that week.
-
-"Keep the boats in," she said. "Give it room. It will find its way out when the water rises."
-
-## Notes on the model
-
-The spike_whale models are small decoder-only language models. They read text as bytes, group
-the bytes with a Length-MAX vocabulary, and run the same stack of layers several times (a looped
-decoder). A longer token means fewer steps per sentence, so the vocabulary favours long, frequent
-strings such as " the ", "tion", "    return ", or "self.".
-
-- Tokens are chosen to maximise frequency times length.
-- Encoding is greedy: at each position take the longest token that matches.
-- Every byte has its own token, so any input can be encoded and decoded exactly.
-
-def greedy_segment(text, vocab, max_len=24):
-    """Split text into the longest vocabulary tokens, left to right."""
-    tokens = []
-    i = 0
-    while i < len(text):
-        for length in range(min(max_len, len(text) - i), 0, -1):
-            piece = text[i:i + length]
-            if piece in vocab:
-                tokens.append(piece)
-                i += length
-                break
-    return tokens
-
-
-class Counter:
-    def __init__(self):
-        self.counts = {}
-
-    def add(self, key, value=1):
-        self.counts[key] = self.counts.get(key, 0) + value
-        return self.counts[key]
-
-    def most_common(self, n=10):
-        return sorted(self.counts.items(), key=lambda kv: -kv[1])[:n]
-
-
-for step in range(3):
-    loss = train_one_epoch(model, loader, optimizer)
-    print(f"epoch {step}: loss={loss:.4f}")
-    if loss < best_loss:
-        best_loss = loss
-        torch.save(model.state_dict(), "best.pt")
-
-{"role": "user", "content": "What is the capital of France?"}
-{"role": "assistant", "content": "The capital of France is Paris."}
-{"role": "user", "content": "And of Japan?"}
-{"role": "assistant", "content": "The capital of Japan is Tokyo."}
-
-SELECT name, count(*) AS n FROM boats WHERE harbour = 'north' GROUP BY name ORDER BY n DESC;
-
-Weather report: winds from the north-west at 20 knots, gusting 35. Sea state moderate to rough.
-Visibility good, occasionally poor in showers. Water temperature 11 degrees. High tide at 14:32,
-low tide at 20:47. Small craft should remain in harbour until the wind eases in the evening.
-
-Le port était calme avant l'aube. Les bateaux de pêche se balançaient contre la jetée.
-Der Hafen war ruhig vor der Dämmerung, und die Möwen schliefen noch auf dem Dach der Halle.
-El puerto estaba tranquilo antes del amanecer; nadie había visto la ballena todavía.
-港は夜明け前は静かだった。クジラが湾に入ってきた。
-鲸鱼在港口附近浮出水面两次，孩子们跑到码头尽头去看。
-Кит всплыл дважды у волнолома. 🐋🌊 Emoji are bytes too: 👍🏽 ❤️ 🇫🇷
-
-The whale stayed for three days. On the fourth morning the tide came in high and fast, the
-herring moved out past the point, and the whale went with them. The children waited on the pier
-until noon, and then they went home for lunch, and the harbour was quiet again.
-'''
-
-
-def build_demo_tokenizer(target_size: int = 2048, **tokenizer_kwargs) -> SpikeTokenizer:
-    """A tokenizer over a vocab trained on the built-in `DEMO_CORPUS` (no files or network needed).
-
-    The demo vocab has only a few hundred multi-byte tokens; every other multi-byte id is an unused
-    slot.  The id layout (bytes, specials, reserved ids, 16,512 ids in total) is the real one.
-    """
-    return SpikeTokenizer.from_texts([DEMO_CORPUS], target_size=target_size, **tokenizer_kwargs)
 
 
 __all__ = [
     "SpikeTokenizer",
-    "build_lengthmax_vocab",
-    "build_demo_tokenizer",
     "compile_greedy_regex",
     "load_vocab_file",
     "normalize_vocab_data",
     "dump_vocab_data",
-    "DEMO_CORPUS",
     "CHATML_TEMPLATE",
     "PAD_ID",
     "UNK_ID",
@@ -865,4 +758,6 @@ __all__ = [
     "BYTE_OFFSET",
     "DEFAULT_MAX_TOKEN_LEN",
     "VOCAB_FILE_NAME",
+    "greedy_trie_pattern",
+    "unused_token",
 ]

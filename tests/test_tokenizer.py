@@ -21,7 +21,6 @@ from spike_whale.tokenization_spike import (
     ALL_SPECIAL_IDS,
     BOS_ID,
     CHAT_EOS_IDS,
-    DEMO_CORPUS,
     EOS_ID,
     IM_END_ID,
     IM_START_ID,
@@ -32,9 +31,8 @@ from spike_whale.tokenization_spike import (
     UNK_ID,
     VOCAB_SIZE,
     SpikeTokenizer,
-    build_demo_tokenizer,
-    build_lengthmax_vocab,
 )
+from spike_whale.hub_export.train_tokenizer import DEMO_CORPUS, build_demo_tokenizer, build_lengthmax_vocab
 
 MAX_LEN = 24
 SPECIAL_LAYOUT = {
@@ -154,7 +152,7 @@ def random_text(rng: random.Random, with_specials: bool = True) -> str:
 
 @pytest.fixture(scope="module")
 def demo_data():
-    return build_lengthmax_vocab([DEMO_CORPUS], target_size=2048)
+    return build_lengthmax_vocab([DEMO_CORPUS], vocab_size=2176)
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +176,7 @@ def tok(tricky_data):
 @pytest.fixture(scope="module")
 def bytes_tok():
     """A tokenizer whose vocab holds only the 256 bytes (no multi-byte tokens at all)."""
-    return SpikeTokenizer(build_lengthmax_vocab(["anything"], target_size=260))
+    return SpikeTokenizer(build_lengthmax_vocab(["anything"], vocab_size=388))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -555,9 +553,15 @@ def test_bos_must_stay_id_2_but_eos_may_change(tricky_data):
     assert t.decode([EOS_ID, 70], skip_special_tokens=True) == "B"
 
 
-def test_missing_vocab_argument():
-    with pytest.raises(ValueError, match="needs a vocabulary"):
-        SpikeTokenizer()
+def test_no_vocab_gives_the_byte_level_tokenizer():
+    """Issue 10 item 8: SpikeTokenizer() with no files is the byte-level tokenizer with the released layout."""
+    t = SpikeTokenizer()
+    assert len(t) == 16512
+    text = "héllo 🐋 <|im_end|>"
+    ids = t(text)["input_ids"]
+    assert ids == [BOS_ID] + [b + 4 for b in "héllo 🐋 ".encode()] + [IM_END_ID]
+    assert t.decode(ids) == "<bos>" + text
+    assert t.convert_tokens_to_ids(["<|reserved_special_0|>", "<eos>"]) == [16401, EOS_ID]
 
 
 def test_save_pretrained_and_load_in_fresh_subprocess(tok, tmp_path):
@@ -635,15 +639,15 @@ def test_builder_layout_and_determinism(demo_data):
     assert multi == list(range(260, 260 + len(multi)))  # no holes before the unused tail
     assert 200 < len(multi) <= 2048 - 260
     assert all(2 <= len(t) <= 24 and all(ord(c) < 256 for c in t) for t, i in vocab.items() if 260 <= i < 16384)
-    assert build_lengthmax_vocab([DEMO_CORPUS], target_size=2048) == demo_data
-    assert build_lengthmax_vocab(DEMO_CORPUS, target_size=2048) == demo_data  # a bare string is one text
+    assert build_lengthmax_vocab([DEMO_CORPUS], vocab_size=2176) == demo_data
+    assert build_lengthmax_vocab(DEMO_CORPUS, vocab_size=2176) == demo_data  # a bare string is one text
 
 
 def test_builder_compresses_and_respects_target_size():
     corpus = DEMO_CORPUS * 3
-    small = build_lengthmax_vocab([corpus], target_size=300)
+    small = build_lengthmax_vocab([corpus], vocab_size=428)
     assert sum(1 for i in small["vocab"].values() if 260 <= i < 16384) == 40
-    big = SpikeTokenizer(build_lengthmax_vocab([corpus], target_size=4096, max_token_len=16))
+    big = SpikeTokenizer(build_lengthmax_vocab([corpus], vocab_size=4224, max_token_len=16))
     n_bytes = len(DEMO_CORPUS.encode("utf-8"))
     n_small = len(SpikeTokenizer(small).encode_ordinary(DEMO_CORPUS))
     n_big = len(big.encode_ordinary(DEMO_CORPUS))
@@ -656,7 +660,7 @@ def test_builder_compresses_and_respects_target_size():
 
 def test_builder_never_takes_special_strings():
     corpus = ("<|im_start|>user\nhello<|im_end|>\n<bos><|reserved_special_3|>" * 60)
-    data = build_lengthmax_vocab([corpus], target_size=1000, max_ngram=12)
+    data = build_lengthmax_vocab([corpus], vocab_size=1128, max_ngram=12)
     regular = {t for t, i in data["vocab"].items() if 260 <= i < 16384}
     for special in ALL_SPECIAL_STRINGS:
         assert special not in regular
@@ -667,7 +671,8 @@ def test_builder_never_takes_special_strings():
     assert t.decode(t.encode_ordinary(corpus)) == corpus
 
 
-@pytest.mark.parametrize("kwargs", [{"target_size": 259}, {"target_size": 16385}, {"max_token_len": 1}, {"rounds": 0}])
+@pytest.mark.parametrize("kwargs", [{"vocab_size": 387}, {"vocab_size": 16513}, {"max_token_len": 1}, {"rounds": 0},
+                                    {"max_token_len": 257}])
 def test_builder_rejects_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         build_lengthmax_vocab(["abc"], **kwargs)

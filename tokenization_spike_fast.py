@@ -1,0 +1,351 @@
+# Copyright 2025 The spike_whale integration authors. Apache-2.0.
+"""Fast (`tokenizers`, Rust) twin of `SpikeTokenizer`: the same ids, decodes and special-token rules.
+
+Greedy longest match over UTF-8 bytes as a standard `tokenizers` pipeline, saved as a plain ``tokenizer.json``
+that ``tokenizers.Tokenizer.from_file`` loads alone::
+
+    pre_tokenizer  ByteLevel(use_regex=False)        text -> one character per UTF-8 byte (GPT-2 byte alphabet)
+                   Split(TRIE, "isolated")            the greedy segmentation: TRIE is `greedy_trie_pattern`
+                                                      over the regular tokens (Oniguruma's ordered alternation
+                                                      backs off to the longest token, as Python's `re` does)
+    model          WordLevel                          each piece is a vocab key: one hash lookup
+    decoder        ByteLevel                          bytes -> UTF-8 with U+FFFD for broken sequences
+    post_processor TemplateProcessing                 "<bos> $A" (add_bos_token=True)
+
+Every special is an added token at its released id.  The WordPiece alternative (empty continuing-subword
+prefix over byte-level input) is exact too but cubic in the length of a piece, and the whole text is one
+piece: 10,000 characters take ~40 s (measured; see the README).
+
+A folder that holds only the released vocab (``spike_vocab.json``, or a custom-format ``tokenizer.json``)
+still loads: the pipeline is built from it on the fly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+from tokenizers import AddedToken as BackendAddedToken
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+from transformers.tokenization_utils_base import AddedToken
+
+from .tokenization_spike import (
+    BASE_SPECIAL_TOKENS,
+    BOS_ID,
+    BOS_TOKEN,
+    BYTE_OFFSET,
+    CHATML_TEMPLATE,
+    EOS_TOKEN,
+    FIRST_MULTIBYTE_ID,
+    PAD_TOKEN,
+    RESERVED_START_ID,
+    RESERVED_TOKENS,
+    SPECIAL_START_ID,
+    SPECIAL_TOKEN_IDS,
+    SPECIAL_TOKENS,
+    UNK_ID,
+    UNK_TOKEN,
+    VOCAB_FILE_NAME,
+    VOCAB_SIZE,
+    SpikeTokenizer,
+    dump_vocab_data,
+    greedy_trie_pattern,
+    load_vocab_file,
+    normalize_vocab_data,
+    unused_token,
+)
+
+TOKENIZER_FILE_NAME = "tokenizer.json"
+_ALL_SPECIALS = BASE_SPECIAL_TOKENS + SPECIAL_TOKENS + RESERVED_TOKENS
+_SPECIAL_IDS = {
+    **{tok: i for i, tok in enumerate(BASE_SPECIAL_TOKENS)},
+    **SPECIAL_TOKEN_IDS,
+    **{tok: RESERVED_START_ID + i for i, tok in enumerate(RESERVED_TOKENS)},
+}
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte alphabet (what the ByteLevel pre-tokenizer and decoder use): byte -> one printable char."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars)))
+
+
+_BYTE_CHAR = bytes_to_unicode()
+_LATIN1_TO_BYTE_LEVEL = str.maketrans({chr(b): c for b, c in _BYTE_CHAR.items()})
+
+
+def _onig_escape(ch: str) -> str:
+    """Escape for Oniguruma: every ASCII character that is not a letter or digit gets a backslash."""
+    return "\\" + ch if ord(ch) < 128 and not ch.isalnum() else ch
+
+
+def build_backend(data: Mapping) -> Tokenizer:
+    """The `tokenizers` pipeline for a normalised vocab (`normalize_vocab_data`): same ids as `SpikeTokenizer`."""
+    max_token_len = data["max_token_len"]
+    vocab: dict[str, int] = {}
+    greedy: list[str] = []
+    for token, idx in data["vocab"].items():
+        if idx in _SPECIAL_IDS.values():
+            vocab[token] = idx
+            continue
+        byte_level = token.translate(_LATIN1_TO_BYTE_LEVEL)
+        vocab[byte_level] = idx
+        if BYTE_OFFSET <= idx < SPECIAL_START_ID and len(token) <= max_token_len:
+            greedy.append(byte_level)
+    defined = set(vocab.values())
+    vocab.update({unused_token(i): i for i in range(FIRST_MULTIBYTE_ID, SPECIAL_START_ID) if i not in defined})
+
+    backend = Tokenizer(models.WordLevel(vocab, unk_token=UNK_TOKEN))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        pre_tokenizers.Split(Regex(greedy_trie_pattern(greedy, escape=_onig_escape)), behavior="isolated"),
+    ])
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([
+        BackendAddedToken(tok, special=True, normalized=False, lstrip=False, rstrip=False, single_word=False)
+        for tok in _ALL_SPECIALS
+    ])
+    for tok, idx in _SPECIAL_IDS.items():
+        if backend.token_to_id(tok) != idx:
+            raise ValueError(f"special token {tok!r} landed at id {backend.token_to_id(tok)}, the layout requires {idx}")
+    return backend
+
+
+def _vocab_data_from_backend(backend: Tokenizer) -> dict:
+    """The released vocab format recovered from a saved `tokenizer.json` (for `save_vocabulary`)."""
+    char_byte = {c: chr(b) for b, c in _BYTE_CHAR.items()}
+    vocab = {}
+    for token, idx in backend.get_vocab(with_added_tokens=False).items():
+        if BYTE_OFFSET <= idx < SPECIAL_START_ID and token != unused_token(idx):
+            vocab["".join(char_byte[c] for c in token)] = idx
+    # The file does not record max_token_len: the longest regular token is the best bound it implies.
+    max_len = max(len(t) for i, t in ((i, t) for t, i in vocab.items()) if i >= FIRST_MULTIBYTE_ID) if len(
+        vocab) > 256 else 1
+    return normalize_vocab_data({"vocab": vocab, "max_token_len": max_len}, source="tokenizer.json")
+
+
+class SpikeTokenizerFast(PreTrainedTokenizerFast):
+    """Greedy longest-match byte tokenizer over a Length-MAX vocabulary, on the `tokenizers` library.
+
+    Same arguments and behaviour as `SpikeTokenizer` (ids, decodes, ``add_bos_token``, specials, chat template),
+    plus offsets (``return_offsets_mapping=True``) and Rust batching.
+
+    Args:
+        vocab_file (`str`, `os.PathLike` or `dict`, *optional*):
+            ``spike_vocab.json`` (or a released custom-format ``tokenizer.json``) or a vocab dict; used when
+            there is no `tokenizers` file to load.
+        tokenizer_file (`str`, *optional*): a ``tokenizer.json`` written by this class.
+        add_bos_token (`bool`, defaults to `True`): prepend ``<bos>`` (id 2), never twice.
+    """
+
+    vocab_files_names = {"vocab_file": VOCAB_FILE_NAME, "tokenizer_file": TOKENIZER_FILE_NAME}
+    model_input_names = ["input_ids", "attention_mask"]
+    padding_side = "left"
+    slow_tokenizer_class = SpikeTokenizer
+    _auto_class = "AutoTokenizer"
+
+    def __init__(
+        self,
+        vocab_file=None,
+        tokenizer_file=None,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        unk_token=UNK_TOKEN,
+        pad_token=PAD_TOKEN,
+        add_bos_token: bool = True,
+        **kwargs,
+    ):
+        backend = kwargs.pop("tokenizer_object", None)
+        if backend is None and tokenizer_file is not None and _is_backend_file(tokenizer_file):
+            backend = Tokenizer.from_file(os.fspath(tokenizer_file))
+        if backend is None:  # only the released vocab: build the pipeline from it
+            source = vocab_file if vocab_file is not None else tokenizer_file
+            if source is None:
+                source = {"vocab": {chr(b): b + BYTE_OFFSET for b in range(256)}}
+            data = (normalize_vocab_data(source, source="vocab dict") if isinstance(source, Mapping)
+                    else load_vocab_file(source))
+            backend = build_backend(data)
+        else:
+            data = load_vocab_file(vocab_file) if isinstance(vocab_file, (str, os.PathLike)) and os.path.isfile(
+                vocab_file) else _vocab_data_from_backend(backend)
+        self._vocab_data = data
+        self.vocab_file = os.fspath(vocab_file) if isinstance(vocab_file, (str, os.PathLike)) else None
+        defined = set(data["vocab"].values())
+        self._unused_ids = frozenset(i for i in range(FIRST_MULTIBYTE_ID, SPECIAL_START_ID) if i not in defined)
+        self._words_pre_tokenizer = None
+
+        kwargs.pop("special_tokens_pattern", None)
+        kwargs.setdefault("chat_template", CHATML_TEMPLATE)
+        kwargs.setdefault("clean_up_tokenization_spaces", False)
+        extra = kwargs.pop("extra_special_tokens", None) or kwargs.pop("additional_special_tokens", None) or []
+        if isinstance(extra, Mapping):
+            kwargs["model_specific_special_tokens"] = {**dict(kwargs.get("model_specific_special_tokens") or {}),
+                                                       **dict(extra)}
+            extra = []
+        named = {str(t) for t in (bos_token, eos_token, unk_token, pad_token) if t is not None}
+        ours = [_special(tok) for tok in SPECIAL_TOKENS + RESERVED_TOKENS]
+        ours += [_special(tok) for tok in BASE_SPECIAL_TOKENS if tok not in named]
+        kwargs["extra_special_tokens"] = ours + [tok for tok in extra if str(tok) not in set(_ALL_SPECIALS)]
+        self._tokenizer = backend  # used as is (passing it as tokenizer_object would deep-copy it)
+        super().__init__(
+            bos_token=_special(bos_token),
+            eos_token=_special(eos_token),
+            unk_token=_special(unk_token),
+            pad_token=_special(pad_token),
+            add_bos_token=bool(add_bos_token),
+            **kwargs,
+        )
+        if self.bos_token_id != BOS_ID:
+            raise ValueError(f"bos_token resolves to id {self.bos_token_id}, the spike_whale layout requires {BOS_ID}")
+        for token, idx in _SPECIAL_IDS.items():
+            if self.convert_tokens_to_ids(token) != idx:
+                raise ValueError(f"special token {token!r} resolved to id {self.convert_tokens_to_ids(token)}, the "
+                                 f"spike_whale layout requires {idx}")
+
+    @classmethod
+    def convert_to_native_format(cls, trust_remote_code=False, **kwargs):
+        # `__init__` loads tokenizer.json itself (or builds from the vocab); transformers' generic rebuild from
+        # vocab/merges would drop the Split/WordLevel pipeline.
+        return kwargs
+
+    @classmethod
+    def from_slow(cls, tokenizer: SpikeTokenizer, **kwargs) -> "SpikeTokenizerFast":
+        """The fast twin of a slow `SpikeTokenizer` (same vocab, add_bos_token, model_max_length, padding side)."""
+        kwargs.setdefault("add_bos_token", tokenizer.add_bos_token)
+        kwargs.setdefault("model_max_length", tokenizer.model_max_length)
+        kwargs.setdefault("padding_side", tokenizer.padding_side)
+        kwargs.setdefault("chat_template", tokenizer.chat_template)
+        return cls(tokenizer.vocab_data, **kwargs)
+
+    # ---- vocab ----------------------------------------------------------------------------------------
+
+    @property
+    def vocab_data(self) -> dict:
+        """The vocab in the released file format (what `save_vocabulary` writes); a copy."""
+        return json.loads(dump_vocab_data(self._vocab_data))
+
+    @property
+    def max_token_len(self) -> int:
+        return self._vocab_data["max_token_len"]
+
+    def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str, ...]:
+        if not os.path.isdir(save_directory):
+            raise ValueError(f"Vocabulary path ({save_directory}) should be a directory")
+        path = os.path.join(save_directory, (filename_prefix + "-" if filename_prefix else "") + VOCAB_FILE_NAME)
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(dump_vocab_data(self._vocab_data))
+        return (path,)
+
+    def _save_pretrained(self, save_directory, file_names, legacy_format=None, filename_prefix=None):
+        # Both files: tokenizer.json for this class (and any `tokenizers` user), spike_vocab.json for the slow one.
+        files = super()._save_pretrained(save_directory, file_names, legacy_format=False,
+                                         filename_prefix=filename_prefix)
+        return tuple(files) + self.save_vocabulary(str(save_directory), filename_prefix)
+
+    def save_chat_templates(self, save_directory, tokenizer_config: dict, filename_prefix, save_jinja_files):
+        tokenizer_config["add_bos_token"] = self._add_bos_token  # as SpikeTokenizer: keep the flag on disk
+        return super().save_chat_templates(save_directory, tokenizer_config, filename_prefix, save_jinja_files)
+
+    # ---- encode ---------------------------------------------------------------------------------------
+
+    def _encode_plus(self, text, text_pair=None, add_special_tokens: bool = True, *args,
+                     is_split_into_words: bool = False, split_special_tokens=None, **kwargs):
+        split = self.split_special_tokens if split_special_tokens is None else split_special_tokens
+        # Never add <bos> twice, as `SpikeTokenizer.prepare_for_model`: a text that starts with the special
+        # "<bos>" is encoded without it (the post-processor adds it back) and its offsets are shifted back.
+        stripped = None
+        if add_special_tokens and self.add_bos_token and not split and not is_split_into_words:
+            text, text_pair, stripped = _strip_leading_bos(text, text_pair)
+        backend = self._tokenizer
+        plain = backend.pre_tokenizer
+        if is_split_into_words:
+            backend.pre_tokenizer = self._pre_tokenizer_for_words()
+        try:
+            if stripped is None:
+                return super()._encode_plus(text, text_pair, add_special_tokens, *args,
+                                            is_split_into_words=is_split_into_words, split_special_tokens=split,
+                                            **kwargs)
+            return_tensors = kwargs.pop("return_tensors", None)
+            out = super()._encode_plus(text, text_pair, add_special_tokens, *args, split_special_tokens=split,
+                                       **kwargs)
+        finally:
+            if is_split_into_words:
+                backend.pre_tokenizer = plain
+        if "offset_mapping" in out:
+            batched = not isinstance(text, str)
+            rows = out["offset_mapping"] if batched else [out["offset_mapping"]]
+            for row, encoding, shifted in zip(rows, out.encodings, stripped):
+                for j, seq in enumerate(encoding.sequence_ids):
+                    if seq is not None and shifted[seq]:
+                        start, end = row[j]
+                        row[j] = (start + len(BOS_TOKEN), end + len(BOS_TOKEN))
+        out.convert_to_tensors(return_tensors)
+        return out
+
+    def _pre_tokenizer_for_words(self):
+        """Pretokenized input: each word gets a leading space unless it has one (GPT-2/RoBERTa convention)."""
+        if self._words_pre_tokenizer is None:
+            spec = json.loads(self._tokenizer.to_str())
+            spec["pre_tokenizer"]["pretokenizers"][0]["add_prefix_space"] = True
+            self._words_pre_tokenizer = Tokenizer.from_str(json.dumps(spec)).pre_tokenizer
+        return self._words_pre_tokenizer
+
+    # ---- decode ---------------------------------------------------------------------------------------
+
+    def _decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces=None, **kwargs):
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        # As the slow tokenizer: unused slots decode to nothing, ids outside the vocabulary to <unk>.
+        unused = self._unused_ids
+        token_ids = [i if 0 <= i < VOCAB_SIZE else UNK_ID for i in map(int, token_ids) if i not in unused]
+        return super()._decode(token_ids, skip_special_tokens=skip_special_tokens,
+                               clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kwargs)
+
+
+def _special(token):
+    if token is None or isinstance(token, AddedToken):
+        return token
+    return AddedToken(str(token), special=True, normalized=False, lstrip=False, rstrip=False, single_word=False)
+
+
+def _strip_leading_bos(text, text_pair):
+    """Texts with one leading "<bos>" removed, and per row which of (text, pair) lost it; None if none did."""
+
+    def strip(t):
+        if isinstance(t, str) and t.startswith(BOS_TOKEN):
+            return t[len(BOS_TOKEN):], True
+        return t, False
+
+    if isinstance(text, str):
+        (a, sa), (b, sb) = strip(text), strip(text_pair)
+        return (a, b, [(sa, sb)]) if sa or sb else (text, text_pair, None)
+    if not isinstance(text, (list, tuple)) or not text or not isinstance(text[0], str):
+        return text, text_pair, None
+    firsts = [strip(t) for t in text]
+    seconds = [strip(t) for t in text_pair] if isinstance(text_pair, (list, tuple)) else [(None, False)] * len(text)
+    flags = [(sa, sb) for (_, sa), (_, sb) in zip(firsts, seconds)]
+    if not any(sa or sb for sa, sb in flags):
+        return text, text_pair, None
+    pairs = [b for b, _ in seconds] if isinstance(text_pair, (list, tuple)) else text_pair
+    return [a for a, _ in firsts], pairs, flags
+
+
+def _is_backend_file(path) -> bool:
+    """True for a `tokenizers` tokenizer.json, False for a released custom-format one (``{"vocab": ...}``)."""
+    if not os.path.isfile(path):
+        return False
+    with open(path, encoding="utf-8") as handle:
+        head = handle.read(256)
+    return '"version"' in head and not head.lstrip().startswith('{"vocab"')
+
+
+__all__ = ["SpikeTokenizerFast", "build_backend", "bytes_to_unicode", "TOKENIZER_FILE_NAME"]
