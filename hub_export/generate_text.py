@@ -2,14 +2,77 @@
 
 from __future__ import annotations
 
-import torch
+import os
+
+DTYPE_NAMES = ("fp32", "bf16", "fp16")
+
+
+def positive_int(text: str) -> int:
+    import argparse
+
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_sampling_arguments(p) -> None:
+    """The sampling switches shared by `generate` and `chat`; unset ones keep the folder's generation_config."""
+    p.add_argument("--temperature", type=float, help="sampling temperature > 0 (folder default: 0.7)")
+    p.add_argument("--top-k", type=int, help="keep the k most likely tokens, 0 = off (folder default: 40)")
+    p.add_argument("--top-p", type=float, help="nucleus sampling: keep the smallest set with mass >= p, in (0, 1]")
+    p.add_argument("--repetition-penalty", type=float, help="> 0, 1.0 = off (folder default: 1.3)")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding (deterministic)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--max-new-tokens", type=positive_int, default=160)
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="fp32", help="weights dtype (default fp32)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
+
+
+def sampling_kwargs(args) -> dict:
+    """`generate` keyword arguments for the switches given; a bad value raises ValueError naming the switch."""
+    if args.temperature is not None and not args.temperature > 0:
+        raise ValueError(f"--temperature must be > 0, got {args.temperature} (use --greedy for deterministic output)")
+    if args.top_k is not None and args.top_k < 0:
+        raise ValueError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.repetition_penalty is not None and not args.repetition_penalty > 0:
+        raise ValueError(f"--repetition-penalty must be > 0 (1.0 = off), got {args.repetition_penalty}")
+    out = {"max_new_tokens": args.max_new_tokens}
+    if args.greedy:
+        given = [n for n in ("temperature", "top_k", "top_p") if getattr(args, n) is not None]
+        if given:
+            raise ValueError(f"--greedy ignores sampling; drop --{given[0].replace('_', '-')} or --greedy")
+        out["do_sample"] = False
+    for name in ("temperature", "top_k", "top_p", "repetition_penalty"):
+        if getattr(args, name) is not None:
+            out[name] = getattr(args, name)
+    return out
+
+
+def load(args):
+    """Tokenizer and model of `args.model_dir` (Auto classes, trust_remote_code), in `args.dtype`, threads set."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
+        raise FileNotFoundError(f"{args.model_dir!r} is not a model folder (no config.json); pass a folder written "
+                                "by `spike-whale init-tiny`/`convert`, e.g. models/spike-whale-demo")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir, trust_remote_code=True)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, trust_remote_code=True, dtype=dtype).eval()
+    return tokenizer, model
 
 
 def run(args) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+    import torch
+    from transformers import TextStreamer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model_dir, trust_remote_code=True)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, trust_remote_code=True, dtype=torch.float32).eval()
+    kwargs = sampling_kwargs(args)
+    tokenizer, model = load(args)
     if args.chat:
         messages = [{"role": "user", "content": args.prompt}]
         enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True, return_tensors="pt")
@@ -17,14 +80,10 @@ def run(args) -> int:
         enc = tokenizer(args.prompt, return_tensors="pt")
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    sampling = {"do_sample": False} if args.greedy else {}
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     print(args.prompt if not args.chat else "", end="", flush=True)
     with torch.no_grad():
-        model.generate(
-            input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
-            max_new_tokens=args.max_new_tokens, streamer=streamer, **sampling,
-        )
+        model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], streamer=streamer, **kwargs)
     return 0
 
 
@@ -34,12 +93,10 @@ def register(sub) -> None:
         help="generate text from a model folder (Auto classes, trust_remote_code)",
         description="Load MODEL_DIR with AutoModelForCausalLM/AutoTokenizer (trust_remote_code=True) and stream a "
         "completion. Sampling uses the folder's generation_config.json (serving defaults: temperature 0.7, "
-        "top_k 40, repetition_penalty 1.3); --greedy is for tests.",
+        "top_k 40, repetition_penalty 1.3) unless a switch overrides it.",
     )
     p.add_argument("model_dir")
     p.add_argument("-p", "--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the ChatML chat template")
-    p.add_argument("--max-new-tokens", type=int, default=160)
-    p.add_argument("--greedy", action="store_true", help="greedy decoding (deterministic; for tests)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    add_sampling_arguments(p)
     p.set_defaults(func=run)

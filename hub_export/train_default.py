@@ -1,0 +1,186 @@
+"""Train the committed default model (models/spike-whale-demo) on a real English corpus.
+
+    python -m spike_whale.hub_export.train_default OUT_DIR --corpus jargon.txt.gz [--time-budget-min 80]
+
+The corpus is the Jargon File 4.4.7 as Debian's `jargon-text` package ships it
+(/usr/share/doc/jargon-text/jargon.txt.gz; public domain). `prepare_corpus` reflows it into one paragraph per
+line pair and drops the box-drawing tables; the last 5% of paragraphs are held out (written to
+OUT_DIR/heldout.txt) and never trained on. The objective is the model's own (`model(x, labels=x).loss`: CE +
+z-loss + MTP + HRM deep supervision) with its three-tier optimizer groups; the schedule is linear warm-up then
+cosine, where the progress of the cosine is the larger of steps done / `--max-steps` and wall time /
+`--time-budget-min`, so a run on a shared CPU still anneals before its budget ends. A checkpoint (model +
+optimizer + step) is written every `--checkpoint-every` steps and `--resume` continues from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import math
+import os
+import re
+import sys
+import time
+
+import torch
+
+from ..configuration_spike_whale import SpikeWhaleConfig
+from ..modeling_spike_whale import SpikeWhaleForCausalLM
+from ..tokenization_spike import SpikeTokenizer
+from .folder import save_hub_folder
+
+# A few million parameters with every Byrne mechanism on (MLA + XSA + QK-norm, fractal RoPE, depth attention,
+# Hyper-Connections, Engram, Memory Cache, HRM, MTP), 4 layers looped 3 times = 12 loop-plan slots.
+DEFAULT_CONFIG = dict(
+    hidden_size=128, num_hidden_layers=4, loop_count=3, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=64, moe_intermediate_size=384,
+    engram_compress_dim=16, engram_table_size=1024, hrm_refine_dim=64, mc_segment_len=64, mc_num_heads=2,
+    mc_head_dim=16, mc_gate_dim=32, depth_attention_stride=2, max_position_embeddings=512,
+)
+HELD_OUT_FRACTION = 0.05
+
+
+def read_text(path: str) -> str:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as handle:
+        return handle.read()
+
+
+def prepare_corpus(raw: str) -> str:
+    """One reflowed paragraph per block (blank line between), dropping box-drawing tables and fragments under
+    8 words (the table of contents and the lexicon's headword lists)."""
+    paragraphs = []
+    for block in re.split(r"\n\s*\n", raw):
+        if any("\u2500" <= ch <= "\u257f" for ch in block):
+            continue
+        text = " ".join(block.split())
+        if len(text.split()) >= 8:
+            paragraphs.append(text)
+    return "\n\n".join(paragraphs) + "\n"
+
+
+def split_held_out(text: str, fraction: float = HELD_OUT_FRACTION) -> tuple[str, str]:
+    paragraphs = text.rstrip("\n").split("\n\n")
+    cut = len(paragraphs) - max(1, int(len(paragraphs) * fraction))
+    return "\n\n".join(paragraphs[:cut]) + "\n", "\n\n".join(paragraphs[cut:]) + "\n"
+
+
+def lr_at(step: int, elapsed: float, args) -> float:
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = min(1.0, max(step / args.max_steps, elapsed / (60 * args.time_budget_min)))
+    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def train(args) -> int:
+    torch.set_num_threads(args.threads)
+    os.makedirs(args.out_dir, exist_ok=True)
+    work = os.path.join(args.out_dir, "training")
+    os.makedirs(work, exist_ok=True)
+    text = prepare_corpus(read_text(args.corpus))
+    train_text, held_text = split_held_out(text)
+    with open(os.path.join(args.out_dir, "heldout.txt"), "w", encoding="utf-8") as handle:
+        handle.write(held_text)
+
+    vocab_path = os.path.join(work, "tokenizer")
+    if os.path.isdir(vocab_path):
+        tokenizer = SpikeTokenizer.from_pretrained(vocab_path)
+    else:
+        t0 = time.time()
+        tokenizer = SpikeTokenizer.from_texts([train_text], target_size=args.vocab_target_size)
+        tokenizer.save_pretrained(vocab_path)
+        print(f"Length-MAX vocab ({args.vocab_target_size} ids target) built in {time.time() - t0:.0f}s", flush=True)
+    ids = torch.tensor(tokenizer.encode_ordinary(train_text), dtype=torch.long)
+    print(f"train: {len(train_text.encode()):,} bytes -> {len(ids):,} tokens; held out: "
+          f"{len(held_text.encode()):,} bytes", flush=True)
+
+    torch.manual_seed(args.seed)
+    config = SpikeWhaleConfig.from_preset("tiny", **DEFAULT_CONFIG)
+    model = SpikeWhaleForCausalLM(config)
+    opt = torch.optim.AdamW(model.optimizer_param_groups(args.lr, embedding_lr_scale=args.embedding_lr_scale,
+                                                         weight_decay=args.weight_decay), betas=(0.9, 0.95))
+    base_lrs = [group["lr"] / args.lr for group in opt.param_groups]
+    ckpt_path = os.path.join(work, "checkpoint.pt")
+    step, spent = 0, 0.0
+    if args.resume and os.path.exists(ckpt_path):
+        state = torch.load(ckpt_path, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        step, spent = state["step"], state["elapsed"]
+        print(f"resumed at step {step} ({spent / 60:.1f} min spent)", flush=True)
+    g = torch.Generator().manual_seed(args.seed + step)
+    model.train()
+    start = time.time() - spent
+    ema = None
+    while step < args.max_steps and time.time() - start < 60 * args.time_budget_min:
+        lr = lr_at(step, time.time() - start, args)
+        for group, scale in zip(opt.param_groups, base_lrs):
+            group["lr"] = lr * scale
+        starts = torch.randint(0, len(ids) - args.seq_len - 1, (args.batch_size,), generator=g)
+        x = torch.stack([torch.cat([torch.tensor([config.bos_token_id]), ids[s:s + args.seq_len - 1]])
+                         for s in starts])
+        out = model(x, labels=x)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        lm = out.lm_loss.item() if getattr(out, "lm_loss", None) is not None else out.loss.item()
+        ema = lm if ema is None else 0.95 * ema + 0.05 * lm
+        if step % args.log_every == 0 or step == 1:
+            elapsed = time.time() - start
+            print(f"step {step:5d}  lr {lr:.2e}  loss {out.loss.item():.3f}  lm {lm:.3f} (ema {ema:.3f})  "
+                  f"{elapsed / 60:.1f} min", flush=True)
+        if step % args.checkpoint_every == 0:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                        "elapsed": time.time() - start}, ckpt_path + ".tmp")
+            os.replace(ckpt_path + ".tmp", ckpt_path)
+    model.eval()
+    save_hub_folder(model, tokenizer, args.out_dir)
+    record = {
+        "command": " ".join(["python -m spike_whale.hub_export.train_default"] + sys.argv[1:]),
+        "corpus": os.path.basename(args.corpus),
+        "corpus_sha256": hashlib.sha256(open(args.corpus, "rb").read()).hexdigest(),
+        "prepared_sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "heldout_sha256": hashlib.sha256(held_text.encode()).hexdigest(),
+        "train_bytes": len(train_text.encode()), "train_tokens": len(ids), "steps": step,
+        "tokens_seen": step * args.batch_size * args.seq_len, "minutes": round((time.time() - start) / 60, 1),
+        "final_lm_loss_ema": round(ema, 4) if ema is not None else None,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+    with open(os.path.join(args.out_dir, "training_record.json"), "w") as handle:
+        json.dump(record, handle, indent=2)
+    print(json.dumps(record, indent=2), flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m spike_whale.hub_export.train_default", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dir", help="model folder to write (training state goes to OUT_DIR/training)")
+    p.add_argument("--corpus", required=True, help="jargon.txt.gz from Debian's jargon-text package (or any text)")
+    p.add_argument("--vocab-target-size", type=int, default=4096)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--min-lr", type=float, default=1e-4)
+    p.add_argument("--embedding-lr-scale", type=float, default=0.5)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--max-steps", type=int, default=4000)
+    p.add_argument("--time-budget-min", type=float, default=80.0)
+    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from OUT_DIR/training/checkpoint.pt")
+    args = p.parse_args(argv)
+    if not os.path.isfile(args.corpus):
+        p.error(f"corpus {args.corpus!r} not found (apt-get download jargon-text; dpkg-deb -x it)")
+    return train(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
