@@ -5,7 +5,8 @@
 The corpus is the Jargon File 4.4.7 as Debian's `jargon-text` package ships it
 (/usr/share/doc/jargon-text/jargon.txt.gz; public domain). `prepare_corpus` reflows it into one paragraph per
 line pair and drops the box-drawing tables; the last 5% of paragraphs are held out (written to
-OUT_DIR/heldout.txt) and never trained on. The objective is the model's own (`model(x, labels=x).loss`: CE +
+OUT_DIR/heldout.txt) and never trained on. The vocabulary is trained on the rest by the project's Length-MAX
+trainer (`train_tokenizer.train_from_files`, as `spike-whale train-tokenizer` runs it). The objective is the model's own (`model(x, labels=x).loss`: CE +
 z-loss + MTP + HRM deep supervision) with its three-tier optimizer groups; the schedule is linear warm-up then
 cosine, where the progress of the cosine is the larger of steps done / `--max-steps` and wall time /
 `--time-budget-min`, so a run on a shared CPU still anneals before its budget ends. A checkpoint (model +
@@ -28,8 +29,10 @@ import torch
 
 from ..configuration_spike_whale import SpikeWhaleConfig
 from ..modeling_spike_whale import SpikeWhaleForCausalLM
-from ..tokenization_spike import SpikeTokenizer
+from ..tokenization_spike import dump_vocab_data, load_vocab_file
+from ..tokenization_spike_fast import SpikeTokenizerFast
 from .folder import save_hub_folder
+from .train_tokenizer import train_from_files
 
 # A few million parameters with every Byrne mechanism on (MLA + XSA + QK-norm, fractal RoPE, depth attention,
 # Hyper-Connections, Engram, Memory Cache, HRM, MTP), 4 layers looped 3 times = 12 loop-plan slots.
@@ -84,15 +87,18 @@ def train(args) -> int:
     with open(os.path.join(args.out_dir, "heldout.txt"), "w", encoding="utf-8") as handle:
         handle.write(held_text)
 
-    vocab_path = os.path.join(work, "tokenizer")
-    if os.path.isdir(vocab_path):
-        tokenizer = SpikeTokenizer.from_pretrained(vocab_path)
-    else:
+    train_path = os.path.join(work, "train.txt")
+    with open(train_path, "w", encoding="utf-8") as handle:
+        handle.write(train_text)
+    vocab_path = os.path.join(work, "spike_vocab.json")
+    if not os.path.exists(vocab_path):
         t0 = time.time()
-        tokenizer = SpikeTokenizer.from_texts([train_text], target_size=args.vocab_target_size)
-        tokenizer.save_pretrained(vocab_path)
-        print(f"Length-MAX vocab ({args.vocab_target_size} ids target) built in {time.time() - t0:.0f}s", flush=True)
-    ids = torch.tensor(tokenizer.encode_ordinary(train_text), dtype=torch.long)
+        data = train_from_files([train_path], vocab_size=args.vocab_size, show_progress=False)
+        with open(vocab_path, "w", encoding="utf-8") as handle:
+            handle.write(dump_vocab_data(data))
+        print(f"Length-MAX vocab (vocab_size {args.vocab_size}) trained in {time.time() - t0:.0f}s", flush=True)
+    tokenizer = SpikeTokenizerFast(load_vocab_file(vocab_path))
+    ids = torch.tensor(tokenizer(train_text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     print(f"train: {len(train_text.encode()):,} bytes -> {len(ids):,} tokens; held out: "
           f"{len(held_text.encode()):,} bytes", flush=True)
 
@@ -161,7 +167,8 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir", help="model folder to write (training state goes to OUT_DIR/training)")
     p.add_argument("--corpus", required=True, help="jargon.txt.gz from Debian's jargon-text package (or any text)")
-    p.add_argument("--vocab-target-size", type=int, default=4096)
+    p.add_argument("--vocab-size", type=int, default=4484,
+                   help="Length-MAX vocab size as spike-whale train-tokenizer counts it (4484: 4,096 multi-byte tokens)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
