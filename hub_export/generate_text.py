@@ -51,14 +51,21 @@ def sampling_kwargs(args) -> dict:
     return out
 
 
+def check_model_dir(path: str) -> None:
+    """A missing folder, or one without config.json, is reported as such (not as a bad Hub repo id)."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: no such folder")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{path} is not a model folder (no config.json); pass a folder written by "
+                                "`spike-whale init-tiny`/`convert`, e.g. models/spike-whale-demo")
+
+
 def load(args):
     """Tokenizer and model of `args.model_dir` (Auto classes, trust_remote_code), in `args.dtype`, threads set."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
-        raise FileNotFoundError(f"{args.model_dir!r} is not a model folder (no config.json); pass a folder written "
-                                "by `spike-whale init-tiny`/`convert`, e.g. models/spike-whale-demo")
+    check_model_dir(args.model_dir)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]

@@ -123,10 +123,10 @@ def read_texts(paths: list[str]) -> list[tuple[str, str]]:
 
 def window_arguments(args) -> tuple[int, int]:
     """(context, stride) of the command line, checked against the folder's config.json before any loading."""
-    path = os.path.join(args.model_dir, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{args.model_dir!r} is not a model folder (no config.json)")
-    with open(path) as handle:
+    from .generate_text import check_model_dir
+
+    check_model_dir(args.model_dir)
+    with open(os.path.join(args.model_dir, "config.json")) as handle:
         limit = json.load(handle)["max_position_embeddings"]
     context = args.context or limit
     if context > limit:
