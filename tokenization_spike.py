@@ -114,12 +114,36 @@ ALGORITHM = "length-max"
 
 CHATML_TEMPLATE = (
     "{{- bos_token if bos_token else '' -}}\n"
+    "{%- if tools -%}\n"
+    "    {{- raise_exception('This chat template has no tool-calling format (the spike_whale chat models were not trained "
+    "with one): pass tools=None, or a chat_template that defines one.') -}}\n"
+    "{%- endif -%}\n"
     "{%- for message in messages -%}\n"
+    "    {%- set i = loop.index0 -%}\n"
+    "    {%- if message['role'] is not defined or message['role'] is not string -%}\n"
+    "        {{- raise_exception('Message ' ~ loop.index0 ~ ' has no \\'role\\' string: every message needs one, such "
+    "as {\"role\": \"user\", \"content\": \"...\"}.') -}}\n"
+    "    {%- endif -%}\n"
+    "    {%- if message['tool_calls'] is defined -%}\n"
+    "        {{- raise_exception('Message ' ~ loop.index0 ~ ' has tool_calls, which this chat template cannot write (no "
+    "tool-calling format); put the call in \\'content\\' or use a chat_template that defines one.') -}}\n"
+    "    {%- endif -%}\n"
     "    {{- '<|im_start|>' + message['role'] + '\\n' -}}\n"
     "    {%- if message['content'] is string -%}\n"
     "        {{- message['content'] -}}\n"
-    "    {%- elif message['content'] is not none -%}\n"
-    "        {%- for part in message['content'] if part['type'] == 'text' -%}{{- part['text'] -}}{%- endfor -%}\n"
+    "    {%- elif message['content'] is not defined or message['content'] is none -%}\n"
+    "    {%- elif message['content'] is iterable and message['content'] is not mapping -%}\n"
+    "        {%- for part in message['content'] -%}\n"
+    "            {%- if part is mapping and part['type'] == 'text' and part['text'] is string -%}\n"
+    "                {{- part['text'] -}}\n"
+    "            {%- else -%}\n"
+    "                {{- raise_exception('Message ' ~ i ~ ': content parts must be {\"type\": \"text\", "
+    "\"text\": str} (this model reads text only), got ' ~ part) -}}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    "        {{- raise_exception('Message ' ~ loop.index0 ~ ': content must be a string or a list of text parts, "
+    "got ' ~ message['content']) -}}\n"
     "    {%- endif -%}\n"
     "    {{- '<|im_end|>\\n' -}}\n"
     "{%- endfor -%}\n"
@@ -127,6 +151,16 @@ CHATML_TEMPLATE = (
     "    {{- '<|im_start|>assistant\\n' -}}\n"
     "{%- endif -%}\n"
 )
+
+def chat_template_kwargs(kwargs: dict) -> dict:
+    """`apply_chat_template` defaults of both spike_whale tokenizers: ``sanitize_control_tokens=True`` whenever
+    transformers can honour it (tokenized output, no assistant mask), so special-token strings inside messages,
+    tools and template variables are encoded as plain text while the template's own markers stay special."""
+    if kwargs.get("sanitize_control_tokens") is None:
+        kwargs["sanitize_control_tokens"] = bool(kwargs.get("tokenize", True)) and not kwargs.get(
+            "return_assistant_tokens_mask", False)
+    return kwargs
+
 
 _RESERVED_SET = frozenset(RESERVED_TOKENS)
 _NON_TEXT_TOKENS = frozenset(BASE_SPECIAL_TOKENS) | frozenset(SPECIAL_TOKENS) | _RESERVED_SET
@@ -693,6 +727,13 @@ class SpikeTokenizer(PreTrainedTokenizer):
             out.append(_latin1_to_bytes("".join(run)).decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def apply_chat_template(self, conversation, **kwargs):
+        """transformers' `apply_chat_template`, with ``sanitize_control_tokens=True`` by default (see
+        `chat_template_kwargs`): a user message cannot inject ``<|im_start|>system``.  Pass
+        ``sanitize_control_tokens=False`` for the raw behaviour; ``tokenize=False`` returns the rendered string,
+        which cannot mark the difference (encode it with ``split_special_tokens`` as needed)."""
+        return super().apply_chat_template(conversation, **chat_template_kwargs(kwargs))
+
     # ---- save ---------------------------------------------------------------------------------------
 
     def save_chat_templates(self, save_directory, tokenizer_config: dict, filename_prefix, save_jinja_files):
@@ -737,6 +778,7 @@ __all__ = [
     "normalize_vocab_data",
     "dump_vocab_data",
     "CHATML_TEMPLATE",
+    "chat_template_kwargs",
     "PAD_ID",
     "UNK_ID",
     "BOS_ID",

@@ -50,6 +50,7 @@ from .tokenization_spike import (
     VOCAB_FILE_NAME,
     VOCAB_SIZE,
     SpikeTokenizer,
+    chat_template_kwargs,
     dump_vocab_data,
     greedy_trie_pattern,
     load_vocab_file,
@@ -81,6 +82,14 @@ def bytes_to_unicode() -> dict[int, str]:
 
 _BYTE_CHAR = bytes_to_unicode()
 _LATIN1_TO_BYTE_LEVEL = str.maketrans({chr(b): c for b, c in _BYTE_CHAR.items()})
+
+
+def _to_byte_level(text: str) -> str:
+    """`text` as a token of this vocab is written: its UTF-8 bytes in GPT-2's byte alphabet."""
+    try:
+        return text.encode("utf-8").decode("latin-1").translate(_LATIN1_TO_BYTE_LEVEL)
+    except UnicodeEncodeError:
+        return text
 
 
 def _onig_escape(ch: str) -> str:
@@ -298,6 +307,18 @@ class SpikeTokenizerFast(PreTrainedTokenizerFast):
             spec["pre_tokenizer"]["pretokenizers"][0]["add_prefix_space"] = True
             self._words_pre_tokenizer = Tokenizer.from_str(json.dumps(spec)).pre_tokenizer
         return self._words_pre_tokenizer
+
+    def _convert_token_to_id_with_added_voc(self, token: str) -> int:
+        # A token may also be given as text (" the" for "Ġthe"), as the slow tokenizer's tokens are written:
+        # transformers' token healing looks up " " this way to find the space token.
+        index = self._tokenizer.token_to_id(token)
+        if index is None:
+            index = self._tokenizer.token_to_id(_to_byte_level(token))
+        return self.unk_token_id if index is None else index
+
+    def apply_chat_template(self, conversation, **kwargs):
+        """As `SpikeTokenizer.apply_chat_template`: control tokens inside messages are encoded as text by default."""
+        return super().apply_chat_template(conversation, **chat_template_kwargs(kwargs))
 
     # ---- decode ---------------------------------------------------------------------------------------
 

@@ -420,11 +420,15 @@ def test_chat_template_ids(tok):
     text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert text == ("<bos><|im_start|>system\nBe brief.<|im_end|>\n"
                     "<|im_start|>user\n  hi <think>  \n<|im_end|>\n<|im_start|>assistant\n")
-    ids = tok.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, sanitize_control_tokens=False)["input_ids"]
     o = tok.encode_ordinary
     expected = ([BOS_ID, IM_START_ID] + o("system\nBe brief.") + [IM_END_ID] + o("\n") + [IM_START_ID]
                 + o("user\n  hi ") + [16386] + o("  \n") + [IM_END_ID] + o("\n") + [IM_START_ID] + o("assistant\n"))
     assert ids == expected
+    safe = tok.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"]  # <think> in content is text
+    assert safe == ([BOS_ID, IM_START_ID] + o("system\nBe brief.") + [IM_END_ID] + o("\n") + [IM_START_ID]
+                    + o("user\n  hi ") + o("<think>") + o("  \n") + [IM_END_ID] + o("\n") + [IM_START_ID]
+                    + o("assistant\n"))
     assert ids.count(BOS_ID) == 1
     assert tok(text)["input_ids"] == expected  # re-encoding the rendered text: still one <bos>
     no_prompt = tok.apply_chat_template(msgs[:1], tokenize=False)
@@ -432,12 +436,16 @@ def test_chat_template_ids(tok):
 
 
 def test_chat_template_sanitize_control_tokens(tok):
+    """Issue 11 item 9: message content is encoded with specials split by default; the template's stay special."""
     msgs = [{"role": "user", "content": "say <|im_end|> and <bos>"}]
-    plain = tok.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"]
+    default = tok.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"]
+    plain = tok.apply_chat_template(msgs, add_generation_prompt=True, sanitize_control_tokens=False)["input_ids"]
     safe = tok.apply_chat_template(msgs, add_generation_prompt=True, sanitize_control_tokens=True)["input_ids"]
+    assert default == safe
     assert plain.count(IM_END_ID) == 2 and safe.count(IM_END_ID) == 1
     assert plain.count(BOS_ID) == 2 and safe.count(BOS_ID) == 1
     assert tok.decode(safe) == tok.decode(plain)
+    assert tok("<|im_end|>")["input_ids"] == [BOS_ID, IM_END_ID]  # plain tok(text) keeps transformers' default
 
 
 # ----------------------------------------------------------------------------------------------
@@ -617,7 +625,7 @@ def test_save_pretrained_and_load_in_fresh_subprocess(tok, tmp_path):
     assert out["dec"] == [tok.decode(i) for i in out["ids"]]
     assert out["dec_skip"] == [tok.decode(i, skip_special_tokens=True) for i in out["ids"]]
     assert out["chat"] == tok.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"]
-    assert out["chat"][:2] == [BOS_ID, IM_START_ID] and 16390 in out["chat"]
+    assert out["chat"][:2] == [BOS_ID, IM_START_ID] and 16390 not in out["chat"]  # <tool_call> in content: text
     assert out["pad"] == tok(["a", "bcd efg"], padding=True)["input_ids"]
     assert out["every"] == tok.decode(list(range(16512)))
 
