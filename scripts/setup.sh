@@ -1,9 +1,19 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install the project from its own files: CPU torch 2.13.0, then the package.
+# Create a venv (if missing) and install the project from its own files: CPU torch 2.13.0, then the package.
+# usage: scripts/setup.sh [TRANSFORMERS_VERSION]
+#   no version: .venv with the newest transformers that setup.cfg's range admits;
+#   a version:  .venv-transformers-VERSION with exactly that release (CI tests both ends of the range).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e ".[test]"
+VERSION=${1:-}
+VENV=.venv
+PIN=()
+if [ -n "$VERSION" ]; then
+  VENV=.venv-transformers-$VERSION
+  PIN=("transformers==$VERSION")
+fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q torch==2.13.0
+"$VENV/bin/python" -m pip install -q -e ".[test]" "${PIN[@]}"

@@ -1,11 +1,24 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh) and run the whole test suite. pytest's "no tests collected" (exit 5) is a failure.
+# usage: scripts/test.sh [--transformers VERSION|floor] [pytest args...]
+#   --transformers floor  tests the lowest release setup.cfg admits (CI runs the suite on both ends of the range).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh || exit 1
+VERSION=
+if [ "${1:-}" = "--transformers" ]; then
+  VERSION=${2:?"--transformers needs a version or 'floor'"}
+  shift 2
+  if [ "$VERSION" = floor ]; then
+    VERSION=$(sed -n 's/^ *transformers>=\([0-9.]*\),.*/\1/p' setup.cfg)
+    [ -n "$VERSION" ] || { echo "no 'transformers>=X,<Y' line in setup.cfg" >&2; exit 1; }
+  fi
+fi
+bash scripts/setup.sh $VERSION || exit 1
+VENV=.venv${VERSION:+-transformers-$VERSION}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export HF_HOME="${HF_HOME:-$(mktemp -d)}"
-.venv/bin/python -m pytest tests -q "$@"
+echo "testing with $("$VENV/bin/python" -c 'import transformers, torch; print("transformers", transformers.__version__, "torch", torch.__version__)')"
+"$VENV/bin/python" -m pytest tests -q "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: failing" >&2
