@@ -1,11 +1,12 @@
-"""Read a released spike_whale checkpoint (`.pt`, safetensors folder, GGUF) and place it into the model, exactly.
+"""The format-free core of reading a spike_whale checkpoint: what was read, its config, its names, its placement.
 
-`load_checkpoint(path)` returns a `Checkpoint`: the state dict under our names (through the model's one rename
-table, `rename_checkpoint_keys`), the config, the tokenizer vocab (released file format) and what was read.
-`build_model(checkpoint)` builds a `SpikeWhaleForCausalLM` on the meta device and assigns every tensor; a tensor
-it cannot place, a shape that does not match, or a parameter / buffer that would stay uninitialised is an error
-listing the names (never a silently random weight). `widen_rope` rebuilds the RoPE caches for a longer context
-from the checkpoint's own inverse frequencies.
+The format readers (`pt_reader`, `safetensors_reader`, `gguf_io`) each produce a `Checkpoint` through this module
+(`config_from_dict`, `normalize_state_dict`, `complete_rope`); `sources.load_checkpoint` picks the reader.
+`prepare_state_dict` checks a state dict against the model and `build_model` builds a `SpikeWhaleForCausalLM` on
+the meta device and assigns every tensor; a tensor it cannot place, a shape or dtype that does not match, a
+non-finite value, or a parameter / buffer that would stay uninitialised is an error naming the file and the
+tensors (with rename candidates, see `key_report`), never a silently random weight. `widen_rope` rebuilds the
+RoPE caches for a longer context from the checkpoint's own inverse frequencies.
 """
 
 from __future__ import annotations
@@ -13,10 +14,8 @@ from __future__ import annotations
 import copy
 import inspect
 import json
-import os
-import pickle
+import math
 import re
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,12 +23,8 @@ import torch
 
 from ..configuration_spike_whale import SpikeWhaleConfig
 from ..modeling_spike_whale import SpikeWhaleForCausalLM, SpikeWhaleRotaryEmbedding, rename_checkpoint_keys, rope_inv_freq
-from ..tokenization_spike import BOS_ID, EOS_ID, PAD_ID, VOCAB_FILE_NAME, load_vocab_file
+from ..tokenization_spike import BOS_ID, EOS_ID, PAD_ID
 
-# Where a training checkpoint keeps its weights and its config blob (checked in this order).
-STATE_DICT_KEYS = ("model", "state_dict", "model_state_dict", "model_state", "module", "weights", "params", "net")
-CONFIG_KEYS = ("config", "cfg", "model_config", "model_cfg", "hparams", "hyper_parameters", "hyperparameters",
-               "args", "model_args")
 # Wrapper prefixes some trainers add to every key (torch.compile, DDP); stripped only when *every* key has one.
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 # Keys of a saved HF config that are not model fields.
@@ -65,31 +60,8 @@ class Checkpoint:
     vocab_source: str | None = None
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
     return " ".join(str(text).split())
-
-
-def sniff_format(path: Path) -> str:
-    """'gguf', 'pt', 'safetensors' or 'folder', from the content (not the suffix); unknown is an error."""
-    if path.is_dir():
-        return "folder"
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file or directory")
-    with open(path, "rb") as handle:
-        head = handle.read(16)
-    if head[:4] == b"GGUF":
-        return "gguf"
-    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
-        return "pt"
-    if len(head) >= 9 and head[8:9] == b"{":
-        return "safetensors"
-    if path.suffix == ".safetensors":
-        return "safetensors"
-    if path.suffix in (".pt", ".pth", ".bin", ".ckpt"):
-        return "pt"
-    if path.suffix == ".gguf":
-        return "gguf"
-    raise ValueError(f"{path}: not a spike_whale checkpoint (expected a .pt, a safetensors folder or a GGUF file)")
 
 
 def infer_stage(path: Path) -> str | None:
@@ -105,12 +77,12 @@ def infer_stage(path: Path) -> str | None:
 # config
 # ---------------------------------------------------------------------------------------------------------------
 
-def _config_fields() -> set[str]:
+def config_fields() -> set[str]:
     params = inspect.signature(SpikeWhaleConfig.__init__).parameters
     return {n for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD and n != "self"} | {"nope_head_dim"}
 
 
-def _find_model_config(blob) -> dict | None:
+def find_model_config(blob) -> dict | None:
     """The dict holding the model fields: the blob itself or a nested section (e.g. {'model': {...}, 'train': ...})."""
     if isinstance(blob, str):
         try:
@@ -122,29 +94,75 @@ def _find_model_config(blob) -> dict | None:
     if "hidden_size" in blob and "vocab_size" in blob:
         return blob
     for value in blob.values():
-        found = _find_model_config(value) if isinstance(value, (dict, str)) else None
+        found = find_model_config(value) if isinstance(value, (dict, str)) else None
         if found is not None:
             return found
     return None
 
 
+def read_json(path: Path):
+    """A JSON file's content; an unreadable or invalid file is a one-line `ValueError` naming it."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON (not UTF-8 text)") from err
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from err
+
+
+def _field_defaults() -> dict:
+    params = inspect.signature(SpikeWhaleConfig.__init__).parameters
+    return {n: p.default for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD and n != "self"}
+
+
+def _type_error(name: str, value, default) -> str | None:
+    """Why `value` cannot be the config field `name` (whose default is `default`), or None if it can."""
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if name.endswith("_token_id"):
+        ok = value is None or is_int(value) or (isinstance(value, list) and all(is_int(v) for v in value))
+        return None if ok else "an integer token id (or a list of them)"
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else "true or false"
+    if isinstance(default, int):
+        return None if is_int(value) else "an integer"
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return "a number"
+        return None if math.isfinite(value) else "a finite number"
+    if isinstance(default, str):
+        return None if isinstance(value, str) else "a string"
+    return None
+
+
 def config_from_dict(data: dict, source: str, notes: list[str]) -> SpikeWhaleConfig:
-    """Build a `SpikeWhaleConfig` from a released config.json / config blob; non-model keys are dropped (noted)."""
+    """Build a `SpikeWhaleConfig` from a released config.json / config blob; non-model keys are dropped (noted).
+
+    Every field must have its default's type (a JSON `true` is not an integer): a wrong one is a one-line error.
+    """
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: a config must be a JSON object, found a {type(data).__name__}")
     data = dict(data)
     model_type = data.get("model_type")
     if model_type not in (None, "spike_whale"):
         raise ValueError(f"{source}: model_type is {model_type!r}, not 'spike_whale'")
-    known = _config_fields()
+    known = config_fields()
     for key in _HF_ONLY_CONFIG_KEYS:
         data.pop(key, None)
     dropped = sorted(k for k in data if k not in known)
     if dropped:
         notes.append(f"config: ignored non-model keys {dropped}")
     kwargs = {k: v for k, v in data.items() if k in known}
+    defaults = _field_defaults()
+    wrong = [f"{k} is {json.dumps(v)[:40]}, expected {why}" for k, v in sorted(kwargs.items())
+             if (why := _type_error(k, v, defaults.get(k))) is not None]
+    if wrong:
+        raise ValueError(f"{source}: invalid spike_whale config: {'; '.join(wrong[:5])}")
     try:
         config = SpikeWhaleConfig(**kwargs)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{source}: invalid spike_whale config ({_one_line(err)})") from err
+        raise ValueError(f"{source}: invalid spike_whale config ({one_line(err)})") from err
     # The family's config.py defaults bos/eos to 0/1, which are <pad>/<unk> in the released tokenizer.
     fixes = []
     if config.bos_token_id != BOS_ID:
@@ -173,11 +191,8 @@ def read_config_arg(value: str, notes: list[str]) -> SpikeWhaleConfig:
             raise ValueError(f"--config: not valid JSON ({err})") from err
     else:
         source = value
-        try:
-            data = json.loads(Path(value).read_text(encoding="utf-8"))
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{value}: not valid JSON ({err})") from err
-    found = _find_model_config(data)
+        data = read_json(Path(value))
+    found = find_model_config(data)
     if found is None:
         raise ValueError(f"{source}: no spike_whale model config in it (no object with hidden_size and vocab_size)")
     return config_from_dict(found, source, notes)
@@ -187,14 +202,10 @@ def read_config_arg(value: str, notes: list[str]) -> SpikeWhaleConfig:
 # state dicts
 # ---------------------------------------------------------------------------------------------------------------
 
-def _is_tensor_dict(obj) -> bool:
-    return isinstance(obj, dict) and bool(obj) and all(isinstance(k, str) for k in obj) and all(
-        isinstance(v, torch.Tensor) for v in obj.values()
-    )
-
-
-def normalize_state_dict(sd: dict, source: str, notes: list[str]) -> dict[str, torch.Tensor]:
-    """Strip trainer wrapper prefixes (only when every key has one), then apply the model's rename table."""
+def normalize_state_dict(sd: dict, source: str, notes: list[str],
+                         rename_map: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """Strip trainer wrapper prefixes (only when every key has one), apply the user's `rename_map`
+    ({checkpoint name: our name}, from `convert --rename-map`), then the model's rename table."""
     bad = sorted(k for k, v in sd.items() if not isinstance(v, torch.Tensor))
     if bad:
         raise ValueError(f"{source}: state dict entries that are not tensors: {bad[:10]}")
@@ -202,6 +213,15 @@ def normalize_state_dict(sd: dict, source: str, notes: list[str]) -> dict[str, t
         if sd and all(k.startswith(prefix) for k in sd):
             sd = {k[len(prefix):]: v for k, v in sd.items()}
             notes.append(f"stripped the wrapper prefix {prefix!r} from every key")
+    if rename_map:
+        absent = sorted(set(rename_map) - set(sd))
+        if absent:
+            raise ValueError(f"--rename-map names keys that {source} does not have: {absent[:10]}")
+        mapped = {rename_map.get(k, k): v for k, v in sd.items()}
+        if len(mapped) != len(sd):
+            raise ValueError(f"--rename-map maps several keys of {source} onto the same name")
+        sd = mapped
+        notes.append(f"renamed {len(rename_map)} checkpoint keys through --rename-map")
     renamed = rename_checkpoint_keys(sd)
     if len(renamed) != len(sd):
         raise ValueError(f"{source}: the rename table maps several checkpoint keys onto the same name")
@@ -209,177 +229,6 @@ def normalize_state_dict(sd: dict, source: str, notes: list[str]) -> dict[str, t
     if changed:
         notes.append(f"renamed {changed} checkpoint keys through CHECKPOINT_KEY_RENAMES")
     return renamed
-
-
-def _torch_load(path: Path):
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        msg = str(err)
-        m = re.search(r"Unsupported global: GLOBAL ([\w\.]+)", msg) or re.search(r"GLOBAL ([\w\.]+)", msg)
-        what = f" ({m.group(1)})" if m else ""
-        raise ValueError(
-            f"{path}: refusing to load: it contains a pickled Python object{what} that torch.load(weights_only=True) "
-            "does not allow; a released checkpoint holds only tensors and plain containers"
-        ) from err
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError, AttributeError) as err:
-        raise ValueError(f"{path}: not a readable PyTorch checkpoint ({_one_line(err)[:200]})") from err
-
-
-def read_pt(path: Path, config: SpikeWhaleConfig | None, notes: list[str]) -> tuple[dict, SpikeWhaleConfig]:
-    """A released `.pt`: the state dict and the config blob under the usual keys (or the bare state dict)."""
-    obj = _torch_load(path)
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path}: expected a dict (state dict + config), found a {type(obj).__name__}")
-    keys = [str(k) for k in obj]
-    if _is_tensor_dict(obj):
-        sd, holder = obj, None
-    else:
-        sd = holder = None
-        for key in STATE_DICT_KEYS:
-            value = obj.get(key)
-            if _is_tensor_dict(value):
-                sd, holder = value, key
-                break
-            if isinstance(value, dict):  # one level of nesting, e.g. {"model": {"state_dict": ...}}
-                inner = next((value[k] for k in STATE_DICT_KEYS if _is_tensor_dict(value.get(k))), None)
-                if inner is not None:
-                    sd, holder = inner, key
-                    break
-        if sd is None:
-            raise ValueError(
-                f"{path}: unknown checkpoint layout: no state dict under any of {list(STATE_DICT_KEYS)}; "
-                f"keys found: {keys[:30]}"
-            )
-    if holder:
-        notes.append(f"state dict read from key {holder!r} of the .pt")
-    if config is None:
-        blob = None
-        for key in CONFIG_KEYS:
-            if key in obj:
-                blob = _find_model_config(obj[key])
-                if blob is not None:
-                    notes.append(f"config read from key {key!r} of the .pt")
-                    break
-        if blob is None:
-            sibling = path.parent / "config.json"
-            if sibling.is_file():
-                blob = _find_model_config(json.loads(sibling.read_text(encoding="utf-8")))
-                notes.append(f"config read from {sibling}")
-        if blob is None:
-            raise ValueError(
-                f"{path}: no spike_whale config found (looked under {list(CONFIG_KEYS)}; keys found: {keys[:30]}); "
-                "pass --config path/to/config.json"
-            )
-        config = config_from_dict(blob, str(path), notes)
-    return sd, config
-
-
-def _safetensors_error(path: Path, err: Exception) -> ValueError:
-    return ValueError(f"{path}: not a valid safetensors file ({_one_line(err)[:200]})")
-
-
-def read_safetensors_file(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(path))
-    except Exception as err:  # SafetensorError is not an OSError/ValueError subclass
-        if isinstance(err, FileNotFoundError):
-            raise
-        raise _safetensors_error(path, err) from err
-
-
-def read_safetensors_folder(folder: Path, config: SpikeWhaleConfig | None, notes: list[str], weights: Path | None = None):
-    """A released safetensors folder (config.json + model.safetensors [+ index] + tokenizer.json) or one of ours."""
-    if weights is None:
-        index = folder / "model.safetensors.index.json"
-        single = folder / "model.safetensors"
-        if single.is_file():
-            weights = single
-        elif index.is_file():
-            weights = index
-        else:
-            present = sorted(p.name for p in folder.iterdir())
-            raise FileNotFoundError(f"{folder}: no model.safetensors (files found: {present[:20]})")
-    if weights.name.endswith(".index.json"):
-        try:
-            weight_map = json.loads(weights.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise ValueError(f"{weights}: not a valid safetensors index ({_one_line(err)})") from err
-        sd, files = {}, []
-        for shard in sorted(set(weight_map.values())):
-            sd.update(read_safetensors_file(folder / shard))
-            files.append(folder / shard)
-    else:
-        sd, files = read_safetensors_file(weights), [weights]
-    if config is None:
-        cfg_path = folder / "config.json"
-        if not cfg_path.is_file():
-            raise FileNotFoundError(f"{folder}: no config.json; pass --config")
-        try:
-            data = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{cfg_path}: not valid JSON ({err})") from err
-        config = config_from_dict(data, str(cfg_path), notes)
-    return sd, config, files
-
-
-def find_vocab(paths: list[Path]) -> Path | None:
-    """The first `spike_vocab.json` / custom-format `tokenizer.json` in the given folders."""
-    for folder in paths:
-        for name in (VOCAB_FILE_NAME, "tokenizer.json"):
-            candidate = folder / name
-            if candidate.is_file():
-                return candidate
-    return None
-
-
-def load_checkpoint(
-    src: str | os.PathLike,
-    config: str | SpikeWhaleConfig | None = None,
-    tokenizer: str | os.PathLike | None = None,
-    progress: bool = True,
-) -> Checkpoint:
-    """Read `src` (released `.pt`, safetensors folder / file, exported Hub folder, or GGUF) into a `Checkpoint`.
-
-    `config` (a `SpikeWhaleConfig`, a config.json path or inline JSON) replaces the config found in the source;
-    `tokenizer` (a spike_vocab.json or custom-format tokenizer.json) replaces the vocab found next to it.
-    """
-    path = Path(src)
-    notes: list[str] = []
-    cfg = read_config_arg(config, notes) if isinstance(config, str) else config
-    fmt = sniff_format(path)
-    vocab = None
-    vocab_source = None
-    if fmt == "gguf":
-        from .gguf_io import read_gguf
-
-        ckpt = read_gguf(path, config=cfg, progress=progress)
-        ckpt.notes[:0] = notes
-        if tokenizer is not None:
-            ckpt.vocab, ckpt.vocab_source = load_vocab_file(tokenizer), str(tokenizer)
-        return ckpt
-    if fmt == "pt":
-        sd, cfg = read_pt(path, cfg, notes)
-        files = [path]
-        search = [path.parent, path.parent.parent]
-    elif fmt == "folder":
-        sd, cfg, files = read_safetensors_folder(path, cfg, notes)
-        files = sorted({*files, *(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))})
-        search = [path]
-    else:  # a lone .safetensors file
-        sd, cfg, files = read_safetensors_folder(path.parent, cfg, notes, weights=path)
-        search = [path.parent]
-    sd = normalize_state_dict(sd, str(path), notes)
-    vocab_path = Path(tokenizer) if tokenizer is not None else find_vocab(search)
-    if vocab_path is not None:
-        vocab = load_vocab_file(vocab_path)
-        vocab_source = str(vocab_path)
-        if vocab_path not in files:
-            files.append(vocab_path)
-    return Checkpoint(sd, cfg, vocab, fmt if fmt != "folder" else "safetensors", path, files, infer_stage(path),
-                      notes, vocab_source=vocab_source)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -472,12 +321,70 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@dataclass
+class KeyReport:
+    """How a checkpoint's names meet the model's: matched, unplaceable, absent (and which of those are guessed
+    names, `GUESSED_KEYS`), and for each unplaceable tensor the absent model tensors of the same shape."""
+
+    matched: int
+    expected: int
+    unexpected: list[str]
+    missing: list[str]
+    guessed: list[str]
+    candidates: dict[str, list[str]]
+
+    @property
+    def rename_map(self) -> dict[str, str]:
+        """The renames that are unambiguous: a source tensor with exactly one same-shape candidate that no other
+        source tensor also claims."""
+        claims: dict[str, int] = {}
+        for options in self.candidates.values():
+            for key in options:
+                claims[key] = claims.get(key, 0) + 1
+        return {src: options[0] for src, options in self.candidates.items() if len(options) == 1 and claims[options[0]] == 1}
+
+    def lines(self) -> list[str]:
+        out = [f"checkpoint names vs the model: {self.matched} of {self.expected} model tensors matched, "
+               f"{len(self.unexpected)} checkpoint tensors unplaceable, {len(self.missing)} model tensors absent "
+               f"({len(self.guessed)} of them guessed names, GUESSED_KEYS in modeling_spike_whale.py)"]
+        for key in self.missing:
+            out.append(f"  absent: {key}{'  (guessed name)' if key in self.guessed else ''}")
+        for src in self.unexpected:
+            options = self.candidates.get(src) or []
+            out.append(f"  unplaceable: {src} -> same-shape candidates: {', '.join(options[:6]) or 'none'}"
+                       f"{' ...' if len(options) > 6 else ''}")
+        if self.rename_map:
+            out.append(f"  a rename map for these: --rename-map '{json.dumps(self.rename_map)}'")
+        return out
+
+
+def key_report(shapes: dict[str, tuple], expected: dict[str, tuple], ignore=()) -> KeyReport:
+    """Compare checkpoint tensor shapes {name: shape} with the model's (see `KeyReport`)."""
+    from ..modeling_spike_whale import GUESSED_KEYS
+
+    wanted = {k: v for k, v in expected.items() if k not in ignore}
+    unexpected = sorted(set(shapes) - set(wanted))
+    missing = sorted(set(wanted) - set(shapes))
+    guessed = [k for k in missing if any(re.fullmatch(p, k) for p in GUESSED_KEYS)]
+    candidates = {src: [k for k in missing if tuple(wanted[k]) == tuple(shapes[src])] for src in unexpected}
+    return KeyReport(len(set(shapes) & set(wanted)), len(wanted), unexpected, missing, guessed, candidates)
+
+
+class CheckpointKeyError(ValueError):
+    """The checkpoint's names do not fit the model; `report` is the full `KeyReport`."""
+
+    def __init__(self, message: str, report: KeyReport):
+        super().__init__(message)
+        self.report = report
+
+
 def prepare_state_dict(
-    sd: dict[str, torch.Tensor], config: SpikeWhaleConfig, dtype: torch.dtype = torch.float32
+    sd: dict[str, torch.Tensor], config: SpikeWhaleConfig, dtype: torch.dtype = torch.float32, source: str = "checkpoint"
 ) -> dict[str, torch.Tensor]:
     """Check `sd` against the model's tensors and return exactly the tensors the model will hold (in `dtype`).
 
-    Raises a `ValueError` listing tensors the model has no place for, shape mismatches and missing tensors.
+    Raises a `ValueError` naming `source`: a `CheckpointKeyError` (with a `KeyReport`) for tensors the model has no
+    place for or missing tensors, then shape mismatches, integer tensors where the model holds floats, and NaN/inf.
     A tied head present in the source must equal the embedding bit for bit (it is then dropped, re-tied on load).
     """
     with torch.device("meta"):
@@ -489,21 +396,35 @@ def prepare_state_dict(
         head, emb = sd.pop(TIED_HEAD), sd.get(TIED_SOURCE)
         if emb is None or head.shape != emb.shape or not torch.equal(head, emb):
             raise ValueError(
-                f"{TIED_HEAD} differs from {TIED_SOURCE} but the config ties them (tie_word_embeddings=True); "
+                f"{source}: {TIED_HEAD} differs from {TIED_SOURCE} but the config ties them (tie_word_embeddings=True); "
                 "refusing to drop a distinct output head"
             )
-    unexpected = sorted(set(sd) - set(expected))
-    if unexpected:
-        raise ValueError(f"{len(unexpected)} checkpoint tensors have no place in the model: {unexpected[:20]}")
-    wanted = set(expected) - ({TIED_HEAD} if tied else set())
-    missing = sorted(wanted - set(sd))
-    if missing:
-        raise ValueError(f"{len(missing)} parameters/buffers would be left uninitialised (absent from the checkpoint): "
-                         f"{missing[:20]}")
+    report = key_report({k: tuple(v.shape) for k, v in sd.items()}, {k: tuple(v.shape) for k, v in expected.items()},
+                        ignore={TIED_HEAD} if tied else ())
+    if report.unexpected or report.missing:
+        parts = []
+        if report.unexpected:
+            parts.append(f"{len(report.unexpected)} checkpoint tensors have no place in the model: {report.unexpected[:20]}")
+        if report.missing:
+            parts.append(f"{len(report.missing)} parameters/buffers would be left uninitialised (absent from the "
+                         f"checkpoint): {report.missing[:20]} ({len(report.guessed)} of them guessed names)")
+        fix = (f"; --rename-map '{json.dumps(report.rename_map)}' would place {len(report.rename_map)}"
+               if report.rename_map else "")
+        raise CheckpointKeyError(f"{source}: {'; '.join(parts)}; {report.matched} of {report.expected} matched{fix}",
+                                 report)
     bad_shape = [f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(expected[k].shape)}"
                  for k in sorted(sd) if tuple(sd[k].shape) != tuple(expected[k].shape)]
     if bad_shape:
-        raise ValueError(f"{len(bad_shape)} tensors have the wrong shape for this config: {bad_shape[:10]}")
+        raise ValueError(f"{source}: {len(bad_shape)} tensors have the wrong shape for this config: {bad_shape[:10]}")
+    bad_dtype = [f"{k} ({str(sd[k].dtype).replace('torch.', '')}, the model holds "
+                 f"{str(expected[k].dtype).replace('torch.', '')})" for k in sorted(sd)
+                 if expected[k].is_floating_point() != sd[k].is_floating_point()]
+    if bad_dtype:
+        raise ValueError(f"{source}: {len(bad_dtype)} tensors have the wrong kind of dtype: {bad_dtype[:10]}")
+    non_finite = [k for k in sorted(sd) if sd[k].is_floating_point() and not bool(torch.isfinite(sd[k]).all())]
+    if non_finite:
+        raise ValueError(f"{source}: {len(non_finite)} tensors hold NaN or inf values: {non_finite[:10]}; the "
+                         "checkpoint is damaged (refusing to convert it)")
     # The model keeps some buffers in float32 under any load dtype (RoPE caches, Engram hash projections);
     # store them that way too, so a bf16/fp16 export reloads bit-identically and hashes as the source does.
     keep_fp32 = tuple(SpikeWhaleForCausalLM._keep_in_fp32_modules_strict or ())
@@ -511,7 +432,9 @@ def prepare_state_dict(
     for k in sorted(sd):
         t = sd[k].detach()
         if t.is_floating_point():
-            t = t.to(torch.float32 if any(p in k for p in keep_fp32) else dtype)
+            t = t.to(torch.float32 if any(re.search(p, k) for p in keep_fp32) else dtype)
+        elif t.dtype != expected[k].dtype:
+            raise ValueError(f"{source}: {k} is {t.dtype}, the model holds {expected[k].dtype}")
         out[k] = t.contiguous()
     return out
 

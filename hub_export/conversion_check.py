@@ -1,4 +1,6 @@
-"""Verification of a written Hub folder in a fresh Python process, the way a user loads it.
+"""The conversion check: a written Hub folder, loaded in a fresh Python process the way a user loads it, must hold
+exactly the source's tensors and reproduce its logits (used by convert / from-gguf / widen; the `verify` command,
+which checks the cache, is `verify.py`).
 
 The child process loads the folder with `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` and
 `AutoTokenizer`, hashes every tensor of the loaded model's state dict, encodes a fixed prompt and runs it
@@ -13,12 +15,14 @@ import hashlib
 import json
 import os
 import subprocess
+import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .output_paths import die_with_parent, verify_temp_dir
 
 # Fixed verification prompt: prose, a ChatML turn (special tokens) and non-ASCII bytes.
 VERIFY_PROMPT = "The harbour was quiet before dawn.<|im_start|>user\nWhy is the sea salty? Ça va, 港.<|im_end|>\n"
@@ -96,12 +100,14 @@ def verify_folder(
 
     Raises `RuntimeError` (one line, listing the first offending names) on any difference.
     """
-    with tempfile.TemporaryDirectory(prefix="spike-whale-verify-") as tmp:
+    tmp = verify_temp_dir()
+    try:
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
                    HF_MODULES_CACHE=str(Path(tmp) / "modules"), TQDM_DISABLE="1", PYTHONWARNINGS="ignore")
         cmd = [sys.executable, "-c", _CHILD, str(Path(folder).resolve()), tmp, VERIFY_PROMPT, str(torch.get_num_threads())]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=tmp)
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=tmp,
+                                  preexec_fn=die_with_parent())
         except subprocess.TimeoutExpired as err:
             raise RuntimeError(f"verification: loading {folder} in a fresh process timed out after {timeout:.0f}s") from err
         if proc.returncode != 0:
@@ -110,6 +116,8 @@ def verify_folder(
                                f"{lines[-1] if lines else 'exit code ' + str(proc.returncode)}")
         report = json.loads((Path(tmp) / "report.json").read_text())
         logits = torch.load(Path(tmp) / "logits.pt", weights_only=True)["logits"]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     got = report["tensors"]
     mismatches = [f"missing {k}" for k in sorted(set(expected) - set(got))]
     mismatches += [f"unexpected {k}" for k in sorted(set(got) - set(expected))]
@@ -130,6 +138,9 @@ def verify_folder(
                            f"instead of {list(ref_ids)[:12]}...")
     if logits.shape != ref_logits.shape:
         raise RuntimeError(f"verification failed: logits shape {tuple(logits.shape)} vs {tuple(ref_logits.shape)}")
+    if not bool(torch.isfinite(ref_logits).all()):
+        raise RuntimeError("verification failed: the source model's own logits contain NaN or inf (the weights are "
+                           "finite); the checkpoint does not compute a usable function")
     diff = float((logits - ref_logits).abs().max())
     if not diff <= logits_atol:
         raise RuntimeError(f"verification failed: logits differ from the source model's (max |Δ| {diff:.3g})")

@@ -15,12 +15,9 @@ import os
 import platform
 from pathlib import Path
 
-from ..generation_utils import serving_generation_config
-from ..modeling_spike_whale import SpikeWhaleForCausalLM
-from ..tokenization_spike import SpikeTokenizer
-
-CODE_FILES = ("configuration_spike_whale.py", "modeling_spike_whale.py", "generation_utils.py", "tokenization_spike.py")
-TOKENIZER_FILES = ("spike_vocab.json", "tokenizer_config.json", "chat_template.jinja")
+CODE_FILES = ("configuration_spike_whale.py", "modeling_spike_whale.py", "generation_utils.py", "tokenization_spike.py",
+              "tokenization_spike_fast.py")
+TOKENIZER_FILES = ("spike_vocab.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 CARD_FILE = "README.md"
 PROVENANCE_FILE = "provenance.json"
 EXPORT_FILES = tuple(sorted((
@@ -33,15 +30,27 @@ DEFAULT_LICENSE = "other"
 
 def register_auto_classes() -> None:
     """Make `save_pretrained`/`push_to_hub` write `auto_map` and copy the flat code files."""
+    from ..modeling_spike_whale import SpikeWhaleForCausalLM
+    from ..tokenization_spike import SpikeTokenizer
+    from ..tokenization_spike_fast import SpikeTokenizerFast
+
     SpikeWhaleForCausalLM.config_class.register_for_auto_class("AutoConfig")
     SpikeWhaleForCausalLM.register_for_auto_class("AutoModelForCausalLM")
     SpikeTokenizer.register_for_auto_class("AutoTokenizer")
+    SpikeTokenizerFast.register_for_auto_class("AutoTokenizer")
 
 
-def save_hub_folder(model: SpikeWhaleForCausalLM, tokenizer: SpikeTokenizer, out_dir: str | os.PathLike) -> str:
+def save_hub_folder(model, tokenizer, out_dir: str | os.PathLike) -> str:
     """Save weights (safetensors, tied head stored once), config with `auto_map`, the code files, the
-    tokenizer (vocab, config with its `auto_map`, ChatML template) and the serving `generation_config.json`."""
+    tokenizer (slow + fast: spike_vocab.json and tokenizer.json, config with its `auto_map`, ChatML template) and the
+    serving `generation_config.json`.
+    (The model and tokenizer modules are imported here, not at the top: `push` reads this module's file lists.)"""
+    from ..generation_utils import serving_generation_config
+    from ..tokenization_spike_fast import SpikeTokenizerFast
+
     register_auto_classes()
+    if not isinstance(tokenizer, SpikeTokenizerFast):  # the folder ships both; the fast one writes both vocab files
+        tokenizer = SpikeTokenizerFast.from_slow(tokenizer)
     os.makedirs(out_dir, exist_ok=True)
     model.generation_config = serving_generation_config(model.config)
     tokenizer.model_max_length = model.config.max_position_embeddings
@@ -140,7 +149,7 @@ print(tokenizer.decode(out[0], skip_special_tokens=True))
 ```
 
 `trust_remote_code=True` runs the code files of this repo (`configuration_spike_whale.py`, `modeling_spike_whale.py`,
-`generation_utils.py`, `tokenization_spike.py`); read them first. Install `transformers{{ transformers_range }}`
+`generation_utils.py`, `tokenization_spike.py`, `tokenization_spike_fast.py`); read them first. Install `transformers{{ transformers_range }}`
 (the remote code uses the 5.x `cache` argument; the `past_key_values` alias goes away in 5.40).
 
 - Scoring (perplexity, multiple choice): `model(input_ids, use_cache=False).logits`, with `<bos>` first.

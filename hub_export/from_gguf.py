@@ -7,14 +7,17 @@ with the checkpoint's schedule: the stored inv_freq if present, else the config'
 
 from __future__ import annotations
 
-from .convert import add_common_arguments, convert_checkpoint, report
+from .convert import add_common_arguments, read_rename_map, report
 
 
 def run(args) -> int:
+    from .conversion import convert_checkpoint
+
     result = convert_checkpoint(
         args.src, args.out_dir, config=args.config, tokenizer=args.tokenizer, dtype=args.dtype,
         max_position_embeddings=args.max_position_embeddings, stage=args.stage, license=args.license,
         license_name=args.license_name, overwrite=args.overwrite, expect_kind="gguf", command="from-gguf",
+        rename_map=read_rename_map(args.rename_map),
     )
     report(result)
     return 0

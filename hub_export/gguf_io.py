@@ -18,7 +18,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,9 +31,10 @@ from ..tokenization_spike import (
     VOCAB_SIZE, normalize_vocab_data,
 )
 from .checkpoint import (
-    ROPE_CACHE_RE, TIED_HEAD, Checkpoint, _config_fields, _one_line, complete_rope, config_from_dict, infer_stage,
-    normalize_state_dict,
+    ROPE_CACHE_RE, TIED_HEAD, Checkpoint, complete_rope, config_fields, config_from_dict, infer_stage,
+    normalize_state_dict, one_line,
 )
+from .output_paths import replace_file, staging_file
 
 GGUF_ARCH = "spike_whale"
 CONFIG_KEY = f"{GGUF_ARCH}.config_json"
@@ -42,6 +42,14 @@ MAX_TOKEN_LEN_KEY = f"{GGUF_ARCH}.tokenizer.max_token_len"
 ALGORITHM_KEY = f"{GGUF_ARCH}.tokenizer.algorithm"
 TOKENIZER_MODEL = "spike-lengthmax"
 ROUND_TRIP_BOUNDS = {"f16": 0.008, "q8_0": 0.079}
+# Metadata the writer stores next to the config (GGUF key suffix -> config field); a reader cross-checks them.
+METADATA_FIELDS = {
+    "context_length": "max_position_embeddings", "embedding_length": "hidden_size", "block_count": "num_hidden_layers",
+    "feed_forward_length": "moe_intermediate_size", "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads", "vocab_size": "vocab_size",
+}
+# Most bytes the RoPE caches of a file's context may take before the file is refused (they are rebuilt, not read).
+MAX_ROPE_CACHE_BYTES = 4 << 30
 # Inputs of the Engram sign-bit hash: rounding them moves tokens between buckets, so they stay F32.
 KEEP_F32 = (re.compile(r"\.engram\.compressor\."),)
 
@@ -85,7 +93,7 @@ def storage_type(name: str, tensor: torch.Tensor, qtype: str, buffers: set[str])
 
 def config_json(config: SpikeWhaleConfig) -> str:
     """Every SpikeWhaleConfig field (the model's full config; no transformers bookkeeping keys)."""
-    fields = _config_fields()
+    fields = config_fields()
     data = {k: v for k, v in config.to_dict().items() if k in fields}
     data["model_type"] = "spike_whale"
     return json.dumps(data, sort_keys=True)
@@ -140,8 +148,7 @@ def write_gguf(
     config = ckpt.config
     tensors = export_tensors(ckpt.state_dict, config)
     buffers = buffer_names(config)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
-    os.close(fd)
+    tmp = staging_file(out_path)
     try:
         writer = gguf.GGUFWriter(tmp, arch=GGUF_ARCH)
         writer.add_type("model")
@@ -179,15 +186,11 @@ def write_gguf(
         writer.write_tensors_to_file(progress=bool(progress) and sys.stderr.isatty())
         writer.close()
         report = check_round_trip(tmp, tensors, ckpt.vocab, qtype)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, out_path)
+        replace_file(tmp, out_path)
         report.path = out_path
         return report
     except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -223,9 +226,39 @@ def _field(reader, key: str):
     return None if f is None else f.contents()
 
 
+def check_config_against_file(reader, config: SpikeWhaleConfig, path: Path, rename_map=None) -> None:
+    """Refuse a config that contradicts the file's own metadata (`spike_whale.context_length`, ...) or the shapes of
+    its tensors, before anything is allocated from it; the RoPE caches it implies must also stay bounded."""
+    wrong = []
+    for suffix, name in METADATA_FIELDS.items():
+        stored = _field(reader, f"{GGUF_ARCH}.{suffix}")
+        if stored is not None and stored != getattr(config, name):
+            wrong.append(f"{name} {getattr(config, name)} vs {GGUF_ARCH}.{suffix} {stored}")
+    if wrong:
+        raise ValueError(f"{path}: the config contradicts the file's metadata ({'; '.join(wrong)}); refusing it")
+    with torch.device("meta"):
+        model = SpikeWhaleForCausalLM(config)
+        stored = {t.name: torch.empty(tuple(int(d) for d in reversed(t.shape.tolist()))) for t in reader.tensors}
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    named = normalize_state_dict(stored, str(path), [], rename_map)
+    bad = [f"{k} {tuple(v.shape)} vs {expected[k]}" for k, v in named.items() if k in expected and tuple(v.shape) != expected[k]]
+    if bad:
+        raise ValueError(f"{path}: the config contradicts the file's tensor shapes ({'; '.join(bad[:5])}); refusing it")
+    layers = sum(1 for k in expected if k.endswith(".rope.cos_cache"))
+    rope_bytes = 2 * 4 * layers * config.max_position_embeddings * config.qk_rope_head_dim
+    if rope_bytes > MAX_ROPE_CACHE_BYTES:
+        raise ValueError(f"{path}: max_position_embeddings {config.max_position_embeddings} would need "
+                         f"{rope_bytes / 2**30:.1f} GiB of RoPE caches (limit {MAX_ROPE_CACHE_BYTES / 2**30:.0f} GiB); "
+                         "refusing it")
+
+
 def read_gguf(path: Path, config: SpikeWhaleConfig | None = None, rebuild_rope: bool = True,
-              progress: bool = True) -> Checkpoint:
-    """Read a spike_whale GGUF into a float32 `Checkpoint` (dequantized), RoPE caches rebuilt (see `complete_rope`)."""
+              progress: bool = True, rename_map: dict[str, str] | None = None) -> Checkpoint:
+    """Read a spike_whale GGUF into a float32 `Checkpoint` (dequantized), RoPE caches rebuilt (see `complete_rope`).
+
+    The config (the file's `spike_whale.config_json`, or `config`) is cross-checked first with the file's own
+    metadata and tensor shapes (`check_config_against_file`), the tokenizer's sizes with the config.
+    """
     from tqdm import tqdm
 
     gguf = _gguf()
@@ -234,7 +267,7 @@ def read_gguf(path: Path, config: SpikeWhaleConfig | None = None, rebuild_rope: 
     try:
         reader = gguf.GGUFReader(path)
     except Exception as err:
-        raise ValueError(f"{path}: truncated or corrupt GGUF file ({_one_line(err)[:160]})") from err
+        raise ValueError(f"{path}: truncated or corrupt GGUF file ({one_line(err)[:160]})") from err
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
             raise ValueError(f"{path}: truncated GGUF file (tensor {t.name} ends at byte {t.data_offset + t.n_bytes}, "
@@ -252,6 +285,7 @@ def read_gguf(path: Path, config: SpikeWhaleConfig | None = None, rebuild_rope: 
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}: {CONFIG_KEY} is not valid JSON ({err})") from err
         config = config_from_dict(data, f"{path}:{CONFIG_KEY}", notes)
+    check_config_against_file(reader, config, path, rename_map)
     sd, storage = {}, {}
     for t in tqdm(reader.tensors, desc="dequantizing", unit="tensor", disable=None if progress else True):
         try:
@@ -262,7 +296,7 @@ def read_gguf(path: Path, config: SpikeWhaleConfig | None = None, rebuild_rope: 
         arr = np.array(arr, dtype=np.float32, copy=True).reshape(shape)
         sd[t.name] = torch.from_numpy(arr)
         storage[t.name] = t.tensor_type.name
-    sd = normalize_state_dict(sd, str(path), notes)
+    sd = normalize_state_dict(sd, str(path), notes, rename_map)
     storage = {k2: storage[k1] for k1, k2 in zip(storage, sd)}
     if rebuild_rope:
         complete_rope(sd, config, notes)
@@ -270,10 +304,18 @@ def read_gguf(path: Path, config: SpikeWhaleConfig | None = None, rebuild_rope: 
     tokens = _field(reader, "tokenizer.ggml.tokens")
     if tokens is not None:
         types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+        if len(tokens) != config.vocab_size or len(types) != len(tokens):
+            raise ValueError(f"{path}: {len(tokens)} tokens and {len(types)} token types for a vocab_size of "
+                             f"{config.vocab_size}; refusing a file that contradicts itself")
         unused = int(gguf.TokenType.UNUSED)
+        longest = max((len(t) for t, ty in zip(tokens, types) if ty == int(gguf.TokenType.NORMAL)), default=1)
+        max_len = _field(reader, MAX_TOKEN_LEN_KEY)
+        if max_len is not None and not (isinstance(max_len, int) and longest <= max_len):
+            raise ValueError(f"{path}: {MAX_TOKEN_LEN_KEY} is {max_len!r} but the longest token has {longest} bytes; "
+                             "refusing a file that contradicts itself")
         data = {
             "vocab": {tok: i for i, (tok, ty) in enumerate(zip(tokens, types)) if tok != "" and ty != unused},
-            "max_token_len": int(_field(reader, MAX_TOKEN_LEN_KEY) or 24),
+            "max_token_len": int(max_len or longest),
             "algorithm": _field(reader, ALGORITHM_KEY) or "length-max",
             "special_tokens": list(SPECIAL_TOKENS),
         }

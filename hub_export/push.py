@@ -3,18 +3,26 @@
 Uses huggingface_hub (`HfApi().create_repo` + `upload_folder`; the token comes from the usual places: `HF_TOKEN`
 or `hf auth login`). Only the files a user needs to load the repo are committed (`folder.EXPORT_FILES`), and the
 folder is checked first: every one of them present, `auto_map` in config.json and tokenizer_config.json.
-`--revision step-62000` pushes to a branch (created if needed), one per checkpoint step.
+`--revision step-62000` pushes to a branch (created if needed), one per checkpoint step. Before anything is sent,
+every file is checked against the sha256 and size `provenance.json` recorded when the folder was written: a folder
+changed since (e.g. new weights written over an old export) is refused.
+
+Every network call is bounded (`--timeout` seconds without an answer; huggingface_hub's client has none by
+default), a transient failure (timeout, connection error, HTTP 429/5xx) is retried `--retries` times with a
+growing pause, and each step prints a progress line.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from huggingface_hub import HfApi
+from .folder import CODE_FILES, EXPORT_FILES, PROVENANCE_FILE, sha256_file
 
-from .folder import CODE_FILES, EXPORT_FILES
+DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_RETRIES = 3
 
 
 @dataclass
@@ -26,6 +34,16 @@ class PushResult:
     commit_url: str | None
 
 
+def _json_object(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({' '.join(str(err).split())[:120]})") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, found a {type(data).__name__}")
+    return data
+
+
 def check_export_folder(folder: str | Path) -> tuple[list[str], list[str]]:
     """(files to upload, other files) of an exported folder; a `ValueError` if it cannot be loaded from the Hub."""
     folder = Path(folder)
@@ -35,11 +53,10 @@ def check_export_folder(folder: str | Path) -> tuple[list[str], list[str]]:
     missing = [f for f in EXPORT_FILES if f not in present]
     if missing:
         raise ValueError(f"{folder} is not a complete export (missing {missing}); write it with `spike-whale convert`")
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    config, tok = (_json_object(folder / name) for name in ("config.json", "tokenizer_config.json"))
     auto = config.get("auto_map") or {}
     if not {"AutoConfig", "AutoModelForCausalLM"} <= set(auto):
         raise ValueError(f"{folder}/config.json has no auto_map for AutoConfig/AutoModelForCausalLM")
-    tok = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
     if "AutoTokenizer" not in (tok.get("auto_map") or {}):
         raise ValueError(f"{folder}/tokenizer_config.json has no auto_map for AutoTokenizer")
     for entry in [*auto.values(), *(tok["auto_map"]["AutoTokenizer"] if isinstance(tok["auto_map"]["AutoTokenizer"], list)
@@ -47,21 +64,92 @@ def check_export_folder(folder: str | Path) -> tuple[list[str], list[str]]:
         if entry and f"{entry.split('.')[0]}.py" not in CODE_FILES:
             raise ValueError(f"auto_map entry {entry!r} points to a file that is not one of the code files")
     files = [f for f in present if f in EXPORT_FILES]
+    check_provenance(folder, files)
     return files, [f for f in present if f not in EXPORT_FILES]
 
 
-def push_folder(folder, repo_id: str, *, private: bool = False, revision: str | None = None,
-                commit_message: str | None = None, api: HfApi | None = None) -> PushResult:
-    files, skipped = check_export_folder(folder)
-    api = api or HfApi()
+def check_provenance(folder: Path, files: list[str]) -> None:
+    """Every file to upload must have the size and sha256 `provenance.json` recorded for it."""
     try:
-        api.create_repo(repo_id=repo_id, repo_type="model", private=private, exist_ok=True)
+        outputs = json.loads((folder / PROVENANCE_FILE).read_text(encoding="utf-8"))["outputs"]
+        if not isinstance(outputs, dict):
+            raise TypeError
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{folder}/{PROVENANCE_FILE} is not a valid provenance record (no 'outputs' object); "
+                         "re-export the folder with `spike-whale convert`") from err
+    unrecorded = [f for f in files if f != PROVENANCE_FILE and f not in outputs]
+    if unrecorded:
+        raise ValueError(f"{folder}: {PROVENANCE_FILE} has no checksum for {unrecorded}; the folder changed after it "
+                         "was written (re-export it with `spike-whale convert`)")
+    changed = []
+    for name in files:
+        if name == PROVENANCE_FILE:
+            continue
+        record, path = outputs[name], folder / name
+        if not isinstance(record, dict) or record.get("bytes") != path.stat().st_size or \
+                record.get("sha256") != sha256_file(path, progress=True):
+            changed.append(name)
+    if changed:
+        raise ValueError(f"{folder}: {changed} differ from the checksums in {PROVENANCE_FILE}: the folder changed after "
+                         "it was written; refusing to upload it (re-export it with `spike-whale convert`)")
+
+
+def make_api(timeout: float):
+    """An `HfApi` whose HTTP client gives up on a call after `timeout` seconds without progress."""
+    import httpx2
+    from huggingface_hub import HfApi, set_client_factory
+    from huggingface_hub.utils._http import hf_request_event_hook
+
+    set_client_factory(lambda: httpx2.Client(event_hooks={"request": [hf_request_event_hook]}, follow_redirects=True,
+                                             timeout=httpx2.Timeout(timeout)))
+    return HfApi()
+
+
+def _transient(err: Exception) -> bool:
+    import httpx2
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    if isinstance(err, OfflineModeIsEnabled):
+        return False
+    if isinstance(err, (httpx2.TimeoutException, httpx2.NetworkError, httpx2.RemoteProtocolError, TimeoutError,
+                        ConnectionError)):
+        return True
+    status = getattr(getattr(err, "response", None), "status_code", None)
+    return isinstance(err, HfHubHTTPError) and status is not None and (status == 429 or status >= 500)
+
+
+def _with_retries(what: str, call, retries: int, log, pause: float = 1.0):
+    for attempt in range(retries + 1):
+        log(f"push: {what}{f' (retry {attempt}/{retries})' if attempt else ''} ...")
+        try:
+            return call()
+        except Exception as err:
+            if attempt == retries or not _transient(err):
+                raise
+            log(f"push: {what} failed ({type(err).__name__}: {' '.join(str(err).split())[:120]}); retrying in "
+                f"{pause * 2 ** attempt:.0f}s")
+            time.sleep(pause * 2 ** attempt)
+
+
+def push_folder(folder, repo_id: str, *, private: bool = False, revision: str | None = None,
+                commit_message: str | None = None, api=None, timeout: float = DEFAULT_TIMEOUT_S,
+                retries: int = DEFAULT_RETRIES, log=None) -> PushResult:
+    log = log or (lambda msg: print(msg, flush=True))
+    if not timeout > 0 or retries < 0:
+        raise ValueError("--timeout must be > 0 and --retries >= 0")
+    files, skipped = check_export_folder(folder)
+    api = api or make_api(timeout)
+    size = sum((Path(folder) / f).stat().st_size for f in files)
+    try:
+        _with_retries(f"creating {repo_id}", lambda: api.create_repo(
+            repo_id=repo_id, repo_type="model", private=private, exist_ok=True), retries, log)
         if revision and revision != "main":
-            api.create_branch(repo_id=repo_id, branch=revision, repo_type="model", exist_ok=True)
-        info = api.upload_folder(
+            _with_retries(f"creating branch {revision}", lambda: api.create_branch(
+                repo_id=repo_id, branch=revision, repo_type="model", exist_ok=True), retries, log)
+        info = _with_retries(f"uploading {len(files)} files ({size / 1e6:.1f} MB)", lambda: api.upload_folder(
             repo_id=repo_id, folder_path=str(folder), repo_type="model", revision=revision,
             allow_patterns=files, commit_message=commit_message or f"Upload spike_whale export ({len(files)} files)",
-        )
+        ), retries, log)
     except Exception as err:  # HTTP / auth / offline errors of huggingface_hub, as one line for the CLI
         first = " ".join(str(err).split())[:300]
         raise RuntimeError(f"push to {repo_id} failed: {type(err).__name__}: {first}") from err
@@ -70,7 +158,7 @@ def push_folder(folder, repo_id: str, *, private: bool = False, revision: str | 
 
 def run(args) -> int:
     res = push_folder(args.dir, args.repo_id, private=args.private, revision=args.revision,
-                      commit_message=args.commit_message)
+                      commit_message=args.commit_message, timeout=args.timeout, retries=args.retries)
     where = f"{res.repo_id}@{res.revision}" if res.revision else res.repo_id
     print(f"pushed {len(res.files)} files to {where}: {', '.join(res.files)}")
     if res.skipped:
@@ -86,9 +174,11 @@ def register(sub) -> None:
         help="upload an exported folder to the Hugging Face Hub",
         description=(
             "Create REPO_ID if needed (HfApi.create_repo) and upload the exported folder DIR (HfApi.upload_folder): "
-            "exactly the files a user needs - config.json, generation_config.json, model.safetensors, the four code "
-            "files, spike_vocab.json, tokenizer_config.json, chat_template.jinja, README.md and provenance.json. "
-            "The token comes from HF_TOKEN or `hf auth login`."
+            "exactly the files a user needs - config.json, generation_config.json, model.safetensors, the code "
+            "files, spike_vocab.json, tokenizer.json, tokenizer_config.json, chat_template.jinja, README.md and "
+            "provenance.json. "
+            "The token comes from HF_TOKEN or `hf auth login`. Every file is first checked against the sha256 in "
+            "provenance.json; network calls time out (--timeout) and transient failures are retried (--retries)."
         ),
     )
     p.add_argument("dir", metavar="DIR", help="folder written by convert / from-gguf / widen")
@@ -97,4 +187,8 @@ def register(sub) -> None:
     p.add_argument("--revision", metavar="BRANCH", default=None,
                    help="branch to push to, created if needed (e.g. step-7100, one per checkpoint step)")
     p.add_argument("--commit-message", default=None)
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                   help="give up on a network call after S seconds without an answer (default: %(default)s)")
+    p.add_argument("--retries", type=int, default=DEFAULT_RETRIES, metavar="N",
+                   help="retry a timed-out or transiently failed call N times (default: %(default)s)")
     p.set_defaults(func=run)

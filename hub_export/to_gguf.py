@@ -7,23 +7,42 @@ byte; the file appears at OUT.gguf only if that check passes.
 
 from __future__ import annotations
 
-import torch
+from pathlib import Path
 
-from .checkpoint import load_checkpoint, prepare_state_dict
-from .gguf_io import GGUFReport, write_gguf
+from .convert import read_rename_map
 
 
 def checkpoint_to_gguf(src, out_path, qtype: str = "f16", *, config=None, tokenizer=None, name=None,
-                       progress: bool = True) -> GGUFReport:
-    ckpt = load_checkpoint(src, config=config, tokenizer=tokenizer, progress=progress)
+                       overwrite: bool = False, rename_map=None, progress: bool = True, log=print):
+    """Read `src`, check it places into the model, write it as GGUF at `out_path` (never over a source file, an
+    existing file only with `overwrite`) and check the round trip; returns the `gguf_io.GGUFReport`."""
+    import torch
+
+    from .checkpoint import CheckpointKeyError, prepare_state_dict
+    from .gguf_io import write_gguf
+    from .output_paths import check_destination, remove_stale_temps
+    from .sources import load_checkpoint
+
+    out_path = Path(out_path)
+    inline = config is None or config.lstrip().startswith("{")
+    check_destination(out_path, [src, tokenizer, None if inline else config], overwrite=overwrite, kind="file",
+                      magic=b"GGUF")
+    remove_stale_temps(out_path.absolute().parent)
+    ckpt = load_checkpoint(src, config=config, tokenizer=tokenizer, progress=progress, rename_map=rename_map)
+    check_destination(out_path, [ckpt.source, *ckpt.source_files], overwrite=overwrite, kind="file", magic=b"GGUF")
     # Same placement checks as convert: nothing unplaceable, nothing missing, shapes right, tied head consistent.
-    ckpt.state_dict = prepare_state_dict(ckpt.state_dict, ckpt.config, torch.float32)
+    try:
+        ckpt.state_dict = prepare_state_dict(ckpt.state_dict, ckpt.config, torch.float32, str(ckpt.source))
+    except CheckpointKeyError as err:
+        for line in err.report.lines():
+            log(line)
+        raise
     return write_gguf(ckpt, out_path, qtype, name=name, progress=progress)
 
 
 def run(args) -> int:
     rep = checkpoint_to_gguf(args.src, args.out, args.type, config=args.config, tokenizer=args.tokenizer,
-                             name=args.name)
+                             name=args.name, overwrite=args.overwrite, rename_map=read_rename_map(args.rename_map))
     worst, delta = rep.worst
     types = ", ".join(f"{n} {t}" for t, n in sorted(rep.types.items()))
     print(f"round trip: {rep.tensors} tensors ({types}), max |Δ| {delta:.4g} ({worst}) <= {rep.bound}; "
@@ -51,4 +70,8 @@ def register(sub) -> None:
     p.add_argument("--config", metavar="JSON", default=None, help="config.json path or inline JSON (replaces SRC's)")
     p.add_argument("--tokenizer", metavar="PATH", default=None, help="custom-format tokenizer.json / spike_vocab.json")
     p.add_argument("--name", default=None, help="general.name of the GGUF")
+    p.add_argument("--rename-map", metavar="JSON", default=None,
+                   help='{"checkpoint name": "model name", ...} (inline or a file) applied before placing the tensors')
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing GGUF file at OUT.gguf (never a source file, never a non-GGUF file)")
     p.set_defaults(func=run)

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .convert import convert_checkpoint, report
+from .convert import report
 
 
 def widen_folder(src_dir, out_dir, max_position_embeddings: int, *, overwrite: bool = False, progress: bool = True,
                  log=print):
     """Widen the exported (or released safetensors) folder `src_dir` to `max_position_embeddings`, keeping its dtype."""
+    from .conversion import convert_checkpoint
+
+    if not Path(src_dir).exists():
+        raise FileNotFoundError(f"{src_dir}: no such folder")
     if not Path(src_dir).is_dir():
         raise ValueError(f"{src_dir}: widen takes a model folder (use `convert --max-position-embeddings` for files)")
     return convert_checkpoint(src_dir, out_dir, dtype=None, max_position_embeddings=max_position_embeddings,
@@ -41,5 +45,6 @@ def register(sub) -> None:
     p.add_argument("src_dir", metavar="SRC_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
     p.add_argument("--max-position-embeddings", type=int, required=True, metavar="N", help="new context length")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists (only after verification)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier export at OUT_DIR (only after verification; never SRC_DIR)")
     p.set_defaults(func=run)

@@ -20,15 +20,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import run_fresh_python, tiny_model
-from spike_whale.hub_export import convert as convert_mod
+from spike_whale.hub_export import conversion as conversion_mod
 from spike_whale.hub_export import push as push_mod
-from spike_whale.hub_export.checkpoint import load_checkpoint, rope_caches
+from spike_whale.hub_export.checkpoint import rope_caches
+from spike_whale.hub_export.sources import load_checkpoint
 from spike_whale.hub_export.cli import build_parser, main
 from spike_whale.hub_export.folder import CODE_FILES, EXPORT_FILES, register_auto_classes
 from spike_whale.hub_export.gguf_io import ROUND_TRIP_BOUNDS
 from spike_whale.generation_utils import serving_generation_config
 from spike_whale.modeling_spike_whale import rope_inv_freq
-from spike_whale.tokenization_spike import build_demo_tokenizer, dump_vocab_data
+from spike_whale.hub_export.train_tokenizer import build_demo_tokenizer
+from spike_whale.tokenization_spike import dump_vocab_data
 
 TEXT = "The whale surfaced twice near the breakwater. <|im_start|>user\nÇa va? 港<|im_end|>"
 GREEDY = dict(do_sample=False, max_new_tokens=12, min_new_tokens=12, pad_token_id=0, eos_token_id=3)
@@ -184,8 +186,8 @@ def test_convert_released_pt(release, converted_pt, fresh, tok):
     out = converted_pt
     assert sorted(p.name for p in out.iterdir()) == list(EXPORT_FILES)
     config = json.loads((out / "config.json").read_text())
-    assert config["auto_map"] == {"AutoConfig": "configuration_spike_whale.SpikeWhaleConfig",
-                                  "AutoModelForCausalLM": "modeling_spike_whale.SpikeWhaleForCausalLM"}
+    assert {"AutoConfig": "configuration_spike_whale.SpikeWhaleConfig",
+            "AutoModelForCausalLM": "modeling_spike_whale.SpikeWhaleForCausalLM"}.items() <= config["auto_map"].items()
     assert config["architectures"] == ["SpikeWhaleForCausalLM"] and config["dtype"] == "float32"
     assert "lr" not in config and "train" not in config  # the training blob's other sections are not model config
     tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
@@ -447,7 +449,7 @@ def test_unplaceable_or_missing_tensors_fail_loudly(case, release, tmp_path, cap
 
 
 def test_failed_verification_leaves_no_folder(release, tmp_path, monkeypatch, capsys):
-    real_save = convert_mod.save_hub_folder
+    real_save = conversion_mod.save_hub_folder
 
     def save_then_corrupt(model, tokenizer, out_dir):
         real_save(model, tokenizer, out_dir)
@@ -456,14 +458,14 @@ def test_failed_verification_leaves_no_folder(release, tmp_path, monkeypatch, ca
         weights["model.layers.0.ffn.up_proj.weight"][0, 0] += 1.0
         save_file(weights, str(path), metadata={"format": "pt"})
 
-    monkeypatch.setattr(convert_mod, "save_hub_folder", save_then_corrupt)
+    monkeypatch.setattr(conversion_mod, "save_hub_folder", save_then_corrupt)
     out = tmp_path / "out"
     out.mkdir()
-    (out / "keep.txt").write_text("previous export")
+    (out / "config.json").write_text("previous export")
     assert main(["convert", str(release.pt), str(out), "--overwrite"]) == 1
     err = capsys.readouterr().err
     assert "1 mismatches" in err and "model.layers.0.ffn.up_proj.weight" in err, err
-    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]  # the old folder is untouched
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]  # the old folder is untouched
     no_leftovers(tmp_path)
 
 
@@ -496,7 +498,7 @@ def test_checkpoint_layouts_and_config_sources(release, tmp_path):
     ckpt = load_checkpoint(bare, config=str(cfg_file))
     assert ckpt.config.to_dict()["mc_segment_len"] == blob["mc_segment_len"] and ckpt.vocab is None
     with pytest.raises(ValueError, match="no tokenizer found"):
-        convert_mod.export_checkpoint(ckpt, tmp_path / "never")
+        conversion_mod.export_checkpoint(ckpt, tmp_path / "never")
     assert not (tmp_path / "never").exists()
 
 
@@ -661,7 +663,7 @@ def pushed(converted_pt, tmp_path_factory):
     (folder / "__pycache__" / "modeling_spike_whale.cpython-311.pyc").write_bytes(b"\0")
     RecordingHfApi.calls = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(push_mod, "HfApi", RecordingHfApi)
+        mp.setattr(push_mod, "make_api", lambda timeout: RecordingHfApi())
         code = main(["push", str(folder), "me/byrne-tiny", "--private", "--revision", "step-62000"])
     calls = dict((name, kw) for name, kw in RecordingHfApi.calls)
     committed = sorted(calls["upload_folder"]["committed"])
@@ -697,7 +699,7 @@ def test_push_refuses_incomplete_folder(converted_pt, tmp_path, monkeypatch, cap
     shutil.copytree(converted_pt, folder)
     (folder / "tokenization_spike.py").unlink()
     RecordingHfApi.calls = []
-    monkeypatch.setattr(push_mod, "HfApi", RecordingHfApi)
+    monkeypatch.setattr(push_mod, "make_api", lambda timeout: RecordingHfApi())
     assert main(["push", str(folder), "me/x"]) == 1
     assert "missing ['tokenization_spike.py']" in capsys.readouterr().err
     assert not [c for c in RecordingHfApi.calls if c[0] != "init"]
@@ -711,7 +713,7 @@ def test_push_reports_hub_errors_in_one_line(converted_pt, monkeypatch, capsys):
             raise OfflineModeIsEnabled("Cannot reach https://huggingface.co/api/repos/create: offline mode is enabled.\n"
                                        "To disable it, please unset the `HF_HUB_OFFLINE` environment variable.")
 
-    monkeypatch.setattr(push_mod, "HfApi", OfflineHfApi)
+    monkeypatch.setattr(push_mod, "make_api", lambda timeout: OfflineHfApi())
     assert main(["push", str(converted_pt), "me/x"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "push to me/x failed: OfflineModeIsEnabled" in err[0]
@@ -775,3 +777,408 @@ def test_help_explains_each_command(command, phrases, capsys):
     text = " ".join(capsys.readouterr().out.split())
     for phrase in phrases:
         assert phrase in text, (command, phrase)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 11: nothing a user owns is ever lost
+# ---------------------------------------------------------------------------------------------------------------
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Every file under `root` (symlinks not followed) -> sha256."""
+    return {str(p.relative_to(root)): sha256(p) for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
+
+
+@pytest.fixture
+def user_tree(release, converted_pt, gguf_files, tmp_path):
+    """A user's models/ folder holding their only copies: a .pt + tokenizer, a safetensors folder, an export, a GGUF."""
+    models = tmp_path / "models"
+    (models / "ckpt").mkdir(parents=True)
+    shutil.copy(release.pt, models / "run.pt")
+    shutil.copy(release.root / "tokenizer.json", models / "tokenizer.json")
+    shutil.copytree(release.st, models / "sft")
+    shutil.copytree(converted_pt, models / "export")
+    shutil.copy(gguf_files["f16"], models / "model.gguf")
+    (tmp_path / "link").symlink_to(models, target_is_directory=True)
+    return models
+
+
+# (command line, expected phrase); {m} is the models folder, {l} a symlink to it.
+DESTINATION_CASES = {
+    "convert-out-holds-source": (["convert", "{m}/run.pt", "{m}", "--overwrite"], "contains the source"),
+    "convert-out-is-source-folder": (["convert", "{m}/sft", "{m}/sft", "--overwrite"], "is the source"),
+    "convert-out-inside-source": (["convert", "{m}/sft", "{m}/sft/hub"], "lies inside the source"),
+    "convert-through-symlink": (["convert", "{m}/run.pt", "{l}", "--overwrite"], "contains the source"),
+    "convert-out-holds-tokenizer": (["convert", "{m}/ckpt/../run.pt", "{m}/..", "--overwrite"], "contains the source"),
+    "to-gguf-over-source-file": (["to-gguf", "{m}/sft", "{m}/sft/model.safetensors", "--type", "f16", "--overwrite"],
+                                 "lies inside the source"),
+    "to-gguf-over-source-gguf": (["to-gguf", "{m}/model.gguf", "{l}/model.gguf", "--type", "f16", "--overwrite"],
+                                 "is the source"),
+    "to-gguf-existing-file": (["to-gguf", "{m}/run.pt", "{m}/tokenizer.json", "--type", "f16"], "exists (pass --overwrite"),
+    "to-gguf-existing-non-gguf": (["to-gguf", "{m}/sft", "{m}/tokenizer.json", "--type", "f16", "--overwrite"],
+                                  "is not a GGUF file"),
+    "from-gguf-out-holds-source": (["from-gguf", "{m}/model.gguf", "{m}", "--overwrite"], "contains the source"),
+    "widen-out-is-source": (["widen", "{m}/export", "{l}/export", "--max-position-embeddings", "512", "--overwrite"],
+                            "is the source"),
+    "widen-out-inside-source": (["widen", "{m}/export", "{m}/export/wide", "--max-position-embeddings", "512"],
+                                "lies inside the source"),
+    "init-tiny-non-empty": (["init-tiny", "{m}/export"], "not empty (pass --overwrite"),
+    "init-tiny-foreign-files": (["init-tiny", "{m}", "--overwrite"], "holds files spike-whale does not write"),
+    "convert-foreign-files": (["convert", "{m}/sft", "{m}/ckpt/..", "--overwrite"], "contains the source"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DESTINATION_CASES))
+def test_writing_commands_never_touch_their_source(case, user_tree, tmp_path, capsys):
+    args, phrase = DESTINATION_CASES[case]
+    args = [a.format(m=user_tree, l=tmp_path / "link") for a in args]
+    before = tree_digest(user_tree)
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and phrase in err[0], err
+    assert tree_digest(user_tree) == before
+    no_leftovers(user_tree)
+
+
+def test_overwrite_refuses_a_folder_with_other_files(release, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    (out / "thesis.tex").write_text("years of work")
+    assert main(["convert", str(release.pt), str(out), "--overwrite"]) == 1
+    assert "holds files spike-whale does not write (thesis.tex)" in capsys.readouterr().err
+    assert (out / "thesis.tex").read_text() == "years of work"
+
+
+def test_to_gguf_overwrites_only_a_gguf_and_only_when_asked(release, gguf_files, tmp_path, capsys):
+    out = tmp_path / "m.gguf"
+    shutil.copy(gguf_files["q8_0"], out)
+    before = sha256(out)
+    assert main(["to-gguf", str(release.pt), str(out), "--type", "f16"]) == 1
+    assert "exists (pass --overwrite" in capsys.readouterr().err and sha256(out) == before
+    assert main(["to-gguf", str(release.pt), str(out), "--type", "f16", "--overwrite"]) == 0
+    assert sha256(out) == sha256(gguf_files["f16"])
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_next_run_removes_stale_temp_outputs_and_restores_a_moved_aside_folder(release, tmp_path, capsys):
+    pid = _dead_pid()
+    stale_dir = tmp_path / f".out.tmp-{pid}-abcd1234"
+    stale_dir.mkdir()
+    (stale_dir / "model.safetensors").write_bytes(b"\0" * 1000)
+    stale_file = tmp_path / f".x.gguf.{pid}-abcd1234.tmp"
+    stale_file.write_bytes(b"GGUF")
+    backup = tmp_path / f".old-export.old-{pid}"
+    backup.mkdir()
+    (backup / "config.json").write_text("the user's previous export")
+    live = tmp_path / f".other.tmp-{os.getpid()}-abcd1234"  # a run in progress (this process) is left alone
+    live.mkdir()
+    assert main(["to-gguf", str(release.pt), str(tmp_path / "new.gguf"), "--type", "f16"]) == 0
+    err = capsys.readouterr().err
+    assert not stale_dir.exists() and not stale_file.exists() and live.exists()
+    assert f"removed {stale_dir}" in err and f"removed {stale_file}" in err and "interrupted run" in err
+    assert (tmp_path / "old-export" / "config.json").read_text() == "the user's previous export"
+    assert f"restored {tmp_path / 'old-export'}" in err
+
+
+def test_verification_child_dies_with_its_parent(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    parent = subprocess.Popen([sys.executable, "-c", f"""
+import subprocess, sys, time
+from spike_whale.hub_export.output_paths import die_with_parent
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], preexec_fn=die_with_parent())
+open({str(pid_file)!r}, "w").write(str(child.pid))
+time.sleep(60)
+"""])
+    for _ in range(200):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    for _ in range(100):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        if Path(f"/proc/{child}/stat").exists() and Path(f"/proc/{child}/stat").read_text().split()[2] == "Z":
+            break  # killed, waiting to be reaped by init
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the child outlived its SIGKILLed parent")
+
+
+def test_init_tiny_overwrite_replaces_the_whole_folder_with_umask_permissions(tmp_path):
+    out = tmp_path / "tiny"
+    assert main(["init-tiny", str(out)]) == 0
+    (out / "README.md").write_text("stale card")
+    (out / "provenance.json").write_text("{}")
+    old = os.umask(0o027)
+    try:
+        assert main(["init-tiny", str(out), "--overwrite", "--seed", "3"]) == 0
+    finally:
+        os.umask(old)
+    assert not (out / "README.md").exists() and not (out / "provenance.json").exists()
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert set(modes.values()) == {0o640} and out.stat().st_mode & 0o777 == 0o750, modes
+
+
+def test_push_refuses_a_folder_changed_since_export(converted_pt, tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "export"
+    shutil.copytree(converted_pt, folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["model.norm.weight"] += 1
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    RecordingHfApi.calls = []
+    monkeypatch.setattr(push_mod, "make_api", lambda timeout: RecordingHfApi())
+    assert main(["push", str(folder), "me/x"]) == 1
+    err = capsys.readouterr().err
+    assert "['model.safetensors'] differ from the checksums in provenance.json" in err
+    assert not RecordingHfApi.calls
+
+    tiny = tmp_path / "tiny"  # init-tiny writes no provenance: never pushable as an export
+    assert main(["init-tiny", str(tiny)]) == 0
+    assert main(["push", str(tiny), "me/x"]) == 1
+    assert "missing ['README.md', 'provenance.json']" in capsys.readouterr().err
+
+
+def test_push_retries_transient_errors_a_bounded_number_of_times(monkeypatch):
+    import httpx2
+
+    calls = []
+
+    class FlakyApi:
+        def create_repo(self, **kwargs):
+            calls.append("create_repo")
+            if len(calls) < 3:
+                raise httpx2.ReadTimeout("timed out")
+
+        def upload_folder(self, **kwargs):
+            calls.append("upload_folder")
+            raise httpx2.ConnectError("connection refused")
+
+    monkeypatch.setattr(push_mod.time, "sleep", lambda s: None)
+    lines = []
+    push_mod._with_retries("creating me/x", FlakyApi().create_repo, 2, lines.append)
+    with pytest.raises(httpx2.ConnectError):
+        push_mod._with_retries("uploading", FlakyApi().upload_folder, 2, lines.append)
+    assert calls == ["create_repo"] * 3 + ["upload_folder"] * 3
+    assert sum("retrying" in line for line in lines) == 4
+
+
+def test_push_gives_up_on_a_hub_that_never_answers(converted_pt, tmp_path):
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held = []
+
+    def accept_and_say_nothing():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            held.append(conn)
+
+    threading.Thread(target=accept_and_say_nothing, daemon=True).start()
+    env = dict(os.environ, HF_ENDPOINT=f"http://127.0.0.1:{server.getsockname()[1]}", HF_TOKEN="hf_test",
+               HF_HUB_OFFLINE="0", HF_HOME=str(tmp_path / "hf_home"), HF_HUB_DISABLE_TELEMETRY="1")
+    t0 = time.time()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "spike_whale", "push", str(converted_pt), "me/x", "--timeout", "0.5",
+                               "--retries", "1"], capture_output=True, text=True, env=env, timeout=120)
+    finally:
+        server.close()
+        for conn in held:
+            conn.close()
+    elapsed = time.time() - t0
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(err) == 1, proc.stderr
+    assert err[0].startswith("spike-whale push: error: push to me/x failed:") and "Timeout" in err[0], err
+    assert "push: creating me/x (retry 1/1) ..." in proc.stdout.splitlines(), proc.stdout
+    assert elapsed < 60
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _one_line_case(case: str, release, tmp: Path) -> tuple[list[str], str]:
+    tok_json = str(release.root / "tokenizer.json")
+    if case in ("config-bool", "config-list", "config-nan"):
+        folder = tmp / "st"
+        shutil.copytree(release.st, folder)
+        cfg = json.loads((folder / "config.json").read_text())
+        data = {"config-bool": dict(cfg, max_position_embeddings=True), "config-list": [cfg],
+                "config-nan": dict(cfg, rope_theta=float("nan"))}[case]
+        (folder / "config.json").write_text(json.dumps(data))
+        phrase = {"config-bool": "max_position_embeddings is true, expected an integer",
+                  "config-list": "a config must be a JSON object, found a list",
+                  "config-nan": "rope_theta is NaN, expected a finite number"}[case]
+        return ["convert", str(folder)], phrase
+    if case == "empty-pt":
+        return ["convert", str(_write(tmp / "empty.pt", "")), "--tokenizer", tok_json], "empty.pt: the file is empty (0 bytes)"
+    sd = cpu_state(release.base)
+    if case == "int32-weight":
+        sd["model.norm.weight"] = sd["model.norm.weight"].to(torch.int32)
+        phrase = "model.norm.weight (int32, the model holds float32)"
+    elif case == "nan-weight":
+        sd["model.layers.1.ffn.up_proj.weight"][3, 4] = float("nan")
+        phrase = "tensors hold NaN or inf values: ['model.layers.1.ffn.up_proj.weight']"
+    else:  # key mismatch: the message names the file
+        sd["model.mystery.weight"] = sd.pop("model.norm.weight")
+        phrase = "odd.pt: 1 checkpoint tensors have no place in the model: ['model.mystery.weight']"
+    path = tmp / "odd.pt"
+    torch.save({"model": sd, "config": config_blob(release.base)}, path)
+    return ["convert", str(path), "--tokenizer", tok_json], phrase
+
+
+@pytest.mark.parametrize("case", ["config-bool", "config-list", "config-nan", "empty-pt", "int32-weight", "nan-weight",
+                                  "key-mismatch-names-file"])
+def test_bad_inputs_fail_in_one_line(case, release, tmp_path, capsys):
+    args, phrase = _one_line_case(case, release, tmp_path)
+    out = tmp_path / "out"
+    assert main(args[:2] + [str(out)] + args[2:]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("spike-whale convert: error:") and phrase in err[0], err
+    assert not out.exists()
+
+
+def _gguf_with_config(src: Path, dst: Path, **changes) -> Path:
+    """A copy of the GGUF `src` whose spike_whale.config_json has `changes` (the rest of the metadata kept)."""
+    import gguf
+
+    from spike_whale.hub_export.gguf_io import CONFIG_KEY, GGUF_ARCH
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(str(dst), arch=GGUF_ARCH)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        if field.name == CONFIG_KEY:
+            value = json.dumps(dict(json.loads(value), **changes))
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, vtype, sub_type=sub)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, t.data, raw_shape=tuple(int(d) for d in reversed(t.shape.tolist())),
+                          raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@pytest.mark.parametrize("changes,phrase", [
+    (dict(max_position_embeddings=4_000_000), "max_position_embeddings 4000000 vs spike_whale.context_length 256"),
+    (dict(vocab_size=1 << 30), "vocab_size 1073741824 vs spike_whale.vocab_size"),
+    (dict(q_lora_rank=48), "contradicts the file's tensor shapes"),
+])
+def test_gguf_config_must_agree_with_the_file(changes, phrase, gguf_files, tmp_path, capsys):
+    src = _gguf_with_config(gguf_files["f16"], tmp_path / "lying.gguf", **changes)
+    assert main(["from-gguf", str(src), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and phrase in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_gguf_rope_allocation_is_bounded(gguf_files, tmp_path, monkeypatch, capsys):
+    from spike_whale.hub_export import gguf_io
+
+    src = _gguf_with_config(gguf_files["f16"], tmp_path / "huge.gguf", max_position_embeddings=100_000_000)
+    monkeypatch.setattr(gguf_io, "METADATA_FIELDS", {})  # as if the file carried no context_length to check against
+    assert main(["from-gguf", str(src), str(tmp_path / "out")]) == 1
+    assert "max_position_embeddings 100000000 would need" in capsys.readouterr().err
+
+
+def test_rename_report_and_rename_map(release, tmp_path, capsys):
+    sd = cpu_state(release.base)
+    theirs = {"model.layers.0.hc_attn.pre_logits": "layers.0.hc.attn_alpha",
+              "model.loop_pass_embed.weight": "pass_emb.weight"}
+    for ours, name in theirs.items():
+        sd[name] = sd.pop(ours)
+    path = tmp_path / "real" / "base_62k.pt"
+    path.parent.mkdir()
+    torch.save({"model": sd, "config": config_blob(release.base)}, path)
+    tok_json = str(release.root / "tokenizer.json")
+    out = tmp_path / "out"
+    assert main(["convert", str(path), str(out), "--tokenizer", tok_json]) == 1
+    captured = capsys.readouterr()
+    report = captured.out
+    assert "model tensors matched, 2 checkpoint tensors unplaceable, 2 model tensors absent (2 of them guessed names" in report
+    assert "absent: model.loop_pass_embed.weight  (guessed name)" in report
+    assert "unplaceable: pass_emb.weight -> same-shape candidates: model.loop_pass_embed.weight" in report
+    line = next(l for l in report.splitlines() if "--rename-map" in l)
+    rename_map = json.loads(line.split("--rename-map ", 1)[1].strip("'"))
+    assert rename_map == {v: k for k, v in theirs.items()}
+    assert "base_62k.pt: 2 checkpoint tensors have no place" in captured.err and len(captured.err.splitlines()) == 1
+    assert main(["convert", str(path), str(out), "--tokenizer", tok_json, "--rename-map", json.dumps(rename_map)]) == 0
+    assert "renamed 2 checkpoint keys through --rename-map" in (out / "README.md").read_text()
+
+
+def test_guessed_keys_name_real_state_dict_entries():
+    import re
+
+    from spike_whale import SpikeWhaleForCausalLM
+    from spike_whale.modeling_spike_whale import GUESSED_KEYS
+    from conftest import tiny_config
+
+    everything_on = dict(use_moe=True, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_layers=[0, 1],
+                         moe_intermediate_size=48, use_elo=True, engram_fusion_layers=[1], engram_fusion_dim=16,
+                         use_abstain_head=True)
+    names = set()
+    for overrides in ({}, everything_on):
+        with torch.device("meta"):
+            names |= set(SpikeWhaleForCausalLM(tiny_config(**overrides)).state_dict())
+    unmatched = [p for p in GUESSED_KEYS if not any(re.fullmatch(p, n) for n in names)]
+    assert not unmatched, f"GUESSED_KEYS patterns that name no tensor of the model: {unmatched}"
+    # every alternative of every pattern names a real tensor, too (a renamed leaf cannot hide behind its siblings)
+    for pattern in GUESSED_KEYS:
+        for leaf in re.findall(r"[a-z_]+(?:\\\.[a-z_]+)*(?=[|)])", pattern):
+            leaf = leaf.replace("\\.", ".")
+            assert any(re.fullmatch(pattern, n) and leaf in n for n in names), (pattern, leaf)
+
+
+def test_hub_export_modules_import_no_cycle():
+    import ast
+
+    root = Path(__file__).resolve().parent.parent / "hub_export"
+    graph = {}
+    for path in root.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                deps |= {node.module} if node.module else {a.name for a in node.names}
+        graph[path.stem] = {d.split(".")[0] for d in deps}
+
+    def reaches(start, goal, seen=()):
+        return any(d == goal or (d not in seen and reaches(d, goal, (*seen, d))) for d in graph.get(start, ()))
+
+    cycles = sorted(m for m in graph if reaches(m, m))
+    assert not cycles, f"hub_export modules that import themselves back: {cycles}"
+    assert "__main__" not in (root / "verify.py").read_text()
