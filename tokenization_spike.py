@@ -668,6 +668,10 @@ class SpikeTokenizer(PreTrainedTokenizer):
                 "SpikeTokenizer (the slow, pure-Python tokenizer) does not compute offsets: use SpikeTokenizerFast "
                 "(what AutoTokenizer returns by default) for return_offsets_mapping=True"
             )
+        if is_split_into_words and isinstance(text, str):  # a one-word sequence, unwrapped by the batch loop
+            text = [text]
+        if is_split_into_words and isinstance(text_pair, str):
+            text_pair = [text_pair]
         is_words = is_split_into_words and isinstance(text, (list, tuple)) and bool(text)
         if is_words and isinstance(text[0], str):  # one pretokenized sequence (or pair): encode word by word here
             split = kwargs.get("split_special_tokens")

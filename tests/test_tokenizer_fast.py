@@ -1,0 +1,280 @@
+"""SpikeTokenizerFast against SpikeTokenizer (issue 14), the Length-MAX trainer, and the tokenizer items of issues
+10 and 11. The slow tokenizer is itself checked against an independent reference in test_tokenizer.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import tokenizers
+
+from spike_whale.hub_export.train_tokenizer import (
+    DEMO_CORPUS,
+    build_demo_tokenizer,
+    build_lengthmax_vocab,
+    train_from_files,
+)
+from spike_whale.tokenization_spike import (
+    BOS_ID,
+    CHAT_EOS_IDS,
+    IM_END_ID,
+    RESERVED_IDS,
+    SpikeTokenizer,
+)
+from spike_whale.tokenization_spike_fast import SpikeTokenizerFast
+from test_tokenizer import ALL_SPECIAL_STRINGS, TRICKY, random_text
+
+
+@pytest.fixture(scope="module")
+def pair():
+    data = build_lengthmax_vocab([DEMO_CORPUS], vocab_size=2176)
+    vocab = data["vocab"]
+    next_id = max(i for i in vocab.values() if i < 16384) + 1
+    for tok in TRICKY:  # partial UTF-8, regex metacharacters, special fragments, a token over max_token_len
+        if tok not in vocab:
+            vocab[tok] = next_id
+            next_id += 1
+    return SpikeTokenizer(data, model_max_length=1 << 22), SpikeTokenizerFast(data, model_max_length=1 << 22)
+
+
+def random_unicode(rng: random.Random, n: int = 8) -> str:
+    """Up to `n` code points from every plane (no surrogates), the C0/C1 controls and ASCII."""
+    out = []
+    for _ in range(rng.randint(0, n)):
+        r = rng.random()
+        if r < 0.3:
+            out.append(chr(rng.choice([rng.randint(0, 0x1F), rng.randint(0x7F, 0x9F)])))
+        elif r < 0.6:
+            out.append(chr(rng.randint(0x20, 0x7E)))
+        else:
+            cp = rng.randint(0, 0x10FFFF)
+            out.append(chr(cp) if not 0xD800 <= cp <= 0xDFFF else "\ufffd")
+    return "".join(out)
+
+
+def test_every_id_decodes_and_reencodes_identically(pair):
+    slow, fast = pair
+    for i in range(len(slow)):
+        text = slow.decode([i])
+        assert fast.decode([i]) == text, i
+        assert fast(text, add_special_tokens=False)["input_ids"] == slow(text, add_special_tokens=False)["input_ids"]
+    every = list(range(len(slow)))
+    assert fast.decode(every) == slow.decode(every)
+    assert fast.decode(every, skip_special_tokens=True) == slow.decode(every, skip_special_tokens=True)
+    assert fast.decode([-100, 5, 99999]) == slow.decode([-100, 5, 99999]) == "<unk>\x01<unk>"
+
+
+def test_100k_random_strings_identical(pair):
+    """100,000 short strings over all Unicode planes and controls (batched), then 5,000 longer texts with specials,
+    partial specials and long repeats through __call__ and decode."""
+    slow, fast = pair
+    rng = random.Random(0)
+    texts = [random_unicode(rng) for _ in range(100_000)]
+    assert fast(texts, add_special_tokens=False)["input_ids"] == [slow.encode_ordinary(t) for t in texts]
+    mixed = [random_text(rng) for _ in range(5000)]
+    fast_ids = fast(mixed)["input_ids"]
+    assert fast_ids == slow(mixed)["input_ids"]
+    assert fast.batch_decode(fast_ids) == slow.batch_decode(fast_ids)
+    assert fast.batch_decode(fast_ids, skip_special_tokens=True) == slow.batch_decode(fast_ids, skip_special_tokens=True)
+    assert fast.batch_decode(fast_ids) == [t if t.startswith("<bos>") else "<bos>" + t for t in mixed]
+    cut = [ids[: len(ids) // 2] for ids in fast_ids]  # ends inside UTF-8 sequences
+    assert fast.batch_decode(cut) == slow.batch_decode(cut)
+
+
+def test_specials_inside_text_and_bos_rules(pair):
+    slow, fast = pair
+    texts = ["<bos>x", "<bos><bos>x", "a<bos>b", "<|im_start|><bos>x", "<|im_end|><|im_start|>",
+             "<<think>>", "<|reserved_special_110|>", "<bos", "", *ALL_SPECIAL_STRINGS]
+    for kwargs in ({}, {"add_special_tokens": False}, {"split_special_tokens": True}):
+        assert fast(texts, **kwargs)["input_ids"] == slow(texts, **kwargs)["input_ids"], kwargs
+    assert fast("<bos>x")["input_ids"][:2] == [BOS_ID, slow.convert_tokens_to_ids("x")]
+    enc = fast(["<bos>ab", "ab"], return_offsets_mapping=True)
+    assert enc["offset_mapping"][0][1:] == [(s + 5, e + 5) for s, e in enc["offset_mapping"][1][1:]]
+    assert fast(["a", "b"], ["<bos>c", "d"])["input_ids"] == slow(["a", "b"], ["<bos>c", "d"])["input_ids"]
+
+
+def test_long_input_identical(pair):
+    slow, fast = pair
+    rng = random.Random(1)
+    text = "".join(random_text(rng) for _ in range(4000))
+    text = (text * (1_000_000 // len(text) + 1))[:1_000_000]
+    assert len(text.encode()) >= 1_000_000
+    assert fast(text)["input_ids"] == slow(text)["input_ids"]
+
+
+def test_batches_padding_truncation(pair):
+    slow, fast = pair
+    texts = ["The harbour was quiet", "", "é" * 40, "<|im_start|>user\nhi<|im_end|>", "<bos>x y z"]
+    for kwargs in ({"padding": True}, {"padding": "max_length", "max_length": 12, "truncation": True},
+                   {"truncation": True, "max_length": 3}, {"padding": True, "padding_side": "right"},
+                   {"padding": True, "return_special_tokens_mask": True}):
+        a, b = slow(texts, **kwargs), fast(texts, **kwargs)
+        for key in a:
+            assert b[key] == a[key], (kwargs, key)
+    a, b = slow(texts, padding=True, return_tensors="pt"), fast(texts, padding=True, return_tensors="pt")
+    assert (a["input_ids"] == b["input_ids"]).all() and (a["attention_mask"] == b["attention_mask"]).all()
+
+
+def test_offsets_fast_and_clear_error_slow(pair):
+    """Issue 14: return_offsets_mapping was silently ignored; fast gives offsets, slow says it cannot."""
+    slow, fast = pair
+    text = "The harbour wé中😀<|im_end|>"
+    enc = fast(text, return_offsets_mapping=True)
+    offsets = enc["offset_mapping"][1:]
+    pieces = [text[s:e] for s, e in offsets]
+    assert pieces[:3] == ["The ", "harbour ", "w"] and pieces[-1] == "<|im_end|>"
+    # a token holding part of a character spans that whole character (the byte-level convention)
+    assert all(s1 <= s2 and e1 <= e2 for (s1, e1), (s2, e2) in zip(offsets, offsets[1:]))
+    assert {p for p in pieces[3:-1]} <= {"é", "中", "😀"}
+    with pytest.raises(NotImplementedError, match="offsets"):
+        slow(text, return_offsets_mapping=True)
+
+
+def test_pretokenized_words(pair):
+    """Issue 10 item 8: ["hello", "world"] with is_split_into_words=True is " hello world", not "helloworld"."""
+    slow, fast = pair
+    words = ["hello", "world", " é", "<|im_end|>x"]
+    a, b = slow(words, is_split_into_words=True), fast(words, is_split_into_words=True)
+    assert a["input_ids"] == b["input_ids"]
+    assert slow.decode(a["input_ids"], skip_special_tokens=True) == " hello world é x"
+    assert slow.decode(slow(["hello", "world"], is_split_into_words=True)["input_ids"][1:]) == " hello world"
+    assert b.word_ids()[0] is None and b.word_ids()[1] == 0 and b.word_ids()[-1] == 3
+    batch = [["a", "b"], ["c"]]
+    assert (slow(batch, is_split_into_words=True, padding=True)["input_ids"]
+            == fast(batch, is_split_into_words=True, padding=True)["input_ids"])
+
+
+def test_chat_template_identical(pair):
+    slow, fast = pair
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "say <|im_end|> hi"},
+            {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}]
+    for kwargs in ({}, {"sanitize_control_tokens": False}, {"add_generation_prompt": True}):
+        assert (fast.apply_chat_template(msgs, **kwargs)["input_ids"]
+                == slow.apply_chat_template(msgs, **kwargs)["input_ids"])
+    assert fast.apply_chat_template(msgs)["input_ids"].count(IM_END_ID) == 3
+
+
+def test_tokenizer_json_is_standard_and_old_folders_load(pair, tmp_path):
+    slow, fast = pair
+    fast.save_pretrained(tmp_path / "new")
+    files = set(os.listdir(tmp_path / "new"))
+    assert {"tokenizer.json", "spike_vocab.json", "tokenization_spike.py", "tokenization_spike_fast.py"} <= files
+    config = json.loads((tmp_path / "new" / "tokenizer_config.json").read_text())
+    assert config["auto_map"]["AutoTokenizer"] == ["tokenization_spike.SpikeTokenizer",
+                                                   "tokenization_spike_fast.SpikeTokenizerFast"]
+    alone = tokenizers.Tokenizer.from_file(str(tmp_path / "new" / "tokenizer.json"))
+    text = "The harbour was quiet. 🐋 <|im_start|>"
+    assert alone.encode(text).ids == slow(text)["input_ids"]
+    reloaded = SpikeTokenizerFast.from_pretrained(tmp_path / "new")
+    assert reloaded(text)["input_ids"] == slow(text)["input_ids"]
+    # A folder saved before the fast twin existed: only the released vocab JSON
+    slow.save_pretrained(tmp_path / "old")
+    assert "tokenizer.json" not in os.listdir(tmp_path / "old")
+    old = SpikeTokenizerFast.from_pretrained(tmp_path / "old")
+    assert old(text)["input_ids"] == slow(text)["input_ids"] and len(old) == 16512
+
+
+def test_autotokenizer_fast_by_default_slow_by_class(pair, tmp_path, fresh_python):
+    slow, fast = pair
+    fast.save_pretrained(tmp_path / "tok")
+    out = fresh_python(f"""
+        import json
+        from transformers import AutoTokenizer
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+        path = {str(tmp_path / "tok")!r}
+        auto = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+        slow_cls = get_class_from_dynamic_module("tokenization_spike.SpikeTokenizer", path)
+        slow = slow_cls.from_pretrained(path)
+        text = "The harbour <|im_end|> é"
+        print(json.dumps([type(auto).__name__, type(slow).__name__, auto(text)["input_ids"], slow(text)["input_ids"]]))
+    """)
+    auto_cls, slow_cls, a, b = json.loads(out.strip().splitlines()[-1])
+    assert (auto_cls, slow_cls) == ("SpikeTokenizerFast", "SpikeTokenizer")
+    assert a == b == slow("The harbour <|im_end|> é")["input_ids"]
+
+
+def test_token_healing_prefix_search(pair):
+    """transformers' heal_tokens looks up the space token and searches extensions of the tail in get_vocab()."""
+    from transformers.tokenization_python import ExtensionsTrie
+
+    slow, fast = pair
+    for tok in (slow, fast):
+        space = tok.convert_ids_to_tokens(tok.convert_tokens_to_ids(" "))
+        assert tok.convert_tokens_to_ids(" ") == 36
+        trie = ExtensionsTrie(tok.get_vocab())
+        for tail in ("w", " w", "ha", " t"):
+            found = {tok.convert_tokens_to_ids(t) for t in trie.extensions(prefix=tail.replace(" ", space))}
+            expected = {i for t, i in slow.greedy_vocab.items() if t.startswith(tail)}
+            assert found == expected and found, (type(tok).__name__, tail)
+
+
+def test_token_healing_generate_runs(pair):
+    import torch
+    from conftest import tiny_model
+
+    model = tiny_model()
+    for tok in pair:
+        enc = tok(["The harbour w"], return_tensors="pt")
+        out = model.generate(**enc, max_new_tokens=3, do_sample=False, token_healing=True, tokenizer=tok)
+        assert out.shape == (1, enc["input_ids"].shape[1] + 3)
+        assert tok.decode(out[0, : enc["input_ids"].shape[1]], skip_special_tokens=True).startswith("The harbour w")
+        assert isinstance(out, torch.Tensor)
+
+
+def test_long_token_refused_clearly():
+    """Issue 11 item 8: a ~1,000-character token no longer loads and then fails every encode with RecursionError."""
+    vocab = {chr(b): b + 4 for b in range(256)}
+    vocab.update({"x" * n: 260 + n for n in range(2, 1000)})
+    with pytest.raises(ValueError, match="max_token_len"):
+        SpikeTokenizer({"vocab": vocab, "max_token_len": 1000})
+    deep = {**{chr(b): b + 4 for b in range(256)}, **{"x" * n: 260 + n for n in range(2, 257)}}
+    for cls in (SpikeTokenizer, SpikeTokenizerFast):
+        t = cls({"vocab": deep, "max_token_len": 256})
+        assert t("x" * 600, add_special_tokens=False)["input_ids"] == [260 + 256, 260 + 256, 260 + 88]
+    long_unused = {**{chr(b): b + 4 for b in range(256)}, "y" * 1000: 300}  # longer than max_token_len: decode only
+    t = SpikeTokenizer({"vocab": long_unused})
+    assert t.decode([300]) == "y" * 1000 and len(t("y" * 30)["input_ids"]) == 31
+
+
+def test_layout_constants_shared_with_model_files():
+    """The model files keep their own copies so loading the model never loads the tokenizer file."""
+    import spike_whale.configuration_spike_whale as configuration
+
+    if not hasattr(configuration, "CHAT_EOS_IDS"):
+        pytest.skip("configuration_spike_whale.py does not define the chat constants yet (agent M)")
+    assert tuple(configuration.CHAT_EOS_IDS) == tuple(CHAT_EOS_IDS)
+    assert list(configuration.RESERVED_IDS) == list(RESERVED_IDS)
+
+
+def test_trainer_deterministic_layout_and_folder(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(DEMO_CORPUS * 2, encoding="utf-8")
+    a = train_from_files([str(corpus)], 1000, show_progress=False, rounds=4)
+    b = train_from_files([str(tmp_path / "*.txt")], 1000, show_progress=False, rounds=4, chunk_bytes=1000)
+    c = train_from_files([str(corpus)], 1000, show_progress=False, rounds=4)
+    assert a == c and a["vocab"].keys() == b["vocab"].keys() or a == c
+    vocab = a["vocab"]
+    assert [vocab[s] for s in ("<pad>", "<unk>", "<bos>", "<eos>", "<|im_start|>", "<|endoftext|>")] == [
+        0, 1, 2, 3, 16384, 16400]
+    assert all(vocab[chr(b)] == b + 4 for b in range(256))
+    multi = sorted(i for i in vocab.values() if 260 <= i < 16384)
+    assert multi == list(range(260, 260 + 1000 - 388))
+    from spike_whale.hub_export.cli import main
+
+    assert main(["train-tokenizer", str(corpus), str(tmp_path / "out"), "--vocab-size", "1000", "--rounds", "4"]) == 0
+    saved = json.loads((tmp_path / "out" / "spike_vocab.json").read_text())
+    assert saved["vocab"] == a["vocab"]
+    fast = SpikeTokenizerFast.from_pretrained(tmp_path / "out")
+    slow = SpikeTokenizer.from_pretrained(tmp_path / "out")
+    assert fast(DEMO_CORPUS)["input_ids"] == slow(DEMO_CORPUS)["input_ids"]
+    assert len(fast(DEMO_CORPUS)["input_ids"]) < len(DEMO_CORPUS.encode()) / 2.5
+    assert main(["train-tokenizer", str(corpus), str(tmp_path / "out"), "--vocab-size", "1000"]) == 1  # not empty
+    assert main(["train-tokenizer", str(corpus), str(tmp_path), "--vocab-size", "1000"]) == 1  # holds the corpus
+
+
+def test_demo_tokenizer_is_trained_by_the_trainer():
+    t = build_demo_tokenizer()
+    assert isinstance(t, SpikeTokenizerFast)
+    assert t.vocab_data == build_lengthmax_vocab([DEMO_CORPUS], vocab_size=2176) | {"vocab": t.vocab_data["vocab"]}
