@@ -1,0 +1,264 @@
+"""`spike-whale finetune MODEL_DIR OUT_DIR --text FILE`: causal-LM fine-tuning of a model folder on accelerate's
+engines: one process as is, data parallel under `accelerate launch` (DDP, or FSDP2 with the decoder layer as the
+wrap unit), with a plain training loop or `transformers.Trainer` (`--trainer`).
+
+The text is tokenized into rows of `--seq-len` tokens and step i trains on the same `--batch-size` rows (the
+global batch) whatever the number of processes, each process taking an equal share. The model's loss is a
+per-batch mean, so N steps on several processes equal N steps on one when every process gets the same number of
+target tokens (rows of equal length; `--packed` keeps that) and the MoE load-balance term, a product of batch
+statistics, is off. `--packed` feeds padding-free rows (`DataCollatorWithFlattening`): every row is cut into two
+documents that are packed back into one row per process, with `position_ids` restarting at each document.
+
+Heavy imports live inside the functions, so that `--help` answers at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .output_paths import check_destination, remove_stale_temps, replace_folder, staging_folder
+
+
+def token_rows(tokenizer, text: str, seq_len: int):
+    """The text's token ids cut into consecutive rows of `seq_len` ([n, seq_len] long tensor)."""
+    import torch
+
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    n = len(ids) // seq_len
+    if n == 0:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one row of --seq-len {seq_len}")
+    return torch.tensor(ids[: n * seq_len]).view(n, seq_len)
+
+
+def global_batches(n_rows: int, steps: int, batch_size: int, seed: int):
+    """Row indices of each step's global batch ([steps, batch_size]), the same for any process count."""
+    import torch
+
+    return torch.randint(0, n_rows, (steps, batch_size), generator=torch.Generator().manual_seed(seed))
+
+
+def step_features(rows, batch, step: int, packed: bool) -> list[dict]:
+    """The global batch of one step as collator features, in row order: one per row (labels = input ids) or,
+    `packed`, each row cut at a point seeded by (step, row position) into two documents."""
+    import torch
+
+    if not packed:
+        return [{"input_ids": rows[i].tolist(), "labels": rows[i].tolist()} for i in batch]
+    g = torch.Generator().manual_seed(step)
+    cuts = torch.randint(2, rows.shape[1] - 1, (len(batch),), generator=g).tolist()
+    return [{"input_ids": rows[i, a:b].tolist()} for i, cut in zip(batch, cuts) for a, b in ((0, cut), (cut, None))]
+
+
+def collator(packed: bool):
+    """`DataCollatorWithFlattening` (one padding-free row, position_ids restarting per document) or plain
+    stacking of equal-length rows."""
+    from transformers import DataCollatorWithFlattening, default_data_collator
+
+    return DataCollatorWithFlattening(return_tensors="pt") if packed else default_data_collator
+
+
+def process_share(features: list, index: int, count: int) -> list:
+    """This process's equal, contiguous share of a global batch."""
+    if len(features) % count:
+        raise ValueError(f"a global batch of {len(features)} does not split evenly over {count} processes")
+    size = len(features) // count
+    return features[index * size: (index + 1) * size]
+
+
+def sharded_by_transformers(model) -> bool:
+    """Whether transformers' own FSDP2 (`DistributedConfig(fsdp_size=N)`) sharded the model at load."""
+    return getattr(model, "is_distributed_loading_by_transformers", False)
+
+
+def train_loop(model, rows, batches, *, lr: float, max_grad_norm: float = 1.0, packed: bool = False,
+               accelerator=None):
+    """AdamW on the model's three-tier parameter groups, one optimizer step per global batch, gradient norm
+    clipped. Returns (the model as `accelerator` prepared it, each step's loss averaged over the processes).
+
+    accelerate wraps the model (DDP, or FSDP2 from the launch config); a model transformers already sharded with
+    FSDP2 is left as it is (its gradients are reduced by FSDP2 itself). Without `accelerator`: plain torch."""
+    import torch
+
+    optimizer = torch.optim.AdamW(model.optimizer_param_groups(lr), lr=lr)
+    index, count = 0, 1
+    wrap = accelerator is not None and not sharded_by_transformers(model)
+    if wrap:
+        model, optimizer = accelerator.prepare(model, optimizer)
+    if accelerator is not None:
+        index, count = accelerator.process_index, accelerator.num_processes
+    collate = collator(packed)
+    model.train()
+    losses = []
+    for step, batch in enumerate(batches.tolist()):
+        loss = model(**collate(process_share(step_features(rows, batch, step, packed), index, count))).loss
+        if wrap:
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+        else:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(accelerator.reduce(loss.detach(), "mean") if accelerator is not None else loss))
+    model.eval()
+    return model, losses
+
+
+def trainer_arguments(work_dir: str, *, global_batch: int, steps: int, lr: float, max_grad_norm: float):
+    """`TrainingArguments` for the same steps as `train_loop`: constant LR, no weight decay, clipping, batches read
+    in order (accelerate then hands each process its share of each global batch), a loss logged every step."""
+    from transformers import TrainingArguments
+
+    from accelerate import PartialState
+
+    args = TrainingArguments(
+        output_dir=work_dir, per_device_train_batch_size=1, max_steps=steps, learning_rate=lr,
+        lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=max_grad_norm, logging_steps=1,
+        save_strategy="no", report_to=[], train_sampling_strategy="sequential", dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    count = PartialState().num_processes  # TrainingArguments set up the processes' state
+    if global_batch % count:
+        raise ValueError(f"--batch-size {global_batch} does not split evenly over {count} processes")
+    args.per_device_train_batch_size = global_batch // count
+    return args
+
+
+def train_with_trainer(model, rows, batches, args, *, lr: float, packed: bool = False):
+    """`train_loop`'s steps through `transformers.Trainer` (`args` from `trainer_arguments`): the global batches'
+    features laid out in order and the same AdamW groups. Returns (the Trainer, its logged per-step losses)."""
+    import torch
+    from transformers import Trainer
+
+    features = [f for step, batch in enumerate(batches.tolist()) for f in step_features(rows, batch, step, packed)]
+    if packed:  # two documents per row
+        args.per_device_train_batch_size *= 2
+    optimizer = torch.optim.AdamW(model.optimizer_param_groups(lr), lr=lr)
+    trainer = Trainer(model=model, args=args, train_dataset=features, data_collator=collator(packed),
+                      optimizers=(optimizer, None))
+    trainer.train()
+    model.eval()
+    return trainer, [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def save_folder(model, tokenizer, out_dir, accelerator, source_dir) -> None:
+    """Save the trained weights gathered whole (by transformers for its own FSDP2, else by accelerate), the model's
+    code files and config, and the tokenizer as a folder that loads with `trust_remote_code=True`, through a
+    staging folder. Every process must call it."""
+    from accelerate.utils import broadcast_object_list
+
+    out = Path(out_dir)
+    main = accelerator.is_main_process
+    if main:
+        remove_stale_temps(out.absolute().parent)
+    staging = broadcast_object_list([staging_folder(out) if main else None])[0]
+    try:
+        if sharded_by_transformers(model):
+            # The FSDP2 class transformers' save_pretrained would copy the code of (and name in auto_map) is torch's
+            # wrapper, so the gathered weights are saved through an unsharded copy of the source model.
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            from transformers import AutoModelForCausalLM
+
+            state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if main:
+                plain = AutoModelForCausalLM.from_pretrained(source_dir, trust_remote_code=True, dtype=model.dtype)
+                plain.save_pretrained(staging, state_dict=state_dict)
+        else:
+            state_dict = accelerator.get_state_dict(model)
+            if main:
+                accelerator.unwrap_model(model).save_pretrained(staging, state_dict=state_dict)
+        if main:
+            tokenizer.save_pretrained(staging)
+            replace_folder(staging, out)
+    except BaseException:
+        if main:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    accelerator.wait_for_everyone()
+
+
+def run(args) -> int:
+    """Runs in every process `accelerate launch` starts; accelerate's state (or the Trainer's arguments) is set up
+    first, so that `ACCELERATE_USE_CPU=1` and the launch's DDP/FSDP settings apply."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from accelerate import Accelerator
+
+    check_destination(args.out_dir, [args.model_dir, args.text], overwrite=args.overwrite)
+    text = Path(args.text).read_text(encoding="utf-8")
+    with tempfile.TemporaryDirectory(prefix="spike-whale-trainer-") as work_dir:  # the Trainer's output_dir
+        if args.trainer:
+            training_args = trainer_arguments(work_dir, global_batch=args.batch_size, steps=args.steps, lr=args.lr,
+                                              max_grad_norm=args.max_grad_norm)
+            first = training_args.main_process_first
+        else:
+            accelerator = Accelerator()
+            first = accelerator.main_process_first
+        load = {}
+        if args.fsdp_size > 1:
+            from transformers.distributed import DistributedConfig
+
+            load["distributed_config"] = DistributedConfig(fsdp_size=args.fsdp_size)
+        elif os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not args.trainer:
+            if str(accelerator.distributed_type) != "DistributedType.FSDP":
+                raise NotImplementedError(
+                    f"the launch asks for FSDP but accelerate set up {accelerator.distributed_type} (accelerate turns "
+                    "FSDP on only on accelerator devices, not on CPU); on CPU use transformers' own FSDP2 instead: "
+                    "drop the --use_fsdp flags and pass --fsdp-size N"
+                )
+        with first():  # the first load writes the folder's code into the modules cache
+            tokenizer = AutoTokenizer.from_pretrained(args.model_dir, trust_remote_code=True)
+            model = AutoModelForCausalLM.from_pretrained(args.model_dir, trust_remote_code=True, dtype=torch.float32,
+                                                         **load)
+        rows = token_rows(tokenizer, text, args.seq_len)
+        batches = global_batches(rows.shape[0], args.steps, args.batch_size, args.seed)
+        if args.trainer:
+            trainer, losses = train_with_trainer(model, rows, batches, training_args, lr=args.lr, packed=args.packed)
+            accelerator, model = trainer.accelerator, trainer.model_wrapped
+        else:
+            model, losses = train_loop(model, rows, batches, lr=args.lr, max_grad_norm=args.max_grad_norm,
+                                       packed=args.packed, accelerator=accelerator)
+    save_folder(model, tokenizer, args.out_dir, accelerator, args.model_dir)
+    if accelerator.is_main_process:
+        state = accelerator.state
+        summary = {"processes": state.num_processes, "distributed_type": str(state.distributed_type),
+                   "steps": args.steps, "global_batch": args.batch_size, "losses": losses}
+        if args.losses_json:
+            Path(args.losses_json).write_text(json.dumps(summary, indent=2))
+        print(f"trained {args.steps} steps on {state.num_processes} process(es) ({state.distributed_type}): "
+              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; wrote {args.out_dir}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "finetune",
+        help="fine-tune a model folder on a text file (one process, or DDP/FSDP2 under accelerate)",
+        description="Fine-tune a model folder on a UTF-8 text file and save it as a new folder. Run it as is, or "
+        "under `accelerate launch --num_processes N` for DDP or FSDP2 (see the README's Scaling out section).",
+    )
+    p.add_argument("model_dir", help="model folder (loaded with trust_remote_code=True)")
+    p.add_argument("out_dir", help="folder to write (must not exist or be empty)")
+    p.add_argument("--text", required=True, help="UTF-8 text file to train on")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps (default: 100)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="rows per step over all processes together (default: 8); must divide by the process count")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per row (default: 128)")
+    p.add_argument("--lr", type=float, default=1e-4, help="learning rate (default: 1e-4, constant)")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm (default: 1.0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the row sampling (default: 0)")
+    p.add_argument("--packed", action="store_true",
+                   help="padding-free packed rows (DataCollatorWithFlattening), two documents per row")
+    p.add_argument("--trainer", action="store_true", help="train through transformers.Trainer")
+    p.add_argument("--fsdp-size", type=int, default=1,
+                   help="shard the model with transformers' own FSDP2 over this many processes (DistributedConfig"
+                   "(fsdp_size=N), the decoder layer as the wrap unit); works on CPU, where accelerate's FSDP does not")
+    p.add_argument("--losses-json", help="also write the per-step losses to this JSON file")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier export at OUT_DIR, whole (never a folder holding other files)")
+    p.set_defaults(func=run)

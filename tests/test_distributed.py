@@ -1,0 +1,194 @@
+"""Scaling out on the engines users already run, each launched as a real multi-process job on CPU/gloo:
+
+- transformers' own tensor parallelism (`DistributedConfig(tp_size=2)` under torchrun) gives the single-process
+  logits and greedy tokens, and each rank's loop-slot cache holds only its K/V heads;
+- `accelerate launch --num_processes 2` of `spike-whale finetune`: DDP, transformers' own FSDP2 (decoder layers as
+  the wrap unit) and `transformers.Trainer` with padding-free packed rows train to the single-process losses, and
+  the saved folders load in a fresh process with the single-process model's logits.
+
+The jobs use 2 processes (the CI machine has 2 cores), the tiny model and 3 optimizer steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import open_gates
+
+from spike_whale.hub_export.folder import save_hub_folder
+from spike_whale.hub_export.init_tiny import build_tiny
+
+pytestmark = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="torch.distributed with the gloo backend is not available in this torch build",
+)
+
+TIMEOUT = 300
+# Every mechanism the TP plan touches: MoE experts (learned router and hash layer), Elo per-head parameters, value
+# embeddings, Engram fusion, the abstain head, two MTP heads and three HRM steps, on top of the tiny model's
+# MLA + Memory Cache + Engram + depth attention + Hyper-Connections.
+FULL = dict(
+    use_moe=True, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, num_hash_layers=1,
+    moe_intermediate_size=48, hrm_refine_steps=3, use_abstain_head=True, num_nextn_predict_layers=2, use_elo=True,
+    use_value_embed=True, engram_fusion_layers=[2], engram_fusion_dim=16,
+)
+TEXT = (
+    "The whale surfaced twice near the breakwater, then dove again. Gulls circled the harbour while the fishing "
+    "boats came home. A child on the pier counted the spouts: one, two, three. By evening the water was calm and "
+    "the lighthouse turned its slow beam over the bay. "
+) * 4
+TRAIN = ["--steps", "3", "--batch-size", "4", "--seq-len", "32", "--lr", "1e-3"]
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def job_env(tmp_path) -> dict:
+    return dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), TRANSFORMERS_VERBOSITY="error",
+                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", ACCELERATE_USE_CPU="1")
+
+
+def run_job(args: list[str], tmp_path) -> str:
+    proc = subprocess.run(args, capture_output=True, text=True, env=job_env(tmp_path), timeout=TIMEOUT,
+                          cwd=str(tmp_path))
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(args[:6])} ... failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-6000:]}")
+    return proc.stdout
+
+
+def tiny_folder(path, **overrides) -> str:
+    model, tok = build_tiny(seed=4, mc_segment_len=8, **overrides)
+    open_gates(model)
+    save_hub_folder(model, tok, path)
+    return str(path)
+
+
+TP_JOB = """
+import sys, torch, torch.distributed as dist
+from transformers import AutoModelForCausalLM
+from transformers.distributed import DistributedConfig
+
+torch.manual_seed(0)
+ids = torch.randint(4, 2000, (2, 21)); mask = torch.ones_like(ids); mask[0, :3] = 0
+results = {}
+for folder in sys.argv[2:]:
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, trust_remote_code=True, distributed_config=DistributedConfig(tp_size=2)).eval()
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                             return_dict_in_generate=True)
+    slots = out.past_key_values.layers
+    results[folder] = dict(
+        logits=logits, sequences=out.sequences, keys=[s.keys[:, :, : s.get_seq_length()] for s in slots],
+        mc_run_M=[s.mc.run_M for s in slots if s.mc is not None],
+        k_proj=type(model.model.layers[0].attn.k_proj.weight).__name__,
+    )
+torch.save(results, f"{sys.argv[1]}/rank{dist.get_rank()}.pt")
+"""
+
+
+def test_tensor_parallel_matches_single_process(tmp_path):
+    from spike_whale import SpikeWhaleForCausalLM
+
+    folders = [tiny_folder(tmp_path / "full", **FULL), tiny_folder(tmp_path / "derf", use_derf=True)]
+    script = tmp_path / "tp_job.py"
+    script.write_text(TP_JOB)
+    run_job([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", free_port(),
+             str(script), str(tmp_path), *folders], tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    torch.manual_seed(0)
+    ids = torch.randint(4, 2000, (2, 21)); mask = torch.ones_like(ids); mask[0, :3] = 0
+    for folder in folders:
+        ref = SpikeWhaleForCausalLM.from_pretrained(folder).eval()
+        with torch.no_grad():
+            logits = ref(ids, attention_mask=mask).logits
+            out = ref.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                               return_dict_in_generate=True)
+        kv_heads = ref.config.num_key_value_heads
+        for rank, results in enumerate(ranks):
+            tp = results[folder]
+            assert tp["k_proj"] == "DTensor", "the K projection was not sharded"
+            assert (tp["logits"] - logits).abs().max().item() <= 1e-5, folder
+            assert torch.equal(tp["sequences"], out.sequences), folder
+            share = slice(rank * kv_heads // 2, (rank + 1) * kv_heads // 2)
+            slots = out.past_key_values.layers
+            assert len(tp["keys"]) == len(slots)
+            for got, slot in zip(tp["keys"], slots):  # this rank's heads only, equal to the reference's
+                want = slot.keys[:, share, : slot.get_seq_length()]
+                assert got.shape == want.shape and (got - want).abs().max().item() <= 1e-5
+            # The Memory-Cache branch is replicated: every rank holds every head of its state.
+            want_mc = [s.mc.run_M for s in slots if s.mc is not None]
+            assert len(tp["mc_run_M"]) == len(want_mc) > 0
+            assert all((a - b).abs().max().item() <= 1e-5 for a, b in zip(tp["mc_run_M"], want_mc))
+
+
+CHECK_JOB = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from spike_whale.hub_export import finetune
+
+folder, text_file, trained = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+rows = finetune.token_rows(tok, open(text_file).read(), 32)
+batches = finetune.global_batches(rows.shape[0], 3, 4, 0)
+probe = rows[:2]
+report = {}
+for packed in (False, True):
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
+    model, losses = finetune.train_loop(model, rows, batches, lr=1e-3, packed=packed)
+    with torch.no_grad():
+        want = model(probe).logits
+    report[f"single packed={packed}"] = losses
+    for name, out_dir in trained[str(packed)].items():
+        loaded, info = AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True, output_loading_info=True)
+        with torch.no_grad():
+            got = loaded.eval()(probe).logits
+        report[name] = dict(rel=((got - want).abs().max() / want.abs().max()).item(),
+                            missing=sorted(info["missing_keys"]), unexpected=sorted(info["unexpected_keys"]))
+print("REPORT" + json.dumps(report))
+"""
+
+
+def test_data_parallel_finetune_matches_single_process(tmp_path):
+    folder = tiny_folder(tmp_path / "tiny")
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
+              "--mixed_precision", "no", "--dynamo_backend", "no", "--multi_gpu"]
+    jobs = {
+        "ddp": (False, []),
+        "fsdp2": (False, ["--fsdp-size", "2"]),
+        "trainer_packed_ddp": (True, ["--trainer", "--packed"]),
+    }
+    trained = {"False": {}, "True": {}}
+    losses = {}
+    for name, (packed, extra) in jobs.items():
+        out_dir, log = tmp_path / name, tmp_path / f"{name}.json"
+        run_job([*launch, "--main_process_port", free_port(), "-m", "spike_whale", "finetune", folder, str(out_dir),
+                 "--text", str(text), *TRAIN, "--losses-json", str(log), *extra], tmp_path)
+        summary = json.loads(log.read_text())
+        assert summary["processes"] == 2 and summary["distributed_type"] == "DistributedType.MULTI_CPU", summary
+        losses[name] = summary["losses"]
+        trained[str(packed)][name] = str(out_dir)
+    code = textwrap.dedent(CHECK_JOB)
+    out = run_job([sys.executable, "-c", code, folder, str(text), json.dumps(trained)], tmp_path)
+    report = json.loads(out.split("REPORT", 1)[1])
+    for name, (packed, _) in jobs.items():
+        single = report[f"single packed={packed}"]
+        assert len(losses[name]) == len(single) == 3
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses[name], single))
+        assert rel <= 1e-5, (name, losses[name], single)
+        assert report[name]["rel"] <= 1e-5, (name, report[name])
+        assert report[name]["missing"] == [] and report[name]["unexpected"] == [], report[name]
