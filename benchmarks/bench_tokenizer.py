@@ -1,0 +1,170 @@
+"""Tokenizer benchmark: throughput of SpikeTokenizerFast vs SpikeTokenizer, and tokens per byte of the Length-MAX
+trainer vs `tokenizers`' own BPE trained on the same corpus at the same vocabulary size.
+
+    python benchmarks/bench_tokenizer.py                 # ~4 MB of local text, vocab 16512
+    python benchmarks/bench_tokenizer.py --quick         # ~1 MB, vocab 8192: a few minutes on 2 shared cores
+
+Corpus: mixed local text (no network): Python sources, Markdown/reST/text documentation and licences found under
+this interpreter's prefix and /usr/share, shuffled by file with a fixed seed; the last `--heldout-bytes` are held
+out. Both vocabularies are trained on the rest; tokens per byte are measured on the held-out part.
+- Length-MAX: `spike_whale.hub_export.train_tokenizer.train_lengthmax_vocab`, greedy longest-match encoding.
+- BPE: `tokenizers` BpeTrainer with the standard byte-level pre-tokenizer (GPT-2 regex), and, as a second
+  baseline, the same without the regex split (cross-word merges, as Length-MAX tokens cross words).
+  vocab_size = the same N (BPE spends all of it on merges and bytes; Length-MAX keeps 128 ids for specials).
+Throughput: MB/s of mixed held-out documents (~2 KB each), batch `__call__` through transformers, 2 threads:
+the fast one with Rust batching (`TOKENIZERS_PARALLELISM=true`, `RAYON_NUM_THREADS=2`), the slow one with two
+Python threads (the GIL makes that about one core). Best of `--repeats`.
+Issue 14 targets: fast >= 10 MB/s, slow >= 4 MB/s, Length-MAX >= 10% fewer tokens than BPE.
+Results: a table on stdout and JSON (default benchmarks/results/tokenizer.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import platform
+import random
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+os.environ.setdefault("RAYON_NUM_THREADS", "2")
+
+
+def collect_corpus(total_bytes: int, seed: int) -> list[str]:
+    roots = [sys.prefix + "/lib", "/usr/share/doc", "/usr/share/common-licenses", "/usr/lib/python3"]
+    files = []
+    for root in roots:
+        for ext in ("py", "md", "rst", "txt"):
+            files += glob.glob(f"{root}/**/*.{ext}", recursive=True)
+    files = sorted(set(files))
+    random.Random(seed).shuffle(files)
+    docs, size = [], 0
+    for path in files:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if len(text) < 200:
+            continue
+        docs.append(text)
+        size += len(text.encode("utf-8"))
+        if size >= total_bytes:
+            break
+    return docs
+
+
+def split_docs(docs: list[str], heldout_bytes: int) -> tuple[list[str], list[str]]:
+    held, size = [], 0
+    while docs and size < heldout_bytes:
+        held.append(docs.pop())
+        size += len(held[-1].encode("utf-8"))
+    return docs, held
+
+
+def pieces(docs: list[str], size: int = 2048) -> list[str]:
+    return [d[i:i + size] for d in docs for i in range(0, len(d), size)]
+
+
+def best_rate(fn, n_bytes: int, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return n_bytes / best / 1e6
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--vocab-size", type=int, default=None)
+    parser.add_argument("--train-bytes", type=int, default=None)
+    parser.add_argument("--heldout-bytes", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/tokenizer[_quick].json)")
+    args = parser.parse_args()
+    args.out = args.out or f"benchmarks/results/tokenizer{'_quick' if args.quick else ''}.json"
+    vocab_size = args.vocab_size or (8192 if args.quick else 16512)
+    train_bytes = args.train_bytes or ((1 << 20) if args.quick else (3 << 20))
+    heldout_bytes = args.heldout_bytes or ((256 << 10) if args.quick else (1 << 20))
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from spike_whale.hub_export.train_tokenizer import train_lengthmax_vocab
+    from spike_whale.tokenization_spike import SpikeTokenizer
+    from spike_whale.tokenization_spike_fast import SpikeTokenizerFast
+
+    train_docs, held = split_docs(collect_corpus(train_bytes + heldout_bytes, args.seed), heldout_bytes)
+    n_train = sum(len(d.encode()) for d in train_docs)
+    n_held = sum(len(d.encode()) for d in held)
+    print(f"corpus: {len(train_docs)} train docs ({n_train / 1e6:.2f} MB), {len(held)} held-out ({n_held / 1e6:.2f} MB)")
+
+    latin = [d.encode("utf-8").decode("latin-1") for d in train_docs]
+    start = time.perf_counter()
+    data = train_lengthmax_vocab(lambda _r: latin, vocab_size, rounds=args.rounds)
+    lm_time = time.perf_counter() - start
+    fast, slow = SpikeTokenizerFast(data), SpikeTokenizer(data)
+    lm_tokens = sum(len(ids) for ids in fast(held, add_special_tokens=False)["input_ids"])
+
+    bpe_rows = {}
+    for name, regex in (("bpe_bytelevel_regex", True), ("bpe_bytelevel_noregex", False)):
+        bpe = Tokenizer(models.BPE())
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=regex)
+        bpe.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                      show_progress=False)
+        start = time.perf_counter()
+        bpe.train_from_iterator(pieces(train_docs, 1 << 16) if not regex else train_docs, trainer=trainer)
+        bpe_time = time.perf_counter() - start
+        tokens = sum(len(e.ids) for e in bpe.encode_batch(held))
+        bpe_rows[name] = {"train_s": round(bpe_time, 1), "tokens": tokens, "tokens_per_byte": tokens / n_held,
+                          "vocab": bpe.get_vocab_size()}
+
+    docs = pieces(held)
+    n_bytes = sum(len(d.encode()) for d in docs)
+    fast(docs[:10])
+    fast_mb_s = best_rate(lambda: fast(docs)["input_ids"], n_bytes, args.repeats)
+    slow(docs[:10])
+    half = len(docs) // 2
+
+    def slow_two_threads():
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda part: slow(part)["input_ids"], (docs[:half], docs[half:])))
+
+    slow_mb_s = best_rate(slow_two_threads, n_bytes, args.repeats)
+    ordinary_mb_s = best_rate(lambda: [slow.encode_ordinary(d) for d in docs], n_bytes, args.repeats)
+    identical = fast(docs)["input_ids"] == slow(docs)["input_ids"]
+
+    result = {
+        "vocab_size": vocab_size, "train_bytes": n_train, "heldout_bytes": n_held, "rounds": args.rounds,
+        "lengthmax": {"train_s": round(lm_time, 1), "tokens": lm_tokens, "tokens_per_byte": lm_tokens / n_held},
+        **bpe_rows,
+        "fewer_tokens_than_bpe_regex": 1 - lm_tokens / bpe_rows["bpe_bytelevel_regex"]["tokens"],
+        "fewer_tokens_than_bpe_noregex": 1 - lm_tokens / bpe_rows["bpe_bytelevel_noregex"]["tokens"],
+        "throughput_MB_s": {"fast_call_2_threads": fast_mb_s, "slow_call_2_threads": slow_mb_s,
+                            "slow_encode_ordinary_1_thread": ordinary_mb_s},
+        "fast_equals_slow_on_heldout": identical,
+        "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "load": os.getloadavg()},
+    }
+    print(f"{'':28s} {'train s':>8s} {'tokens/byte':>12s}")
+    print(f"{'Length-MAX (greedy)':28s} {lm_time:8.1f} {lm_tokens / n_held:12.4f}")
+    for name, row in bpe_rows.items():
+        print(f"{name:28s} {row['train_s']:8.1f} {row['tokens_per_byte']:12.4f}")
+    print(f"Length-MAX uses {100 * result['fewer_tokens_than_bpe_regex']:.1f}% fewer tokens than byte-level BPE, "
+          f"{100 * result['fewer_tokens_than_bpe_noregex']:.1f}% fewer than BPE without the regex split")
+    print(f"throughput MB/s: fast {fast_mb_s:.2f}, slow {slow_mb_s:.2f} (slow encode_ordinary {ordinary_mb_s:.2f}); "
+          f"identical ids: {identical}")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
