@@ -45,3 +45,73 @@ def test_init_tiny_can_fit_the_demo_corpus(tmp_path):
     line = next(l for l in out.splitlines() if l.startswith("trained 4 steps"))
     first, last = (float(x) for x in line.split("loss ")[1].split(" -> "))
     assert last < first
+
+
+NO_TORCH = r"""
+import sys
+from spike_whale.hub_export.cli import main
+from spike_whale.hub_export.commands import COMMANDS
+for argv in [["--help"], ["--version"], ["nope"], *([name, "--help"] for name in {names}), ["convert"], ["push", "d"]]:
+    try:
+        main(argv)
+    except SystemExit:
+        pass
+heavy = sorted(m for m in ("torch", "transformers", "huggingface_hub", "gguf") if m in sys.modules)
+print("HEAVY", heavy)
+"""
+
+
+def test_help_version_and_argument_errors_import_nothing_heavy(tmp_path):
+    mine = ["init-tiny", "convert", "to-gguf", "from-gguf", "widen", "push", "verify"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-c", NO_TORCH.replace("{names}", repr(mine))], capture_output=True,
+                          text=True, env=env, timeout=120, cwd=str(tmp_path))
+    assert "HEAVY []" in proc.stdout, proc.stdout + proc.stderr
+    assert "spike-whale " in proc.stdout and "invalid choice: 'nope'" in proc.stderr
+
+
+def test_command_help_lines_match_their_modules(capsys):
+    from spike_whale.hub_export.cli import build_parser
+    from spike_whale.hub_export.commands import COMMANDS
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    helps = {choice.dest: choice.help for choice in sub._choices_actions}
+    assert {name: helps[name] for name in COMMANDS} == {name: h for name, (_, h) in COMMANDS.items()}
+
+
+def test_verify_reports_a_missing_folder_in_one_line(tmp_path):
+    proc = _run(["verify", str(tmp_path / "nope")], tmp_path, check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"spike-whale verify: error: {tmp_path / 'nope'}: no such folder (give the folder of " \
+                                  "an exported model)"
+
+
+def test_verify_bf16_prints_progress_and_passes(tmp_path):
+    folder = tmp_path / "tiny"
+    _run(["init-tiny", str(folder)], tmp_path)
+    out = _run(["verify", str(folder), "--dtype", "bf16", "--new-tokens", "3"], tmp_path).stdout
+    lines = out.splitlines()
+    assert any(line.startswith("tolerance: max |Δlogit| <=") and "bf16 rounding" in line for line in lines), out
+    progress = [line for line in lines if line.startswith("[")]
+    assert progress[0].startswith("[1/8] ") and progress[-1].startswith("[8/8] ") and "tokens identical" in progress[0]
+    assert "all 9 checks passed" in out
+
+
+def test_sigint_prints_one_line_and_leaves_nothing(tmp_path):
+    import signal
+    import time
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), TRANSFORMERS_VERBOSITY="error")
+    out = tmp_path / "t"
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "spike_whale", "init-tiny", str(out), "--train-steps", "100000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(tmp_path))
+    for line in proc.stdout:  # training has started once the first loss line appears
+        if line.startswith("step"):
+            break
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert err.strip().splitlines() == ["spike-whale init-tiny: interrupted"], err
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".t.")]
