@@ -78,8 +78,8 @@ def infer_stage(path: Path) -> str | None:
 # ---------------------------------------------------------------------------------------------------------------
 
 def config_fields() -> set[str]:
-    params = inspect.signature(SpikeWhaleConfig.__init__).parameters
-    return {n for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD and n != "self"} | {"nope_head_dim"}
+    """The model's config fields (keyword arguments of `SpikeWhaleConfig`, not transformers' bookkeeping keys)."""
+    return set(_field_defaults()) | {"nope_head_dim"}
 
 
 def find_model_config(blob) -> dict | None:
@@ -112,7 +112,8 @@ def read_json(path: Path):
 
 def _field_defaults() -> dict:
     params = inspect.signature(SpikeWhaleConfig.__init__).parameters
-    return {n: p.default for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD and n != "self"}
+    return {n: p.default for n, p in params.items()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "self" and n not in _HF_ONLY_CONFIG_KEYS}
 
 
 def _type_error(name: str, value, default) -> str | None:

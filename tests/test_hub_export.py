@@ -1197,3 +1197,77 @@ def test_verify_bf16_does_not_accuse_a_healthy_model():
     assert max(r.max_dlogit for r in ran) > 5e-2
     assert tolerance(torch.float32, logits_scale(model.float())) == 1e-4  # float32 keeps its bound
     assert tolerance(torch.bfloat16, 14.0) == pytest.approx(8 * 2 ** -7 * 14.0)
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+                state = (proc / "stat").read_text().split()[2]
+            except OSError:
+                continue
+            if text in cmdline and state != "Z":
+                pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.parametrize("command", ["convert", "to-gguf"])
+def test_sigkill_at_random_moments_loses_nothing(command, release, tmp_path):
+    """SIGKILL a real run at random moments; after each: the source is byte-identical, the destination is absent or
+    complete and verified, no child survives; the next run removes what the killed one left and succeeds."""
+    import random
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from spike_whale.hub_export.push import check_export_folder
+
+    src_root = tmp_path / "release"
+    (src_root / "checkpoints").mkdir(parents=True)
+    shutil.copy(release.pt, src_root / "checkpoints" / "base_62k.pt")
+    shutil.copy(release.root / "tokenizer.json", src_root / "tokenizer.json")
+    before = tree_digest(src_root)
+    work = tmp_path / "work"
+    work.mkdir()
+    out = work / ("model" if command == "convert" else "model.gguf")
+    args = [sys.executable, "-m", "spike_whale", command, str(src_root / "checkpoints" / "base_62k.pt"), str(out),
+            "--overwrite", *(["--type", "f16"] if command == "to-gguf" else [])]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), TRANSFORMERS_VERBOSITY="error",
+               OMP_NUM_THREADS="1")
+
+    def check_destination_state():
+        if command == "convert":
+            if out.exists():
+                check_export_folder(out)  # every file present and equal to its provenance checksum
+        elif out.exists():
+            assert load_checkpoint(out, progress=False).config.hidden_size == release.base.config.hidden_size
+
+    rng = random.Random(1234)
+    killed = []
+    for _ in range(3):
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=str(tmp_path))
+        time.sleep(rng.uniform(1.0, 9.0 if command == "convert" else 6.0))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        killed.append(proc.pid)
+        assert tree_digest(src_root) == before
+        check_destination_state()
+        deadline = time.time() + 5
+        while _processes_mentioning(str(work)) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not _processes_mentioning(str(work)), "a child of the killed command survived it"
+    done = subprocess.run(args, capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert tree_digest(src_root) == before
+    check_destination_state()
+    assert out.exists()
+    leftovers = [p.name for p in work.iterdir() if p.name.startswith(".")]
+    assert not leftovers, (leftovers, done.stderr)
+    stale_verify = [p for p in Path(tempfile.gettempdir()).glob("spike-whale-verify-*")
+                    if any(p.name.startswith(f"spike-whale-verify-{pid}-") for pid in killed)]
+    if command == "convert":  # the next verification cleans up its predecessors' temp folders
+        assert not stale_verify, stale_verify
