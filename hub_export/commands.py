@@ -18,6 +18,7 @@ COMMANDS = {
     "eval": ("perplexity", "perplexity and bits per byte of text files (sliding window)"),
     "chat": ("chat", "multi-turn chat in the terminal, or JSON lines on stdin (scripts)"),
     "diagnose": ("diagnose", "engine diagnostics: MC knock-out, RoPE swap, loop passes, compare, context"),
+    "lm-eval": ("lm_eval_harness", "lm-evaluation-harness with the exact-continuation spike_whale model class"),
     "train-tokenizer": ("train_tokenizer", "train a Length-MAX vocabulary on text files -> tokenizer folder"),
     "finetune": ("finetune", "fine-tune a model folder on a text file (one process, or DDP/FSDP2 under accelerate)"),
 }
