@@ -10,6 +10,7 @@ recompute, a prefill and any mix of multi-token decode steps compute the same fu
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, fields
@@ -55,6 +56,37 @@ def rename_checkpoint_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, tor
             key = re.sub(pattern, repl, key)
         out[key] = value
     return out
+
+
+def checkpoint_key_report(checkpoint_shapes: dict, model_shapes: dict) -> dict:
+    """How a checkpoint's names ({name: shape or None}) meet the model's ({name: shape}), so that a real header that
+    differs from our guesses gets a useful report instead of a bare "missing keys" list: `matched`, `unexpected`
+    (no place in the model), `missing` (absent; `guessed` are those `GUESSED_KEYS` names), for each unexpected tensor
+    the missing ones of the same shape (`candidates`), the unambiguous renames (`rename_map`), and the text `lines`."""
+    unexpected = sorted(set(checkpoint_shapes) - set(model_shapes))
+    missing = sorted(set(model_shapes) - set(checkpoint_shapes))
+    guessed = [k for k in missing if any(re.fullmatch(p, k) for p in GUESSED_KEYS)]
+    candidates = {k: [m for m in missing if checkpoint_shapes[k] is not None
+                      and tuple(model_shapes[m]) == tuple(checkpoint_shapes[k])] for k in unexpected}
+    claims: dict[str, int] = {}
+    for options in candidates.values():
+        for m in options:
+            claims[m] = claims.get(m, 0) + 1
+    rename_map = {k: c[0] for k, c in candidates.items() if len(c) == 1 and claims[c[0]] == 1}
+    matched = len(set(checkpoint_shapes) & set(model_shapes))
+    lines = [f"checkpoint names vs the model: {matched} of {len(model_shapes)} model tensors matched, "
+             f"{len(unexpected)} checkpoint tensors unplaceable, {len(missing)} model tensors absent "
+             f"({len(guessed)} of them guessed names, GUESSED_KEYS in modeling_spike_whale.py)"]
+    lines += [f"  absent: {k}{'  (guessed name)' if k in guessed else ''}" for k in missing]
+    for k in unexpected:
+        options = candidates[k]
+        lines.append(f"  unplaceable: {k} -> same-shape candidates: {', '.join(options[:6]) or 'none'}"
+                     f"{' ...' if len(options) > 6 else ''}")
+    if rename_map:
+        lines.append(f"  a rename map for these (spike-whale convert --rename-map, or CHECKPOINT_KEY_RENAMES): "
+                     f"'{json.dumps(rename_map)}'")
+    return {"matched": matched, "expected": len(model_shapes), "unexpected": unexpected, "missing": missing,
+            "guessed": guessed, "candidates": candidates, "rename_map": rename_map, "lines": lines}
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
