@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 
 from ..configuration_spike_whale import SpikeWhaleConfig
-from ..modeling_spike_whale import SpikeWhaleForCausalLM, SpikeWhaleRotaryEmbedding, rename_checkpoint_keys, rope_inv_freq
+from ..modeling_spike_whale import (
+    SpikeWhaleForCausalLM, SpikeWhaleRotaryEmbedding, checkpoint_key_report, rename_checkpoint_keys, rope_inv_freq,
+)
 from ..tokenization_spike import BOS_ID, EOS_ID, PAD_ID
 
 # Wrapper prefixes some trainers add to every key (torch.compile, DDP); stripped only when *every* key has one.
@@ -324,8 +326,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 
 @dataclass
 class KeyReport:
-    """How a checkpoint's names meet the model's: matched, unplaceable, absent (and which of those are guessed
-    names, `GUESSED_KEYS`), and for each unplaceable tensor the absent model tensors of the same shape."""
+    """`modeling_spike_whale.checkpoint_key_report` of a checkpoint against the model (the one implementation,
+    shared with `from_pretrained`'s load report)."""
 
     matched: int
     expected: int
@@ -333,42 +335,18 @@ class KeyReport:
     missing: list[str]
     guessed: list[str]
     candidates: dict[str, list[str]]
-
-    @property
-    def rename_map(self) -> dict[str, str]:
-        """The renames that are unambiguous: a source tensor with exactly one same-shape candidate that no other
-        source tensor also claims."""
-        claims: dict[str, int] = {}
-        for options in self.candidates.values():
-            for key in options:
-                claims[key] = claims.get(key, 0) + 1
-        return {src: options[0] for src, options in self.candidates.items() if len(options) == 1 and claims[options[0]] == 1}
+    rename_map: dict[str, str]
+    text: list[str]
 
     def lines(self) -> list[str]:
-        out = [f"checkpoint names vs the model: {self.matched} of {self.expected} model tensors matched, "
-               f"{len(self.unexpected)} checkpoint tensors unplaceable, {len(self.missing)} model tensors absent "
-               f"({len(self.guessed)} of them guessed names, GUESSED_KEYS in modeling_spike_whale.py)"]
-        for key in self.missing:
-            out.append(f"  absent: {key}{'  (guessed name)' if key in self.guessed else ''}")
-        for src in self.unexpected:
-            options = self.candidates.get(src) or []
-            out.append(f"  unplaceable: {src} -> same-shape candidates: {', '.join(options[:6]) or 'none'}"
-                       f"{' ...' if len(options) > 6 else ''}")
-        if self.rename_map:
-            out.append(f"  a rename map for these: --rename-map '{json.dumps(self.rename_map)}'")
-        return out
+        return list(self.text)
 
 
 def key_report(shapes: dict[str, tuple], expected: dict[str, tuple], ignore=()) -> KeyReport:
     """Compare checkpoint tensor shapes {name: shape} with the model's (see `KeyReport`)."""
-    from ..modeling_spike_whale import GUESSED_KEYS
-
-    wanted = {k: v for k, v in expected.items() if k not in ignore}
-    unexpected = sorted(set(shapes) - set(wanted))
-    missing = sorted(set(wanted) - set(shapes))
-    guessed = [k for k in missing if any(re.fullmatch(p, k) for p in GUESSED_KEYS)]
-    candidates = {src: [k for k in missing if tuple(wanted[k]) == tuple(shapes[src])] for src in unexpected}
-    return KeyReport(len(set(shapes) & set(wanted)), len(wanted), unexpected, missing, guessed, candidates)
+    r = checkpoint_key_report(shapes, {k: v for k, v in expected.items() if k not in ignore})
+    return KeyReport(r["matched"], r["expected"], r["unexpected"], r["missing"], r["guessed"], r["candidates"],
+                     r["rename_map"], r["lines"])
 
 
 class CheckpointKeyError(ValueError):

@@ -1133,8 +1133,8 @@ def test_rename_report_and_rename_map(release, tmp_path, capsys):
     assert "model tensors matched, 2 checkpoint tensors unplaceable, 2 model tensors absent (2 of them guessed names" in report
     assert "absent: model.loop_pass_embed.weight  (guessed name)" in report
     assert "unplaceable: pass_emb.weight -> same-shape candidates: model.loop_pass_embed.weight" in report
-    line = next(l for l in report.splitlines() if "--rename-map" in l)
-    rename_map = json.loads(line.split("--rename-map ", 1)[1].strip("'"))
+    line = next(l for l in report.splitlines() if "a rename map for these" in l)
+    rename_map = json.loads(line.split(": '", 1)[1].rstrip("'"))
     assert rename_map == {v: k for k, v in theirs.items()}
     assert "base_62k.pt: 2 checkpoint tensors have no place" in captured.err and len(captured.err.splitlines()) == 1
     assert main(["convert", str(path), str(out), "--tokenizer", tok_json, "--rename-map", json.dumps(rename_map)]) == 0
