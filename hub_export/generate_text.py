@@ -87,8 +87,13 @@ def run(args) -> int:
         enc = tokenizer(args.prompt, return_tensors="pt")
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    print(args.prompt if not args.chat else "", end="", flush=True)
+    if args.token_healing and not args.chat:
+        # Healing rewrites the prompt's last token, so the streamer prints the (healed) prompt itself.
+        kwargs.update(token_healing=True, tokenizer=tokenizer)
+        streamer = TextStreamer(tokenizer, skip_prompt=False, skip_special_tokens=True)
+    else:
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        print(args.prompt if not args.chat else "", end="", flush=True)
     with torch.no_grad():
         model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], streamer=streamer, **kwargs)
     return 0
@@ -105,5 +110,7 @@ def register(sub) -> None:
     p.add_argument("model_dir")
     p.add_argument("-p", "--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the ChatML chat template")
+    p.add_argument("--token-healing", action="store_true",
+                   help="let the first new token re-choose the prompt's last token (a prompt cut inside a word)")
     add_sampling_arguments(p)
     p.set_defaults(func=run)

@@ -73,6 +73,9 @@ def run(args) -> int:
 
     setup_logging()
     argv = list(args.lm_eval_args)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("spike-whale lm-eval: lm-eval's command line with `--model spike_whale` registered (exact continuation "
+              "scoring for Length-MAX vocabularies); lm-eval's own help follows.\n", flush=True)
     saved = sys.argv
     sys.argv = ["lm-eval"] + argv
     try:

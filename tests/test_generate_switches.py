@@ -57,3 +57,8 @@ def test_bad_switch_is_one_line(folder, capsys, switches, message):
 def test_missing_folder_is_named(tmp_path, capsys):
     assert cli.main(["generate", str(tmp_path / "nope"), "-p", "x"]) == 1
     assert "no such folder" in capsys.readouterr().err
+
+
+def test_token_healing_prints_the_healed_prompt(folder, capsys):
+    out = generate(folder, capsys, "--greedy", "--token-healing")
+    assert out.startswith("The wh") and len(out) > len("The whale")
