@@ -8,14 +8,29 @@ and an explicit `pad_token_id=0`.
 
 from __future__ import annotations
 
-import math
+import copy
+import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
+
+# Token ids generation needs without loading the tokenizer (`tokenization_spike` keeps its own copies, tested equal).
+CHAT_EOS_IDS = (3, 16385)  # <eos>, <|im_end|>
+RESERVED_IDS = range(16401, 16512)  # <|reserved_special_0..110|>
+
+
+def _declared_fields(cls) -> list[str]:
+    """The typed fields a config class declares (its own and its SpikeWhale bases'), in declaration order."""
+    names = []
+    for klass in reversed(cls.__mro__):
+        if klass.__module__ == __name__:
+            names += [n for n in vars(klass).get("__annotations__", {}) if n not in names]
+    return names
 
 
 @dataclass(frozen=True)
@@ -72,62 +87,23 @@ class LoopPlan:
         return tuple(runs)
 
 
+# Byrne-100M-Ultra-MC, the base preset, as its differences from the field defaults (the family's config.py).
 _PRESET_BYRNE_100M = dict(
-    vocab_size=16512,
     hidden_size=768,
-    num_hidden_layers=16,
     max_position_embeddings=1024,
-    rms_norm_eps=1e-6,
-    initializer_range=0.02,
     tie_word_embeddings=True,
     num_attention_heads=12,
-    num_key_value_heads=2,
     q_lora_rank=128,
-    head_dim=64,
     qk_rope_head_dim=16,
     o_lora_rank=128,
-    rope_theta=10000.0,
-    use_derf=False,
-    use_xsa=True,
-    use_elo=False,
-    use_fractal_rope=True,
-    fractal_rope_gamma=1.0,
     use_moe=False,
     moe_intermediate_size=2048,
-    use_hyper_connections=True,
-    hc_mult=2,
-    num_nextn_predict_layers=1,
-    use_engram=True,
     engram_compress_dim=32,
     engram_num_heads=2,
-    engram_table_size=4096,
-    engram_max_ngram=3,
-    engram_gate_init_bias=-1.0,
-    engram_legacy_hash=False,
-    engram_fusion_layers=[],
-    use_hrm_refine=True,
     hrm_refine_steps=1,
     hrm_refine_dim=128,
-    hrm_gate_init=1.0,
-    hrm_deep_supervision=True,
     use_abstain_head=False,
-    loop_count=3,
-    loop_pass_embed=True,
-    loop_mode="full",
-    use_depth_attention=True,
-    depth_attention_stride=4,
-    use_qk_norm=True,
-    zloss_coef=1e-4,
-    mtp_loss_weight=0.3,
-    use_value_embed=False,
     use_memory_cache=True,
-    mc_segment_len=256,
-    mc_num_heads=4,
-    mc_head_dim=32,
-    mc_gate_dim=64,
-    bos_token_id=2,
-    eos_token_id=3,
-    pad_token_id=0,
 )
 
 # Byrne-15M-Looped, the small looped sibling (its own repo; the 114M card lists its knobs).
@@ -148,40 +124,22 @@ _PRESET_BYRNE_15M_LOOPED = dict(
     num_hidden_layers=10,
     num_attention_heads=8,
     num_key_value_heads=1,
-    head_dim=64,
     qk_rope_head_dim=32,
     q_lora_rank=64,
     o_lora_rank=64,
     use_moe=True,
     moe_intermediate_size=160,
     n_routed_experts=4,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    scoring_func="sqrtsoftplus",
-    norm_topk_prob=True,
-    routed_scaling_factor=1.0,
-    num_hash_layers=2,
-    moe_aux_loss_coef=0.01,
-    moe_layers=None,
     use_elo=True,
-    elo_k_init=0.5,
-    use_derf=False,
-    engram_compress_dim=32,
-    engram_num_heads=2,
     engram_table_size=1024,
     hrm_refine_steps=3,
     hrm_refine_dim=256,
-    hrm_deep_supervision=True,
     use_abstain_head=True,
-    abstain_loss_weight=0.1,
-    abstain_pos_weight=8.0,
-    abstain_threshold=0.6,
-    loop_count=3,
-    loop_pass_embed=True,
     use_depth_attention=False,
     use_memory_cache=False,
 )
 
+# Every preset is the base preset plus its differences.
 PRESETS: dict[str, dict] = {
     # Byrne-15M-Looped (see `_PRESET_BYRNE_15M_LOOPED` for what is stated and what is inferred).
     "byrne-15m-looped": dict(_PRESET_BYRNE_15M_LOOPED),
@@ -198,7 +156,6 @@ PRESETS: dict[str, dict] = {
         num_hidden_layers=4,
         max_position_embeddings=512,
         num_attention_heads=4,
-        num_key_value_heads=2,
         q_lora_rank=32,
         head_dim=16,
         qk_rope_head_dim=8,
@@ -246,164 +203,113 @@ class SpikeWhaleConfig(PretrainedConfig):
         "moe_aux_loss", "abstain_threshold",
     ]
 
-    def __init__(
-        self,
-        vocab_size: int = 16512,
-        hidden_size: int = 1024,
-        num_hidden_layers: int = 16,
-        max_position_embeddings: int = 4096,
-        rms_norm_eps: float = 1e-6,
-        initializer_range: float = 0.02,
-        tie_word_embeddings: bool = False,
-        hidden_dropout: float = 0.0,
-        bos_token_id: int = 2,
-        eos_token_id: int = 3,
-        pad_token_id: int = 0,
-        num_attention_heads: int = 16,
-        num_key_value_heads: int = 2,
-        q_lora_rank: int = 512,
-        head_dim: int = 64,
-        qk_rope_head_dim: int = 32,
-        o_lora_rank: int = 341,
-        attention_dropout: float = 0.0,
-        rope_theta: float = 10000.0,
-        use_derf: bool = False,
-        use_xsa: bool = True,
-        use_elo: bool = False,
-        elo_k_init: float = 0.5,
-        use_fractal_rope: bool = True,
-        fractal_rope_gamma: float = 1.0,
-        use_moe: bool = True,
-        moe_intermediate_size: int = 1408,
-        n_routed_experts: int = 8,
-        n_shared_experts: int = 1,
-        num_experts_per_tok: int = 2,
-        norm_topk_prob: bool = True,
-        scoring_func: str = "sqrtsoftplus",
-        routed_scaling_factor: float = 1.0,
-        num_hash_layers: int = 2,
-        moe_aux_loss_coef: float = 0.01,
-        moe_layers: list | None = None,
-        use_hyper_connections: bool = True,
-        hc_mult: int = 2,
-        hc_sinkhorn_iters: int = 20,
-        hc_eps: float = 1e-6,
-        num_nextn_predict_layers: int = 1,
-        use_engram: bool = True,
-        engram_compress_dim: int = 64,
-        engram_num_heads: int = 4,
-        engram_table_size: int = 4096,
-        engram_max_ngram: int = 3,
-        engram_gate_init_bias: float = -1.0,
-        engram_legacy_hash: bool = False,
-        use_hrm_refine: bool = True,
-        hrm_refine_steps: int = 3,
-        hrm_refine_dim: int = 256,
-        hrm_gate_init: float = 1.0,
-        hrm_deep_supervision: bool = True,
-        use_abstain_head: bool = True,
-        abstain_loss_weight: float = 0.1,
-        abstain_pos_weight: float = 8.0,
-        abstain_threshold: float = 0.6,
-        loop_count: int = 3,
-        loop_pass_embed: bool = True,
-        loop_mode: str = "full",
-        loop_middle_layers: int | None = None,
-        use_depth_attention: bool = True,
-        depth_attention_stride: int = 4,
-        engram_fusion_layers: list | None = None,
-        engram_fusion_dim: int = 256,
-        use_qk_norm: bool = True,
-        zloss_coef: float = 1e-4,
-        mtp_loss_weight: float = 0.3,
-        use_value_embed: bool = False,
-        use_memory_cache: bool = False,
-        mc_segment_len: int = 256,
-        mc_num_heads: int = 4,
-        mc_head_dim: int = 32,
-        mc_gate_dim: int = 64,
-        **kwargs,
-    ):
+    # Standard
+    vocab_size: int = 16512
+    hidden_size: int = 1024
+    num_hidden_layers: int = 16
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
+    hidden_dropout: float = 0.0
+    bos_token_id: int | None = 2
+    eos_token_id: int | list[int] | None = 3
+    pad_token_id: int | None = 0
+    use_cache: bool = True
+    # MLA attention
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 2
+    q_lora_rank: int = 512
+    head_dim: int = 64
+    qk_rope_head_dim: int = 32
+    o_lora_rank: int = 341
+    attention_dropout: float = 0.0
+    rope_theta: float = 10000.0
+    # DERF, XSA, Elo, fractal RoPE
+    use_derf: bool = False
+    use_xsa: bool = True
+    use_elo: bool = False
+    elo_k_init: float = 0.5
+    use_fractal_rope: bool = True
+    fractal_rope_gamma: float = 1.0
+    # MoE
+    use_moe: bool = True
+    moe_intermediate_size: int = 1408
+    n_routed_experts: int = 8
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 2
+    norm_topk_prob: bool = True
+    scoring_func: str = "sqrtsoftplus"
+    routed_scaling_factor: float = 1.0
+    num_hash_layers: int = 2
+    moe_aux_loss_coef: float = 0.01
+    moe_layers: list[int] | None = None  # None: every layer
+    # Hyper-Connections, MTP
+    use_hyper_connections: bool = True
+    hc_mult: int = 2
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    num_nextn_predict_layers: int = 1
+    # Engram
+    use_engram: bool = True
+    engram_compress_dim: int = 64
+    engram_num_heads: int = 4
+    engram_table_size: int = 4096
+    engram_max_ngram: int = 3
+    engram_gate_init_bias: float = -1.0
+    engram_legacy_hash: bool = False
+    engram_fusion_layers: list[int] | None = None  # None: none
+    engram_fusion_dim: int = 256
+    # HRM refinement, abstain head
+    use_hrm_refine: bool = True
+    hrm_refine_steps: int = 3
+    hrm_refine_dim: int = 256
+    hrm_gate_init: float = 1.0
+    hrm_deep_supervision: bool = True
+    use_abstain_head: bool = True
+    abstain_loss_weight: float = 0.1
+    abstain_pos_weight: float = 8.0
+    abstain_threshold: float = 0.6
+    # Loop, depth attention
+    loop_count: int = 3
+    loop_pass_embed: bool = True
+    loop_mode: str = "full"
+    loop_middle_layers: int | None = None
+    use_depth_attention: bool = True
+    depth_attention_stride: int = 4
+    # v2 additions, Memory Cache
+    use_qk_norm: bool = True
+    zloss_coef: float = 1e-4
+    mtp_loss_weight: float = 0.3
+    use_value_embed: bool = False
+    use_memory_cache: bool = False
+    mc_segment_len: int = 256
+    mc_num_heads: int = 4
+    mc_head_dim: int = 32
+    mc_gate_dim: int = 64
+
+    if not dataclasses.is_dataclass(PretrainedConfig):
+
+        def __init__(self, **kwargs):
+            """transformers releases whose configs are not dataclasses: set the declared fields, then `__post_init__`."""
+            for name in _declared_fields(type(self)):
+                value = kwargs.pop(name) if name in kwargs else copy.deepcopy(getattr(type(self), name))
+                setattr(self, name, value)
+            tokens = {k: getattr(self, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")}
+            super().__init__(**tokens, **kwargs)
+            self.__post_init__()
+
+    def __post_init__(self, **kwargs):
         kwargs.pop("nope_head_dim", None)  # derived; present in saved configs
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.num_hidden_layers = num_hidden_layers
-        self.max_position_embeddings = max_position_embeddings
-        self.rms_norm_eps = rms_norm_eps
-        self.initializer_range = initializer_range
-        self.hidden_dropout = hidden_dropout
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads
-        self.q_lora_rank = q_lora_rank
-        self.head_dim = head_dim
-        self.qk_rope_head_dim = qk_rope_head_dim
-        self.nope_head_dim = head_dim - qk_rope_head_dim
-        self.o_lora_rank = o_lora_rank
-        self.attention_dropout = attention_dropout
-        self.rope_theta = rope_theta
-        self.use_derf = use_derf
-        self.use_xsa = use_xsa
-        self.use_elo = use_elo
-        self.elo_k_init = elo_k_init
-        self.use_fractal_rope = use_fractal_rope
-        self.fractal_rope_gamma = fractal_rope_gamma
-        self.use_moe = use_moe
-        self.moe_intermediate_size = moe_intermediate_size
-        self.n_routed_experts = n_routed_experts
-        self.n_shared_experts = n_shared_experts
-        self.num_experts_per_tok = num_experts_per_tok
-        self.norm_topk_prob = norm_topk_prob
-        self.scoring_func = scoring_func
-        self.routed_scaling_factor = routed_scaling_factor
-        self.num_hash_layers = num_hash_layers
-        self.moe_aux_loss_coef = moe_aux_loss_coef
-        self.moe_layers = list(moe_layers) if moe_layers is not None else list(range(num_hidden_layers))
-        self.use_hyper_connections = use_hyper_connections
-        self.hc_mult = hc_mult
-        self.hc_sinkhorn_iters = hc_sinkhorn_iters
-        self.hc_eps = hc_eps
-        self.num_nextn_predict_layers = num_nextn_predict_layers
-        self.use_engram = use_engram
-        self.engram_compress_dim = engram_compress_dim
-        self.engram_num_heads = engram_num_heads
-        self.engram_table_size = engram_table_size
-        self.engram_max_ngram = engram_max_ngram
-        self.engram_gate_init_bias = engram_gate_init_bias
-        self.engram_legacy_hash = engram_legacy_hash
-        self.engram_fusion_layers = list(engram_fusion_layers) if engram_fusion_layers is not None else []
-        self.engram_fusion_dim = engram_fusion_dim
-        self.use_hrm_refine = use_hrm_refine
-        self.hrm_refine_steps = hrm_refine_steps
-        self.hrm_refine_dim = hrm_refine_dim
-        self.hrm_gate_init = hrm_gate_init
-        self.hrm_deep_supervision = hrm_deep_supervision
-        self.use_abstain_head = use_abstain_head
-        self.abstain_loss_weight = abstain_loss_weight
-        self.abstain_pos_weight = abstain_pos_weight
-        self.abstain_threshold = abstain_threshold
-        self.loop_count = loop_count
-        self.loop_pass_embed = loop_pass_embed
-        self.loop_mode = loop_mode
-        self.loop_middle_layers = loop_middle_layers
-        self.use_depth_attention = use_depth_attention
-        self.depth_attention_stride = depth_attention_stride
-        self.use_qk_norm = use_qk_norm
-        self.zloss_coef = zloss_coef
-        self.mtp_loss_weight = mtp_loss_weight
-        self.use_value_embed = use_value_embed
-        self.use_memory_cache = use_memory_cache
-        self.mc_segment_len = mc_segment_len
-        self.mc_num_heads = mc_num_heads
-        self.mc_head_dim = mc_head_dim
-        self.mc_gate_dim = mc_gate_dim
-        super().__init__(
-            bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id,
-            pad_token_id=pad_token_id,
-            tie_word_embeddings=tie_word_embeddings,
-            **kwargs,
-        )
-        self.tie_word_embeddings = tie_word_embeddings
+        self.nope_head_dim = self.head_dim - self.qk_rope_head_dim
+        self.moe_layers = list(self.moe_layers) if self.moe_layers is not None else list(range(self.num_hidden_layers))
+        self.engram_fusion_layers = list(self.engram_fusion_layers) if self.engram_fusion_layers is not None else []
+        if hasattr(super(), "__post_init__"):
+            super().__post_init__(**kwargs)
+        self.validate_architecture()
+
+    def validate_architecture(self) -> None:
+        """The one place every field is checked (transformers' `validate_architecture` hook)."""
         self.validate_spike_whale()
 
     def validate_spike_whale(self) -> None:
@@ -553,14 +459,49 @@ class SpikeWhaleConfig(PretrainedConfig):
         return LoopPlan.from_config(self)
 
     @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """transformers' tensor-parallel plan (`DistributedConfig(tp_size=N)`), naming only the modules this config
+        builds (transformers warns about a rule that matches nothing). The K/V heads must divide by the TP size.
+
+        Split: attention heads (q up-projection, K, V column-wise, the heads→rank output projection o_a row-wise;
+        DERF/Elo per-head parameters go with their heads), SwiGLU FFNs and MoE experts, the Engram tables (by
+        bucket row) and gate, the HRM projections. Replicated: the low-rank q/o latents (q_a is normed over its full
+        width), norms, HC and gate scalars, the MoE router, the Memory-Cache branch (qkv_proj packs q, k, v into
+        one matrix, which no registered style splits three ways) and Engram fusion (its gate sums over the whole
+        fusion width). There is no pipeline plan: every loop pass re-enters the first layers, which transformers'
+        one-way stage schedule cannot run.
+        """
+        plan = {
+            "layers.*.attn.q_b_proj": "colwise",
+            "layers.*.attn.k_proj": "colwise",
+            "layers.*.attn.v_proj": "colwise",
+            "layers.*.attn.o_a_proj": "rowwise",
+        }
+        if self.use_qk_norm:  # one weight shared by the heads: each rank's gradient covers only its heads
+            plan["layers.*.attn.q_norm"] = plan["layers.*.attn.k_norm"] = "replicated_with_grad_allreduce"
+        per_head = ("elo_gain", "elo_k") if self.use_elo else ()
+        per_head = per_head or (("derf_alpha", "derf_bias", "derf_gamma") if self.use_derf else ())
+        if per_head:
+            plan["layers.*.attn"] = "local_params"
+            plan.update({f"layers.*.attn.{name}": "colwise" for name in per_head})
+        swiglu = {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
+        moe_layers = set(self.moe_layers) if self.use_moe else set()
+        ffns = (["layers.*.ffn"] if len(moe_layers) < self.num_hidden_layers else []) + (
+            ["layers.*.ffn.experts.*"] + (["layers.*.ffn.shared_experts"] if self.n_shared_experts else [])
+            if moe_layers else []
+        )
+        plan.update({f"{ffn}.{name}": style for ffn in ffns for name, style in swiglu.items()})
+        if self.use_engram:
+            plan["engram.lookup.tables.*"] = "embedding_rowwise"
+            plan["engram.gate.proj"] = "colwise_gather_output"
+        if self.use_hrm_refine:
+            plan.update({"hrm_refine.down": "colwise", "hrm_refine.up": "rowwise"})
+        return plan
+
+    @property
     def num_loop_slots(self) -> int:
         """Number of cache slots: one per (layer, pass) entry of the loop plan (48 for Byrne-100M)."""
         return len(self.loop_plan)
-
-    @property
-    def num_mc_segments(self) -> int:
-        """Memory Cache segments in a full context window."""
-        return math.ceil(self.max_position_embeddings / self.mc_segment_len)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "SpikeWhaleConfig":

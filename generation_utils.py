@@ -20,8 +20,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.utils import logging
 
-from .configuration_spike_whale import SpikeWhaleConfig
-from .tokenization_spike import CHAT_EOS_IDS, RESERVED_IDS
+from .configuration_spike_whale import CHAT_EOS_IDS, RESERVED_IDS, SpikeWhaleConfig
 
 logger = logging.get_logger(__name__)
 
@@ -461,10 +460,48 @@ def _effective_generation_config(model, generation_config: GenerationConfig | No
     eff = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
     eff.update(**model.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
     eff.update(**{k: v for k, v in kwargs.items() if hasattr(eff, k)})
+    caller_length_wins(eff, generation_config, kwargs)
     for name, default in (("max_length", 20), ("do_sample", False), ("num_beams", 1), ("use_cache", True)):
         if getattr(eff, name, None) is None:
             setattr(eff, name, default)
     return eff
+
+
+def caller_length_wins(config: GenerationConfig, passed: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
+    """A length limit set by the caller wins over the model's serving default, silently, as with in-library models:
+    `max_length` given (as an argument or in the `generation_config` passed) without a `max_new_tokens` of the
+    caller's own drops the default `max_new_tokens` of `generation_config.json`. Edits and returns `config`."""
+    caller_max_length = kwargs.get("max_length") is not None or (passed is not None and passed.max_length is not None)
+    caller_max_new = kwargs.get("max_new_tokens") is not None or (passed is not None and passed.max_new_tokens is not None)
+    if caller_max_length and not caller_max_new:
+        config.max_new_tokens = None
+    return config
+
+
+def prepare_generation_cache(model, generation_config: GenerationConfig, model_kwargs: dict) -> bool:
+    """Build the loop-slot cache for `cache_implementation` "static" (sized to this call's `max_length`, or
+    `max_cache_len` if larger) or "dynamic" (the whole context window): `SpikeWhaleCache` is static in both cases,
+    preallocated per slot. Returns False where transformers' own preparation applies (a cache passed in, no cache,
+    no `cache_implementation`); other implementations raise, since no generic cache can hold this model's state."""
+    impl = generation_config.cache_implementation
+    if model_kwargs.get("cache") is not None or generation_config.use_cache is False or impl is None:
+        return False
+    limit = model.config.max_position_embeddings
+    if impl == "static":
+        size = max(generation_config.max_length or 0, generation_config.max_cache_len or 0)
+        cache = SpikeWhaleCache(model.config, max_cache_len=min(max(size, 1), limit))
+    elif impl == "dynamic":
+        cache = SpikeWhaleCache(model.config)
+    else:
+        raise NotImplementedError(
+            f"cache_implementation={impl!r} is not available for spike_whale: its cache holds per-loop-slot K/V plus "
+            "Memory-Cache and Engram state that a generic (offloaded, quantized, sliding) cache cannot carry. Use "
+            "\"static\" or \"dynamic\" (both give the same preallocated SpikeWhaleCache)."
+        )
+    if getattr(generation_config, "is_assistant", False):  # drafting for another model: candidates get rolled back
+        cache.activate_past_recording()
+    model_kwargs["cache"] = cache
+    return True
 
 
 def _truncate_prompt(ids: torch.Tensor, mask: torch.Tensor | None, keep: int, bos_id: int | None):
@@ -482,11 +519,77 @@ def _truncate_prompt(ids: torch.Tensor, mask: torch.Tensor | None, keep: int, bo
     return new_ids, new_mask
 
 
+def _check_generate_inputs(ids, embeds, mask, bos_id) -> None:
+    """Shapes `generate` cannot work with, refused with what to pass instead."""
+    if ids is not None:
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            raise ValueError(
+                f"input_ids must be a [batch, seq] tensor, got {tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}."
+            )
+        if ids.shape[1] == 0 and embeds is None:
+            raise ValueError(
+                f"input_ids is empty (shape {tuple(ids.shape)}): generate needs at least one prompt token; start from "
+                f"the <bos> id ({bos_id}), e.g. input_ids=torch.tensor([[{bos_id}]])."
+            )
+    if embeds is not None and (embeds.dim() != 3 or embeds.shape[1] == 0):
+        raise ValueError(f"inputs_embeds must be [batch, seq >= 1, hidden], got {tuple(embeds.shape)}.")
+    if mask is not None:
+        ref = ids if ids is not None and ids.shape[1] else embeds
+        expected = tuple(ref.shape[:2]) if ref is not None else None
+        if mask.dim() != 2 or (expected is not None and tuple(mask.shape) != expected):
+            raise ValueError(
+                f"attention_mask has shape {tuple(mask.shape)} but the prompt is {expected}: pass a 2D [batch, seq] "
+                "padding mask (1 = real token) with one entry per prompt token, e.g. the tokenizer's own mask."
+            )
+
+
+# Logits processors that `generate` builds from a `GenerationConfig` field, by class name.
+_PROCESSOR_FIELDS = {
+    "RepetitionPenaltyLogitsProcessor": "repetition_penalty",
+    "SuppressTokensLogitsProcessor": "suppress_tokens",
+    "SuppressTokensAtBeginLogitsProcessor": "begin_suppress_tokens",
+    "NoRepeatNGramLogitsProcessor": "no_repeat_ngram_size",
+    "NoBadWordsLogitsProcessor": "bad_words_ids",
+    "SequenceBiasLogitsProcessor": "sequence_bias",
+    "TemperatureLogitsWarper": "temperature",
+    "TopKLogitsWarper": "top_k",
+    "TopPLogitsWarper": "top_p",
+    "MinPLogitsWarper": "min_p",
+    "TypicalLogitsWarper": "typical_p",
+}
+# Sampling-only fields and the values at which they are off (transformers' global defaults).
+_SAMPLING_NEUTRAL = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "typical_p": 1.0, "min_p": None,
+                     "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
+
+
+def _as_assistant_call(generation_config: GenerationConfig, kwargs: dict) -> tuple[GenerationConfig, dict]:
+    """transformers' assisted decoding calls the draft model's `generate` with the main call's merged config plus
+    length arguments and the main call's processors; left as they are, `generate` warns four times (config plus
+    arguments, sampling flags of a greedy draft, each processor built twice). Fold the arguments into a copy of
+    the config, turn off the sampling flags a greedy draft ignores, and drop each passed library processor that the
+    config builds again with the same values: the same draft, no warnings."""
+    config = copy.deepcopy(generation_config)
+    if not config.do_sample:
+        for name, neutral in _SAMPLING_NEUTRAL.items():
+            if hasattr(config, name):
+                setattr(config, name, neutral)
+    kwargs = config.update(**kwargs)
+    if kwargs.get("logits_processor") is not None:
+        kwargs["logits_processor"] = LogitsProcessorList(
+            p for p in kwargs["logits_processor"]
+            if not (type(p).__module__.startswith("transformers.generation.")
+                    and getattr(config, _PROCESSOR_FIELDS.get(type(p).__name__, ""), None) is not None)
+        )
+    return config, kwargs
+
+
 def spike_whale_generate(model, parent_generate, inputs=None, generation_config=None, **kwargs):
-    """Body of `SpikeWhaleForCausalLM.generate` (see its docstring): checks the context window before any work,
-    applies the opt-in prompt truncation, routes `use_mtp=True` to `mtp_speculative_generate` (through the
+    """Body of `SpikeWhaleForCausalLM.generate` (see its docstring): checks the inputs and the context window before
+    any work, applies the opt-in prompt truncation, routes `use_mtp=True` to `mtp_speculative_generate` (through the
     public `custom_generate` hook, so logits processors and stopping criteria are the library's own), and
     otherwise hands everything to `GenerationMixin.generate` (`parent_generate`)."""
+    if generation_config is not None and getattr(generation_config, "is_assistant", False):
+        generation_config, kwargs = _as_assistant_call(generation_config, kwargs)
     use_mtp = kwargs.pop("use_mtp", None)
     truncate = bool(kwargs.pop("truncate_to_context", False))
     draft_tokens = kwargs.pop("mtp_draft_tokens", None)
@@ -500,11 +603,12 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
         generation_config = copy.deepcopy(base)
         generation_config.use_mtp = False
 
-    # --- context window: raise before any work (or truncate the prompt when explicitly asked) ---
+    # --- inputs and the context window: raise before any work (or truncate the prompt when explicitly asked) ---
     ids = inputs if inputs is not None else kwargs.get("input_ids")
     embeds = kwargs.get("inputs_embeds")
     mask = kwargs.get("attention_mask")
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    _check_generate_inputs(ids, embeds, mask, model.config.bos_token_id)
     if ids is not None:
         width = ids.shape[-1]
     elif embeds is not None:
@@ -522,6 +626,12 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
     if new_tokens > 0 and width + new_tokens > limit:
         asked = (f"max_new_tokens={new_tokens}" if eff.max_new_tokens is not None
                  else f"max_length={eff.max_length} ({new_tokens} new tokens)")
+        if new_tokens >= limit:
+            raise ValueError(
+                f"{asked} alone does not fit {where}: even a one-token prompt would need {new_tokens + 1} positions. "
+                f"Ask for at most {limit - 1} new tokens (the prompt and the new tokens together must fit in {limit} "
+                "positions)."
+            )
         if not truncate:
             raise ValueError(
                 f"The prompt is {width} tokens and {asked}, so generation would need {width + new_tokens} "
@@ -531,8 +641,6 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
                 "tokens (keeping <bos>)."
             )
         keep = limit - new_tokens
-        if keep < 1:
-            raise ValueError(f"{asked} alone does not fit {where}; truncating the prompt cannot help.")
         if ids is None:
             raise NotImplementedError("truncate_to_context=True truncates input_ids; it does not cut inputs_embeds.")
         if cache is not None and cache.get_seq_length() > 0:

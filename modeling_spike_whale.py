@@ -10,6 +10,7 @@ recompute, a prefill and any mix of multi-token decode steps compute the same fu
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -21,12 +22,42 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache
-from transformers.integrations.accelerate import force_accelerate_hooks
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils.generic import can_return_tuple
+
+try:
+    from transformers.integrations.accelerate import force_accelerate_hooks
+except ImportError:  # transformers < 5.13
+
+    def force_accelerate_hooks(child_module_names: list[str]):
+        """Fire the accelerate hooks of children whose weights a forward reads directly (not via their forward)."""
+
+        def decorator(forward):
+            @functools.wraps(forward)
+            def wrapped(self, *args, **kwargs):
+                hooked = [(m, m._hf_hook) for m in (getattr(self, n) for n in child_module_names)
+                          if getattr(m, "_hf_hook", None) is not None]
+                for module, hook in hooked:
+                    hook.pre_forward(module)
+                out = forward(self, *args, **kwargs)
+                for module, hook in reversed(hooked):
+                    hook.post_forward(module, ())
+                return out
+
+            return wrapped
+
+        return decorator
 
 from .configuration_spike_whale import LoopPlan, SpikeWhaleConfig
-from .generation_utils import MemoryCacheState, SpikeWhaleCache, spike_whale_generate
+from .generation_utils import (
+    MemoryCacheState,
+    SpikeWhaleCache,
+    caller_length_wins,
+    prepare_generation_cache,
+    spike_whale_generate,
+)
 
 # Released checkpoint name (regex) -> our name. Empty until a real Byrne header is read (blueprint §14).
 CHECKPOINT_KEY_RENAMES: dict[str, str] = {}
@@ -135,9 +166,11 @@ class SpikeWhaleRotaryEmbedding(nn.Module):
         self.config = config
         half = config.qk_rope_head_dim // 2
         P = config.max_position_embeddings
-        self.register_buffer("inv_freq", torch.empty(half), persistent=True)
-        self.register_buffer("cos_cache", torch.empty(P, half), persistent=True)
-        self.register_buffer("sin_cache", torch.empty(P, half), persistent=True)
+        # float32 whatever the default dtype (`_from_config(dtype=...)` builds under it): see _keep_in_fp32_modules_strict
+        f32 = torch.float32
+        self.register_buffer("inv_freq", torch.empty(half, dtype=f32), persistent=True)
+        self.register_buffer("cos_cache", torch.empty(P, half, dtype=f32), persistent=True)
+        self.register_buffer("sin_cache", torch.empty(P, half, dtype=f32), persistent=True)
         self.reset_caches()
 
     def compute(self, inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -488,13 +521,22 @@ class MemoryCacheBranch(nn.Module):
         ]
 
 
+class FrozenLinear(nn.Linear):
+    """nn.Linear whose parameters never train, also when a loader swaps new ones in (transformers' `from_pretrained`
+    materialises fresh `nn.Parameter`s, which would otherwise come back with requires_grad=True)."""
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        if param is not None:
+            param.requires_grad_(False)
+        super().register_parameter(name, param)
+
+
 class TokenCompressor(nn.Module):
     """c = W_c x: the frozen low-dimensional code the n-gram hash reads."""
 
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__()
-        self.proj = nn.Linear(config.hidden_size, config.engram_compress_dim, bias=False)
-        self.proj.weight.requires_grad_(False)
+        self.proj = FrozenLinear(config.hidden_size, config.engram_compress_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(x)
@@ -519,7 +561,7 @@ class MultiHeadHashLookup(nn.Module):
         shape = (eh, cd) if self.legacy else (eh, self.n_bits, cd)
         for n in range(1, self.max_ngram + 1):
             for k in range(n):
-                self.register_buffer(f"hash_proj_n{n}_p{k}", torch.empty(shape), persistent=True)
+                self.register_buffer(f"hash_proj_n{n}_p{k}", torch.empty(shape, dtype=torch.float32), persistent=True)
 
     def projections(self):
         return [(n, k, getattr(self, f"hash_proj_n{n}_p{k}")) for n in range(1, self.max_ngram + 1) for k in range(n)]
@@ -577,9 +619,12 @@ class EngramMemory(nn.Module):
         self.lookup = MultiHeadHashLookup(config)
         self.gate = DERFContextGate(config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, prefix: torch.Tensor | None):
-        """Returns (engram output, the chunk's compressed codes for the cache, the raw lookup r for fusion)."""
-        c = self.compressor(x)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, prefix: torch.Tensor | None,
+                hash_source: torch.Tensor | None = None):
+        """Returns (engram output, the chunk's compressed codes for the cache, the raw lookup r for fusion).
+
+        hash_source: the token embeddings the n-gram hash reads when x is something else (soft prompts)."""
+        c = self.compressor(x if hash_source is None else hash_source)
         n_prefix = self.lookup.max_ngram - 1
         if prefix is None:
             prefix = c.new_zeros(c.shape[0], n_prefix, c.shape[-1])
@@ -634,24 +679,21 @@ class DepthAttention:
         return v + _as(torch.tanh(gate), v.dtype) * (mixed - v)
 
 
-def sdpa_attention(q, k, v, mask, is_causal, dropout):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, kvh, N, hd] -> [B, kvh·groups, N, hd]: each KV head repeated for its query group."""
+    return x if groups == 1 else x.repeat_interleave(groups, 1)
 
 
-def eager_attention(q, k, v, mask, is_causal, dropout):
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if is_causal:
-        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = F.dropout(torch.softmax(scores.float(), -1).to(q.dtype), dropout)
-    return probs @ v
-
-
-ATTENTION_FUNCTIONS = {"sdpa": sdpa_attention, "eager": eager_attention}
+def eager_attention_forward(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, **kwargs):
+    """softmax(q·kᵀ·scaling + mask)·v in float32 softmax, transformers' eager convention: additive float mask,
+    output [B, S, nh, hd] and the attention weights."""
+    key, value = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = torch.softmax(weights, -1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, dropout, module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
 def decode_attention(q, k, v, mask):
@@ -697,7 +739,8 @@ def derf_attention(q, k, v, mask, is_causal, dropout, alpha, beta, gamma):
     vis = _visible(mask, is_causal, s.shape[2], s.shape[3], s.device)
     a, b, g = (t.float()[None, :, None, None] for t in (alpha, beta, gamma))
     w = g * (torch.erf(a * s + b) + 1) / 2 * vis
-    return _read_values(w / (w.sum(-1, keepdim=True) + 1e-8), v, dropout)
+    w = w / (w.sum(-1, keepdim=True) + 1e-8)
+    return _read_values(w, v, dropout), w
 
 
 def elo_attention(q, k, v, mask, is_causal, dropout, gain, k_factor, past_ratings, query_valid):
@@ -715,7 +758,8 @@ def elo_attention(q, k, v, mask, is_causal, dropout, gain, k_factor, past_rating
     queries (parallel in training) and the cache only has to carry the un-scaled ratings Σ Δ of the cached keys.
 
     past_ratings: [B, nh, P] ratings of the P cached keys (None without a cache), query_valid: [B, S].
-    Returns (output, ratings after the chunk [B, nh, P+S], ratings after each chunk query [B, nh, S, P+S]).
+    Returns (output, attention weights, ratings after the chunk [B, nh, P+S], ratings after each chunk query
+    [B, nh, S, P+S]).
     """
     s = _scores(q, k)
     B, nh, S, N = s.shape
@@ -731,7 +775,7 @@ def elo_attention(q, k, v, mask, is_causal, dropout, gain, k_factor, past_rating
     before = torch.cat([past[:, :, None], after[:, :, :-1]], 2)  # ratings seen by query t (earlier queries)
     bias = (gain.float() * k_factor.float())[None, :, None, None] * before
     w = torch.softmax(masked + bias, -1)
-    return _read_values(w, v, dropout), after[:, :, -1], after
+    return _read_values(w, v, dropout), w, after[:, :, -1], after
 
 
 class FusedLinears:
@@ -768,6 +812,9 @@ class SpikeWhaleAttention(nn.Module):
         H, nh, kvh, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.config = config
         self.nh, self.kvh, self.hd = nh, kvh, hd
+        # What transformers' attention functions read from the module.
+        self.layer_idx, self.is_causal = layer_idx, True
+        self.num_key_value_groups, self.scaling = nh // kvh, hd**-0.5
         self.q_a_proj = nn.Linear(H, config.q_lora_rank, bias=False)
         self.q_a_norm = SpikeWhaleRMSNorm(config.q_lora_rank, config.rms_norm_eps)
         self.q_b_proj = nn.Linear(config.q_lora_rank, nh * hd, bias=False)
@@ -814,14 +861,15 @@ class SpikeWhaleAttention(nn.Module):
             return None
         return self.fused_input(u)
 
-    def _attend(self, q, k, v, ctx: ForwardContext, slot: int) -> torch.Tensor:
+    def _attend(self, q, k, v, ctx: ForwardContext, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(attention output [B, nh, S, hd], attention weights or None)."""
         mask = _on(ctx.attn_mask, q.device) if ctx.attn_mask is not None else None
         if self.attn_kind != "elo":
             return self._attend_stateless(q, k, v, mask, ctx.is_causal)
         dropout = self.config.attention_dropout if self.training else 0.0
         cache = ctx.cache
         past = cache.elo_state(slot) if cache is not None else None
-        y, ratings, per_query = elo_attention(
+        y, weights, ratings, per_query = elo_attention(
             q, k, v, mask, ctx.is_causal, dropout, self.elo_gain, self.elo_k, past, ctx.valid.to(q.device)
         )
         if cache is not None:
@@ -830,15 +878,25 @@ class SpikeWhaleAttention(nn.Module):
             if cache.record_past:
                 per_pos = [per_query[:, :, j, : start + j + 1] for j in range(q.shape[2])]
             cache.set_elo_state(slot, ratings, per_pos)
-        return y.to(q.dtype)
+        return y.to(q.dtype), weights
 
-    def _attend_stateless(self, q, k, v, mask, is_causal: bool) -> torch.Tensor:
-        """Softmax (SDPA / eager) or DERF attention weights: everything but Elo, whose ratings are state."""
+    def _attend_stateless(self, q, k, v, mask, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Softmax attention through transformers' `AttentionInterface` (`config._attn_implementation`: eager, sdpa,
+        flex_attention or a registered function), or DERF: everything but Elo, whose ratings are state."""
         dropout = self.config.attention_dropout if self.training else 0.0
         if self.attn_kind == "derf":
             return derf_attention(q, k, v, mask, is_causal, dropout, self.derf_alpha, self.derf_bias, self.derf_gamma)
-        attend = ATTENTION_FUNCTIONS[getattr(self.config, "_attn_implementation", None) or "sdpa"]
-        return attend(q, k, v, mask, is_causal, dropout)
+        impl = self.config._attn_implementation or "sdpa"
+        if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
+            attend = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
+        else:  # transformers < 5.2x
+            attend = eager_attention_forward if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
+        if impl != "sdpa" and (mask is not None or is_causal):
+            # Every other kernel gets the additive float mask of transformers' eager convention.
+            vis = _visible(mask, is_causal, q.shape[2], k.shape[2], q.device)
+            mask = torch.zeros(vis.shape, dtype=q.dtype, device=q.device).masked_fill(~vis, torch.finfo(q.dtype).min)
+        y, weights = attend(self, q, k, v, mask, dropout=dropout, scaling=self.scaling, is_causal=is_causal)
+        return y.transpose(1, 2), weights
 
     def _project(self, u: torch.Tensor, positions: torch.Tensor, proj: tuple | None = None):
         """q [B, nh, S, hd] and k, v [B, kvh, S, hd]: low-rank Q, QK-norm, then partial RoPE on q and k.
@@ -846,9 +904,10 @@ class SpikeWhaleAttention(nn.Module):
         proj: u's (q_a_proj, k_proj, v_proj) outputs when the caller already has them (`fused_input`)."""
         B, S, _ = u.shape
         q_lat, k, v = proj if proj is not None else (self.q_a_proj(u), self.k_proj(u), self.v_proj(u))
-        q = self.q_b_proj(self.q_a_norm(q_lat)).view(B, S, self.nh, self.hd).transpose(1, 2)
-        k = k.view(B, S, self.kvh, self.hd).transpose(1, 2)
-        v = v.view(B, S, self.kvh, self.hd).transpose(1, 2)
+        # -1 heads: under tensor parallelism each rank's projections hold only its share of the heads.
+        q = self.q_b_proj(self.q_a_norm(q_lat)).view(B, S, -1, self.hd).transpose(1, 2)
+        k = k.view(B, S, -1, self.hd).transpose(1, 2)
+        v = v.view(B, S, -1, self.hd).transpose(1, 2)
         if self.config.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self.rope(_on(positions, u.device))
@@ -869,15 +928,17 @@ class SpikeWhaleAttention(nn.Module):
         return self.o_b_proj(self.o_a_proj(y.transpose(1, 2).reshape(B, S, nh * hd)))
 
     def forward(self, u: torch.Tensor, ctx: ForwardContext, slot: int, depth_sources: tuple):
+        """(output [B, S, H], this layer's depth entry or None, attention weights or None)."""
         q, k, v = self._project(u, ctx.positions)
         v, depth_entry = self._mix_depth(q, k, v, depth_sources)
         v_self = v
         if ctx.cache is not None:
             k, v = ctx.cache.layers[slot].update(k, v, start=ctx.cache.seq_len)
-        out = self._output(self._attend(q, k, v, ctx, slot), v_self)
+        y, weights = self._attend(q, k, v, ctx, slot)
+        out = self._output(y, v_self)
         if self.mc is not None:
             out = out + self.mc(u, ctx, slot)
-        return out, depth_entry
+        return out, depth_entry, weights
 
     def decode(self, u, positions, attn_mask, fin_mask, start: int, keys, values, mc_state, depth_sources: tuple):
         """`forward` for one new token per row with the slot's state passed in: K/V are written into the slot's
@@ -892,7 +953,7 @@ class SpikeWhaleAttention(nn.Module):
         if self.attn_kind == "softmax":
             y = decode_attention(q, keys, values, attn_mask)
         else:
-            y = self._attend_stateless(q, keys, values, attn_mask, False)
+            y = self._attend_stateless(q, keys, values, attn_mask, False)[0]
         out = self._output(y, v)
         if self.mc is not None:
             mc_proj = fused[3:] if fused is not None and len(fused) == 5 else None
@@ -904,7 +965,7 @@ class SpikeWhaleAttention(nn.Module):
         """XSA: y ← y − ⟨y, v̂⟩v̂ with v̂ = v_t/(‖v_t‖ + 1e-8), the query token's own (GQA-shared) value."""
         B, nh, S, hd = y.shape
         vhat = v_self / (v_self.norm(dim=-1, keepdim=True) + 1e-8)
-        yg = y.view(B, self.kvh, nh // self.kvh, S, hd)
+        yg = y.view(B, v_self.shape[1], -1, S, hd)  # this rank's KV heads (tensor parallel)
         vhat = vhat[:, :, None]
         return (yg - (yg * vhat).sum(-1, keepdim=True) * vhat).view(B, nh, S, hd)
 
@@ -1074,13 +1135,13 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
         the value embedding and Engram fusion); depth_flat: k₀, v₀, k₁, v₁, ... of this pass's depth checkpoints.
 
         Tensors that need gradients are positional, so re-entrant activation checkpointing sees them too.
-        Returns (X, MoE load-balance loss or None, depth k or None, depth v or None)."""
+        Returns (X, MoE load-balance loss or None, depth k or None, depth v or None, attention weights or None)."""
         depth_sources = tuple(zip(depth_flat[0::2], depth_flat[1::2]))
-        X, aux, (depth_entry,) = self.block(
+        X, aux, (depth_entry, weights) = self.block(
             X, token_embed, engram_r, lambda u: self.attn(u, ctx, slot, depth_sources), ctx
         )
         dk, dv = depth_entry if depth_entry is not None else (None, None)
-        return X, aux, dk, dv
+        return X, aux, dk, dv, weights
 
     def block(self, X, token_embed, engram_r, attention, ctx: ForwardContext | None):
         """The block around an attention callable u -> (output, *extras): Engram fusion, HC pre/post (or the
@@ -1173,6 +1234,8 @@ class DecodeStep:
             return "MoE layers route by token id"
         if any(hasattr(layer, "_hf_hook") for layer in model.layers):
             return "accelerate hooks move tensors between devices"
+        if any("forward" in vars(layer.attn) for layer in model.layers):
+            return "a wrapper of the attention's forward (a tensor-parallel style) must run, and decode skips it"
         return None
 
     @staticmethod
@@ -1181,6 +1244,8 @@ class DecodeStep:
         if cache is None or cache.seq_len == 0 or ctx.positions.shape[1] != 1 or model.training:
             return False
         if DecodeStep.unsupported(model) is not None:
+            return False
+        if model.config._attn_implementation not in ("sdpa", "eager", None):
             return False
         if seg is not None and (seg.padded or seg.n_rel != 1):
             return False
@@ -1262,12 +1327,16 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
     _no_split_modules = ["SpikeWhaleDecoderLayer", "MTPHead"]
     _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True  # softmax attention goes through ALL_ATTENTION_FUNCTIONS
     # The loop-slot cache rolls back exactly (`crop` restores the Memory-Cache state), so assisted decoding and
     # prompt lookup are allowed.
     _is_stateful = False
     # RoPE caches and the Engram hash projections stay float32 under a bf16/fp16 load: rounding the hash
-    # projections would move tokens between n-gram buckets.
-    _keep_in_fp32_modules_strict = ["rope", "hash_proj"]
+    # projections would move tokens between n-gram buckets. Entries name whole dotted components (the RoPE module,
+    # each projection buffer), as transformers matches them; the buffers are also created float32, which is what
+    # keeps them so under `_from_config(dtype=...)`.
+    _keep_in_fp32_modules_strict = ["rope", r"hash_proj_n\d+_p\d+"]
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -1359,20 +1428,51 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         self.embed_tokens = value
 
     def _check_inputs(self, input_ids, inputs_embeds):
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+        if input_ids is None and inputs_embeds is None:
+            raise ValueError("Pass `input_ids`, `inputs_embeds`, or both (the ids then only route the MoE and Engram).")
         if input_ids is not None:
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}.")
-            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
-                bad = input_ids[(input_ids < 0) | (input_ids >= self.config.vocab_size)].unique()[:5].tolist()
+            self._check_token_ids(input_ids)
+        if inputs_embeds is not None:
+            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
                 raise ValueError(
-                    f"Token ids {bad} are outside the vocabulary [0, {self.config.vocab_size}); "
-                    "check that the tokenizer matches this model."
+                    f"inputs_embeds must be [batch, seq, {self.config.hidden_size}], got {tuple(inputs_embeds.shape)}."
                 )
-        elif inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
+            if input_ids is not None and tuple(input_ids.shape) != tuple(inputs_embeds.shape[:2]):
+                raise ValueError(
+                    f"input_ids {tuple(input_ids.shape)} and inputs_embeds {tuple(inputs_embeds.shape)} must describe the "
+                    "same [batch, seq] tokens when passed together."
+                )
+
+    def _check_token_ids(self, input_ids: torch.Tensor) -> None:
+        """Ids outside the vocabulary raise; under torch.compile the check is an in-graph assert (no host sync)."""
+        V = self.config.vocab_size
+        inside = (input_ids >= 0) & (input_ids < V)
+        if torch.compiler.is_compiling():
+            torch._assert_async(inside.all(), "token ids outside the vocabulary")
+        elif input_ids.numel() and not bool(inside.all()):
+            bad = input_ids[~inside].unique()[:5].tolist()
             raise ValueError(
-                f"inputs_embeds must be [batch, seq, {self.config.hidden_size}], got {tuple(inputs_embeds.shape)}."
+                f"Token ids {bad} are outside the vocabulary [0, {V}); check that the tokenizer matches this model."
+            )
+
+    def _check_positions(self, positions: torch.Tensor) -> None:
+        """Positions must lie in [0, max_position_embeddings): this model raises instead of wrapping."""
+        limit = self.config.max_position_embeddings
+        inside = (positions >= 0) & (positions < limit)
+        if torch.compiler.is_compiling():
+            torch._assert_async(inside.all(), "positions outside [0, max_position_embeddings)")
+        elif positions.numel() and not bool(inside.all()):
+            if int(positions.min()) < 0:
+                raise ValueError(
+                    f"position_ids contain {int(positions.min())}: positions must be >= 0 (a negative position would "
+                    "index the RoPE caches from the end). Pass position_ids counting from 0."
+                )
+            raise ValueError(
+                f"Position {int(positions.max())} is past the context window (max_position_embeddings={limit}); "
+                "this model raises instead of wrapping. Shorten the input or widen the RoPE caches "
+                "(`spike-whale widen`)."
             )
 
     def _context(self, B, S, device, attention_mask, position_ids, cache) -> ForwardContext:
@@ -1381,7 +1481,9 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] not in (S, past + S):
                 raise ValueError(
                     f"attention_mask must be a 2D [batch, past + seq] = [{B}, {past + S}] padding mask (1 = real "
-                    f"token), got shape {tuple(attention_mask.shape)}."
+                    f"token), got shape {tuple(attention_mask.shape)}. Custom 4D masks are not supported: the Memory "
+                    "Cache and Engram need each token's sequence, not only which keys it sees; to pack several "
+                    "sequences in one row, pass position_ids restarting at 0 for each (padding-free packing)."
                 )
             valid = attention_mask[:, -S:].to(device=device, dtype=torch.bool)
         else:
@@ -1393,14 +1495,10 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             num_real = torch.zeros(B, dtype=torch.long, device=device)
         if position_ids is None:
             position_ids = num_real[:, None] + valid.long().cumsum(-1) - 1
+        elif position_ids.dim() != 2 or position_ids.shape[1] != S or position_ids.shape[0] not in (1, B):
+            raise ValueError(f"position_ids must be [batch, seq] = [{B}, {S}], got {tuple(position_ids.shape)}.")
         positions = torch.where(valid, position_ids.to(device).long(), torch.zeros_like(position_ids, device=device))
-        limit = self.config.max_position_embeddings
-        if positions.numel() and int(positions.max()) >= limit:
-            raise ValueError(
-                f"Position {int(positions.max())} is past the context window (max_position_embeddings={limit}); "
-                "this model raises instead of wrapping. Shorten the input or widen the RoPE caches "
-                "(`spike-whale widen`)."
-            )
+        self._check_positions(positions)
         if cache is not None and past + S > cache.max_cache_len:
             raise ValueError(
                 f"The cache holds {cache.max_cache_len} positions but {past + S} are needed; use a larger cache."
@@ -1433,8 +1531,10 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         index = torch.full((1,), loop_pass, dtype=torch.long, device=X.device)
         return _as(_on(self.loop_pass_embed(index), X.device), X.dtype)
 
-    def _run_slots(self, X, token_embed, engram_r, ctx: ForwardContext):
-        """The general chunk path through every loop-plan slot. Returns (X, the MoE load-balance losses)."""
+    def _run_slots(self, X, token_embed, engram_r, ctx: ForwardContext, hidden_states: list | None,
+                   attentions: list | None):
+        """The general chunk path through every loop-plan slot. Returns (X, the MoE load-balance losses); appends
+        each slot's output (streams read out like the final one) and attention weights to the lists given."""
         aux_terms, depth_sources = [], []
         for slot, ((layer_idx, loop_pass), starts_pass) in enumerate(zip(self.loop_plan.entries, self.loop_plan.pass_starts)):
             if starts_pass:
@@ -1442,13 +1542,58 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                 if self.loop_pass_embed is not None:
                     X = X + self.pass_embedding(loop_pass, X)
             depth_flat = [t for entry in depth_sources for t in entry]
-            X, aux, dk, dv = self.layers[layer_idx](X, token_embed, engram_r, *depth_flat, ctx=ctx, slot=slot)
+            X, aux, dk, dv, weights = self.layers[layer_idx](X, token_embed, engram_r, *depth_flat, ctx=ctx, slot=slot)
             if dk is not None:
                 depth_sources.append((dk, dv))
             if aux is not None:
                 aux_terms.append(aux.to(ctx.positions.device))
+            if hidden_states is not None:
+                hidden_states.append(self.hc_out_mix(X) if self.hc_out_mix is not None else X)
+            if attentions is not None:
+                attentions.append(weights)
         return X, aux_terms
 
+    @staticmethod
+    def packed_sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:
+        """[B, S] bool, True where a sequence starts: column 0 and wherever positions do not continue by one (padding-free
+        packing, as `DataCollatorWithFlattening` writes it: position_ids restarting at 0 inside a row)."""
+        starts = torch.ones_like(position_ids, dtype=torch.bool)
+        starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+        return starts
+
+    def _forward_packed(self, input_ids, inputs_embeds, position_ids, starts, output_hidden_states: bool):
+        """Padding-free packing: the sequences of every row run as one right-padded batch, so each computes exactly
+        the function it computes alone (attention, Memory-Cache segments, Engram window, depth attention), and the
+        outputs are packed back into the rows."""
+        B, S, H = inputs_embeds.shape
+        seq_id = starts.flatten().long().cumsum(0) - 1  # [B·S]: the sequence of each token
+        n = int(seq_id[-1]) + 1
+        lengths = torch.bincount(seq_id, minlength=n)
+        L = int(lengths.max())
+        first = lengths.cumsum(0) - lengths
+        dest = seq_id * L + torch.arange(B * S, device=seq_id.device) - first[seq_id]
+
+        def unpack(t: torch.Tensor) -> torch.Tensor:
+            flat = t.flatten(0, 1)
+            return flat.new_zeros(n * L, *flat.shape[1:]).index_copy(0, dest, flat).view(n, L, *flat.shape[1:])
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            return t.flatten(0, 1)[dest].view(B, S, *t.shape[2:])
+
+        mask = unpack(torch.ones(B, S, dtype=torch.long, device=inputs_embeds.device))
+        out = self(
+            input_ids=unpack(input_ids) if input_ids is not None else None, inputs_embeds=unpack(inputs_embeds),
+            attention_mask=mask, position_ids=unpack(position_ids.expand(B, S)), use_cache=False,
+            output_hidden_states=output_hidden_states, return_dict=True,
+        )
+        return SpikeWhaleModelOutput(
+            last_hidden_state=pack(out.last_hidden_state),
+            refinement_states=tuple(pack(t) for t in out.refinement_states),
+            hidden_states=tuple(pack(t) for t in out.hidden_states) if out.hidden_states is not None else None,
+            moe_aux_loss=out.moe_aux_loss,
+        )
+
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -1457,15 +1602,48 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         cache: SpikeWhaleCache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
         **kwargs,
     ) -> SpikeWhaleModelOutput:
+        """`hidden_states` (with `output_hidden_states=True`): the embedding output (after Engram) and then one entry
+        per loop-plan slot (1 + 48 for the 114M preset: the counts follow slots, not layers), each the residual
+        streams read out as `hc_out_mix` reads the last one, before HRM and the final norm. `attentions` (with
+        `output_attentions=True`, eager, DERF or Elo attention): one [B, heads, S, past + S] map per slot.
+
+        Both `input_ids` and `inputs_embeds` may be given: the embeddings are the input, the ids only route the
+        hash-routed MoE layers and give Engram its n-gram hash (soft prompts, prompt tuning)."""
+        cfg = self.config
+        output_attentions = output_attentions if output_attentions is not None else cfg.output_attentions
+        output_hidden_states = output_hidden_states if output_hidden_states is not None else cfg.output_hidden_states
+        if use_cache is None:
+            use_cache = cache is not None or (cfg.use_cache and not self.training)
         self._check_inputs(input_ids, inputs_embeds)
+        if output_attentions and cfg._attn_implementation not in ("eager", None) and not (cfg.use_derf or cfg.use_elo):
+            impl = cfg._attn_implementation
+            if impl in ("sdpa", "flex_attention") or impl.startswith("flash"):
+                raise ValueError(
+                    f"output_attentions=True needs attention weights, which the {impl!r} kernel does not return; "
+                    "load with attn_implementation=\"eager\" or call model.set_attn_implementation(\"eager\")."
+                )
+        token_embeds = self.embed_tokens(input_ids) if input_ids is not None else None
+        hash_source = token_embeds if inputs_embeds is not None else None
         if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
+            inputs_embeds = token_embeds
         B, S, _ = inputs_embeds.shape
         device = inputs_embeds.device
+        if position_ids is not None and attention_mask is None and (cache is None or cache.seq_len == 0):
+            starts = self.packed_sequence_starts(position_ids.to(device).expand(B, S))
+            if not torch.compiler.is_compiling() and bool(starts[:, 1:].any()):
+                if output_attentions:
+                    raise NotImplementedError(
+                        "output_attentions=True with padding-free packed rows: each packed sequence attends only "
+                        "within itself, so there is no per-row attention map to return; unpack the batch."
+                    )
+                out = self._forward_packed(input_ids, inputs_embeds, position_ids, starts, output_hidden_states)
+                return out
         if use_cache and cache is None:
-            cache = SpikeWhaleCache(self.config)
+            cache = SpikeWhaleCache(cfg)
         if not use_cache:
             cache = None
         ctx = self._context(B, S, device, attention_mask, position_ids, cache)
@@ -1474,15 +1652,17 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         x = inputs_embeds
         engram_c = engram_r = None
         if self.engram is not None:
-            prefix = cache.engram_prefix(self.config.engram_max_ngram - 1) if cache is not None else None
-            e, engram_c, engram_r = self.engram(x, ctx.positions, prefix)
+            prefix = cache.engram_prefix(cfg.engram_max_ngram - 1) if cache is not None else None
+            e, engram_c, engram_r = self.engram(x, ctx.positions, prefix, hash_source)
             x = x + e
-        token_embed = inputs_embeds if self.config.use_value_embed else None
-        X = x[:, None].expand(B, self.config.hc_mult, S, x.shape[-1]) if self.hc_out_mix is not None else x
-        if DecodeStep.applies(self, ctx):
+        token_embed = inputs_embeds if cfg.use_value_embed else None
+        hidden_states = [x] if output_hidden_states else None
+        attentions = [] if output_attentions else None
+        X = x[:, None].expand(B, cfg.hc_mult, S, x.shape[-1]) if self.hc_out_mix is not None else x
+        if not (output_hidden_states or output_attentions) and DecodeStep.applies(self, ctx):
             X, aux_terms = DecodeStep(ctx, self._decode_run).run(self, X, token_embed, engram_r), []
         else:
-            X, aux_terms = self._run_slots(X, token_embed, engram_r, ctx)
+            X, aux_terms = self._run_slots(X, token_embed, engram_r, ctx, hidden_states, attentions)
         x = self.hc_out_mix(X) if self.hc_out_mix is not None else X
         steps = self.hrm_refine(x) if self.hrm_refine is not None else [x]
         steps = [self.norm(h) for h in steps]
@@ -1492,7 +1672,9 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             cache.commit(ctx.valid, engram_c, seg.new_segment if seg is not None else None, per_pos)
         moe_aux = torch.stack(aux_terms).mean() if aux_terms else None
         return SpikeWhaleModelOutput(
-            last_hidden_state=steps[-1], cache=cache, refinement_states=tuple(steps), moe_aux_loss=moe_aux
+            last_hidden_state=steps[-1], cache=cache, refinement_states=tuple(steps), moe_aux_loss=moe_aux,
+            hidden_states=tuple(hidden_states) if hidden_states is not None else None,
+            attentions=tuple(attentions) if attentions is not None else None,
         )
 
 
@@ -1537,6 +1719,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
     """SpikeWhale language model: backbone, tied `lm_head` and the MTP heads (no `model.` prefix on the heads)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
     _auto_class = "AutoModelForCausalLM"
     # The loss is a per-batch mean of several terms; let `Trainer` average it over accumulation steps.
     accepts_loss_kwargs = False
@@ -1552,6 +1735,15 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         self.abstain_head = nn.Linear(config.hidden_size, 1, bias=True) if config.use_abstain_head else None
         self.post_init()
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`; once registered for an auto class, `auto_map` also names the backbone
+        for `AutoModel` (transformers' `custom_object_save` records only the class being saved)."""
+        if self._auto_class is not None:
+            auto_map = dict(getattr(self.config, "auto_map", None) or {})
+            auto_map.setdefault("AutoModel", f"{SpikeWhaleModel.__module__.split('.')[-1]}.{SpikeWhaleModel.__name__}")
+            self.config.auto_map = auto_map
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
     def optimizer_param_groups(self, lr: float, **kwargs) -> list[dict]:
         """The "three-tier optimizer" parameter groups; see `three_tier_param_groups`."""
         return three_tier_param_groups(self, lr, **kwargs)
@@ -1559,6 +1751,17 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
+
+    def _prepare_generation_config(self, generation_config=None, *args, **kwargs):
+        """transformers' merge of the caller's settings over `generation_config.json`, except that a caller's
+        `max_length` also replaces the serving default `max_new_tokens` (`caller_length_wins`)."""
+        config, model_kwargs = super()._prepare_generation_config(generation_config, *args, **kwargs)
+        return caller_length_wins(config, generation_config, kwargs), model_kwargs
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """`cache_implementation="static"` / `"dynamic"` give a `SpikeWhaleCache` (`prepare_generation_cache`)."""
+        if not prepare_generation_cache(self, generation_config, model_kwargs):
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
         """`GenerationMixin.generate` (greedy, sampling, beams, processors, stopping criteria, streamers, ...) with
@@ -1659,6 +1862,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -1670,8 +1874,15 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         past_key_values: SpikeWhaleCache | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        shift_labels: torch.LongTensor | None = None,
         **kwargs,
     ) -> SpikeWhaleCausalLMOutput:
+        """See `SpikeWhaleModel.forward` for the inputs and `SpikeWhaleCausalLMOutput` for the loss. `shift_labels`
+        (already shifted: shift_labels[:, t] is the target of position t, as accelerate's context parallelism and
+        `Trainer` pass it) replaces the shifting of `labels`; `return_dict=False` returns transformers' tuple
+        (loss, logits, cache, hidden_states, attentions, ...; None entries left out)."""
         cache = cache if cache is not None else past_key_values
         if cache is not None and not isinstance(cache, SpikeWhaleCache):
             if isinstance(cache, Cache) and cache.get_seq_length() == 0:
@@ -1682,21 +1893,21 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
                     f"spike_whale needs a SpikeWhaleCache (K/V per loop-plan slot plus Memory-Cache state); got "
                     f"{type(cache).__name__}. Pass cache=None and use_cache=True to have the model create one."
                 )
-        if cache is not None and use_cache is None:
-            use_cache = True
-        if self.training or labels is not None:
-            use_cache = use_cache and not self.training
+        if self.training:
+            use_cache = False
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-            inputs_embeds=inputs_embeds, use_cache=use_cache,
+            inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states, return_dict=True,
         )
         h = out.last_hidden_state
-        if labels is not None:
-            return self._with_loss(h, out, labels, attention_mask)
+        if labels is not None or shift_labels is not None:
+            return self._with_loss(h, out, labels, attention_mask, shift_labels, position_ids)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(h[:, keep])
         return SpikeWhaleCausalLMOutput(
-            logits=logits, cache=out.cache, last_hidden_state=h, **self._abstain_fields(h[:, keep])
+            logits=logits, cache=out.cache, hidden_states=out.hidden_states, attentions=out.attentions,
+            last_hidden_state=h, **self._abstain_fields(h[:, keep])
         )
 
     def _abstain_fields(self, h: torch.Tensor) -> dict:
@@ -1706,11 +1917,13 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         threshold = float(self.config.abstain_threshold)
         return dict(abstain_probs=probs, abstain_mask=probs > threshold, abstain_threshold=threshold)
 
-    def _with_loss(self, h, out, labels, attention_mask) -> SpikeWhaleCausalLMOutput:
-        """labels = the input ids (HF style, shifted here). See `SpikeWhaleCausalLMOutput` for the objective.
+    def _with_loss(self, h, out, labels, attention_mask, shift_labels=None, position_ids=None) -> SpikeWhaleCausalLMOutput:
+        """labels = the input ids (HF style, shifted here), or `shift_labels` already shifted (shift_labels[:, t] is
+        the target of position t, so the last position has one too). See `SpikeWhaleCausalLMOutput` for the objective.
 
         Padding (attention_mask 0) is never a target nor a source: the first real token after left padding is
-        not predicted from a pad position.
+        not predicted from a pad position. In padding-free packed rows (position_ids restarting) no target crosses
+        into the next sequence, for the MTP heads either.
 
         - lm_loss: CE of logits[:, t] against labels[:, t+1].
         - z_loss: mean over counted targets of logsumexp(logits)².
@@ -1723,46 +1936,63 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         """
         cfg = self.config
         logits = self.lm_head(h)
-        labels = labels.to(logits.device)
+        S = logits.shape[1]
+        if shift_labels is not None:
+            # Position t's target sits at t, so "k steps ahead of the next token" is column t + k.
+            shifted_by, labels = 0, shift_labels.to(logits.device)
+        else:
+            shifted_by, labels = 1, labels.to(logits.device)
         source_pad = None
         if attention_mask is not None:
-            source_pad = attention_mask[:, -labels.shape[1]:].to(labels.device) == 0
-            labels = labels.masked_fill(source_pad, -100)
+            source_pad = attention_mask[:, -S:].to(labels.device) == 0
+            if shifted_by:
+                labels = labels.masked_fill(source_pad, -100)
+        seq_id = None
+        if position_ids is not None and attention_mask is None:
+            seq_id = self.model.packed_sequence_starts(position_ids.to(labels.device).expand(h.shape[:2])).cumsum(1)
 
         def shifted(k: int) -> torch.Tensor:
-            """Targets k steps ahead; a padding position predicts nothing (its output depends on the pad)."""
-            t = labels[:, k:]
-            return t if source_pad is None else t.masked_fill(source_pad[:, : t.shape[1]], -100)
+            """Targets k steps past position t's input token, aligned from t = 0; a padding position predicts nothing
+            (its output depends on the pad) and no target lies in another packed sequence."""
+            d = k - 1 + shifted_by
+            t = labels[:, d:]
+            if source_pad is not None:
+                t = t.masked_fill(source_pad[:, : t.shape[1]], -100)
+            if seq_id is not None:  # (with shift_labels the last target lies past the row: left as given)
+                cross = seq_id[:, k:] != seq_id[:, : S - k]
+                t = t.masked_fill(F.pad(cross, (0, t.shape[1] - cross.shape[1])), -100)
+            return t
 
         target = shifted(1)
+        n_pred = target.shape[1]
         counted = target != -100
-        lm_loss = _cross_entropy(logits[:, :-1], target)
+        lm_loss = _cross_entropy(logits[:, :n_pred], target)
         loss = lm_loss
         z_loss = None
         if cfg.zloss_coef:
-            lse = torch.logsumexp(logits[:, :-1].float(), -1)
+            lse = torch.logsumexp(logits[:, :n_pred].float(), -1)
             z_loss = (lse.pow(2) * counted).sum() / counted.sum().clamp(min=1)
             loss = loss + cfg.zloss_coef * z_loss
         mtp_loss = None
         if self.mtp_heads and cfg.mtp_loss_weight:
             terms = []
             for k, head in enumerate(self.mtp_heads, start=1):
-                if h.shape[1] <= k + 1:
+                t = shifted(k + 1)
+                if t.shape[1] < 1:
                     continue
-                mtp_logits = self.lm_head(head(h[:, : -(k + 1)]))
-                terms.append(_cross_entropy(mtp_logits, shifted(k + 1)))
+                terms.append(_cross_entropy(self.lm_head(head(h[:, : t.shape[1]])), t))
             if terms:
                 mtp_loss = torch.stack(terms).mean()
                 loss = loss + cfg.mtp_loss_weight * mtp_loss
         hrm_loss = None
         steps = out.refinement_states or ()
         if cfg.use_hrm_refine and cfg.hrm_deep_supervision and len(steps) > 1:
-            hrm_loss = torch.stack([_cross_entropy(self.lm_head(s[:, :-1]), target) for s in steps[:-1]]).sum()
+            hrm_loss = torch.stack([_cross_entropy(self.lm_head(s[:, :n_pred]), target) for s in steps[:-1]]).sum()
             loss = loss + hrm_loss
         abstain_loss = None
         if self.abstain_head is not None:
-            a_logit = self.abstain_head(h[:, :-1]).squeeze(-1).float()
-            wrong = (logits[:, :-1].detach().argmax(-1) != target).float().to(a_logit.device)
+            a_logit = self.abstain_head(h[:, :n_pred]).squeeze(-1).float()
+            wrong = (logits[:, :n_pred].detach().argmax(-1) != target).float().to(a_logit.device)
             pos_weight = torch.tensor(float(cfg.abstain_pos_weight), device=a_logit.device)
             bce = F.binary_cross_entropy_with_logits(a_logit, wrong, pos_weight=pos_weight, reduction="none")
             keep = counted.to(a_logit.device)
@@ -1773,8 +2003,9 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         if moe_aux_loss is not None and cfg.moe_aux_loss_coef:
             loss = loss + cfg.moe_aux_loss_coef * moe_aux_loss.to(loss.device)
         return SpikeWhaleCausalLMOutput(
-            loss=loss, logits=logits, cache=out.cache, lm_loss=lm_loss, z_loss=z_loss, mtp_loss=mtp_loss,
-            hrm_loss=hrm_loss, abstain_loss=abstain_loss, moe_aux_loss=moe_aux_loss, last_hidden_state=h,
+            loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states, attentions=out.attentions,
+            lm_loss=lm_loss, z_loss=z_loss, mtp_loss=mtp_loss, hrm_loss=hrm_loss, abstain_loss=abstain_loss,
+            moe_aux_loss=moe_aux_loss, last_hidden_state=h,
             **self._abstain_fields(h),
         )
 

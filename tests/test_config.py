@@ -74,3 +74,47 @@ def test_loop_plan_full_and_middle_split():
 def test_contradictory_configs_raise(overrides, match):
     with pytest.raises(ValueError, match=match):
         SpikeWhaleConfig.from_preset("byrne-100m-ultra-mc", **overrides)
+
+
+def test_fields_are_typed_declarations_with_the_seed_defaults():
+    """Fields are declared like transformers' in-library configs (typed class attributes with defaults), one per
+    seed field, and the config is a dataclass on transformers releases whose configs are."""
+    import dataclasses
+
+    import transformers
+
+    hints = vars(SpikeWhaleConfig)["__annotations__"]
+    seed_defaults = {"vocab_size": 16512, "hidden_size": 1024, "o_lora_rank": 341, "use_moe": True, "moe_layers": None,
+                     "engram_fusion_layers": None, "loop_middle_layers": None, "use_memory_cache": False,
+                     "mc_gate_dim": 64, "hrm_gate_init": 1.0, "use_cache": True}
+    for name, default in seed_defaults.items():
+        assert name in hints and getattr(SpikeWhaleConfig, name) == default, name
+    assert (hints["hidden_size"], hints["rope_theta"], hints["use_xsa"]) == ("int", "float", "bool")
+    if dataclasses.is_dataclass(transformers.PretrainedConfig):
+        names = {f.name for f in dataclasses.fields(SpikeWhaleConfig)}
+        assert {"hidden_size", "mc_segment_len", "use_cache", "engram_fusion_dim"} <= names
+    assert not hasattr(SpikeWhaleConfig, "num_mc_segments")  # read by nothing
+
+
+def test_presets_are_differences_from_the_base_preset():
+    from spike_whale.configuration_spike_whale import _PRESET_BYRNE_100M
+
+    base = SpikeWhaleConfig()
+    assert all(getattr(base, k) != v for k, v in _PRESET_BYRNE_100M.items())
+    for name, preset in PRESETS.items():
+        extra = {k: v for k, v in preset.items() if k not in _PRESET_BYRNE_100M or _PRESET_BYRNE_100M[k] != v}
+        assert all(getattr(base, k) != v or k in _PRESET_BYRNE_100M for k, v in extra.items()), name
+    assert SpikeWhaleConfig.from_preset("byrne-15m-looped").moe_layers == list(range(10))
+
+
+def test_validation_runs_in_one_place_on_every_route(tmp_path):
+    with pytest.raises(ValueError, match="multiple of"):
+        SpikeWhaleConfig(num_attention_heads=12, num_key_value_heads=5)
+    cfg = SpikeWhaleConfig.from_preset("tiny")
+    cfg.num_key_value_heads = 3
+    with pytest.raises(ValueError, match="multiple of"):
+        cfg.validate_architecture()
+    bad = dict(SpikeWhaleConfig.from_preset("tiny").to_dict(), loop_mode="sideways")
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="loop_mode"):
+        SpikeWhaleConfig.from_pretrained(tmp_path)

@@ -41,7 +41,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from spike_whale.tokenization_spike import build_demo_tokenizer
+    from spike_whale.hub_export.train_tokenizer import build_demo_tokenizer
 
     return build_demo_tokenizer()
 

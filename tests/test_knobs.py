@@ -306,12 +306,13 @@ def test_derf_attention_equation():
 
     q, k, v = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
     alpha, beta, gamma = torch.tensor([1.0, 0.5, 2.0, 1.0]), torch.tensor([0.0, -1.0, 0.3, 0.1]), torch.ones(4) * 3
-    y = derf_attention(q, k, v, None, True, 0.0, alpha, beta, gamma)
+    y, weights = derf_attention(q, k, v, None, True, 0.0, alpha, beta, gamma)
     kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     s = q @ kk.transpose(-1, -2) / 4.0
     w = gamma[:, None, None] * (torch.erf(alpha[:, None, None] * s + beta[:, None, None]) + 1) / 2
     w = w * torch.ones(5, 5).tril()
     torch.testing.assert_close(y, (w / (w.sum(-1, keepdim=True) + 1e-8)) @ vv)
+    torch.testing.assert_close(weights, w / (w.sum(-1, keepdim=True) + 1e-8))
 
 
 def test_elo_is_an_exact_no_op_at_init_and_ratings_follow_the_equation():
@@ -329,7 +330,7 @@ def test_elo_is_an_exact_no_op_at_init_and_ratings_follow_the_equation():
 
     q, k, v = torch.randn(1, 2, 6, 8), torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)
     gain, kf = torch.tensor([0.0, 2.0]), torch.tensor([0.5, 0.5])
-    y, ratings, _ = elo_attention(q, k, v, None, True, 0.0, gain, kf, None, torch.ones(1, 6, dtype=torch.bool))
+    y, _, ratings, _ = elo_attention(q, k, v, None, True, 0.0, gain, kf, None, torch.ones(1, 6, dtype=torch.bool))
     s = (q @ k.transpose(-1, -2)) / math.sqrt(8)
     vis = torch.ones(6, 6).tril().bool()
     p = torch.softmax(s.masked_fill(~vis, -math.inf), -1)
@@ -369,11 +370,11 @@ def test_elo_ratings_live_in_the_cache_and_survive_select_reorder_and_crop():
 
 
 def test_sdpa_stays_the_default_without_derf_or_elo(monkeypatch):
-    import spike_whale.modeling_spike_whale as mod
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     calls = []
-    real = mod.ATTENTION_FUNCTIONS["sdpa"]
-    monkeypatch.setitem(mod.ATTENTION_FUNCTIONS, "sdpa", lambda *a: calls.append(1) or real(*a))
+    real = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     ids = ids_batch(seq=6)
     with torch.no_grad():
         tiny_model()(ids)
