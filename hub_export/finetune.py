@@ -121,10 +121,7 @@ def trainer_arguments(work_dir: str, *, global_batch: int, steps: int, lr: float
         save_strategy="no", report_to=[], train_sampling_strategy="sequential", dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    count = PartialState().num_processes  # TrainingArguments set up the processes' state
-    if global_batch % count:
-        raise ValueError(f"--batch-size {global_batch} does not split evenly over {count} processes")
-    args.per_device_train_batch_size = global_batch // count
+    args.per_device_train_batch_size = global_batch // PartialState().num_processes  # set up by TrainingArguments
     return args
 
 
@@ -187,8 +184,14 @@ def run(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from accelerate import Accelerator
+    from accelerate import Accelerator, PartialState
 
+    for flag, value, least in (("--steps", args.steps, 1), ("--batch-size", args.batch_size, 1),
+                               ("--seq-len", args.seq_len, 4)):
+        if value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be positive, got {args.lr}")
     check_destination(args.out_dir, [args.model_dir, args.text], overwrite=args.overwrite)
     text = Path(args.text).read_text(encoding="utf-8")
     with tempfile.TemporaryDirectory(prefix="spike-whale-trainer-") as work_dir:  # the Trainer's output_dir
@@ -200,17 +203,26 @@ def run(args) -> int:
             accelerator = Accelerator()
             first = accelerator.main_process_first
         load = {}
+        state = PartialState()
+        accelerate_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+        if args.batch_size % state.num_processes:
+            raise ValueError(f"--batch-size {args.batch_size} does not split evenly over {state.num_processes} "
+                             "processes; give a multiple of the process count")
         if args.fsdp_size > 1:
+            if accelerate_fsdp:
+                raise ValueError("--fsdp-size shards with transformers' own FSDP2; drop accelerate's --use_fsdp flags")
+            if args.fsdp_size != state.num_processes:
+                raise ValueError(f"--fsdp-size {args.fsdp_size} must equal the number of processes "
+                                 f"({state.num_processes}); launch with --num_processes {args.fsdp_size}")
             from transformers.distributed import DistributedConfig
 
             load["distributed_config"] = DistributedConfig(fsdp_size=args.fsdp_size)
-        elif os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not args.trainer:
-            if str(accelerator.distributed_type) != "DistributedType.FSDP":
-                raise NotImplementedError(
-                    f"the launch asks for FSDP but accelerate set up {accelerator.distributed_type} (accelerate turns "
-                    "FSDP on only on accelerator devices, not on CPU); on CPU use transformers' own FSDP2 instead: "
-                    "drop the --use_fsdp flags and pass --fsdp-size N"
-                )
+        elif accelerate_fsdp and str(state.distributed_type) != "DistributedType.FSDP":
+            raise NotImplementedError(
+                f"the launch asks for FSDP but accelerate set up {state.distributed_type} (accelerate turns FSDP on "
+                "only on accelerator devices, not on CPU); on CPU use transformers' own FSDP2 instead: drop the "
+                "--use_fsdp flags and pass --fsdp-size N"
+            )
         with first():  # the first load writes the folder's code into the modules cache
             tokenizer = AutoTokenizer.from_pretrained(args.model_dir, trust_remote_code=True)
             model = AutoModelForCausalLM.from_pretrained(args.model_dir, trust_remote_code=True, dtype=torch.float32,
