@@ -34,6 +34,7 @@ produces them and they decode to the empty string.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -41,7 +42,7 @@ import threading
 from collections.abc import Iterable, Mapping
 
 from transformers import PreTrainedTokenizer
-from transformers.tokenization_utils_base import AddedToken
+from transformers.tokenization_utils_base import AddedToken, PreTrainedTokenizerBase
 
 
 # --------------------------------------------------------------------------------------------------
@@ -160,6 +161,63 @@ def chat_template_kwargs(kwargs: dict) -> dict:
         kwargs["sanitize_control_tokens"] = bool(kwargs.get("tokenize", True)) and not kwargs.get(
             "return_assistant_tokens_mask", False)
     return kwargs
+
+
+# transformers added `apply_chat_template(..., sanitize_control_tokens=...)` after 5.0; on older releases the same
+# marking is done by `_apply_marked_chat_template`.
+_HAS_SANITIZE = "sanitize_control_tokens" in inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+_MARK_START, _MARK_END = "\U000f0000", "\U000f0001"  # private use: removed from user strings before marking
+
+
+def apply_chat_template_safely(tokenizer, apply, conversation, kwargs: dict):
+    """`apply` (the base class's apply_chat_template) with `chat_template_kwargs` defaults on any transformers 5."""
+    kwargs = chat_template_kwargs(kwargs)
+    if _HAS_SANITIZE:
+        return apply(conversation, **kwargs)
+    if not kwargs.pop("sanitize_control_tokens"):
+        return apply(conversation, **kwargs)
+    return _apply_marked_chat_template(tokenizer, apply, conversation, kwargs)
+
+
+def _apply_marked_chat_template(tokenizer, apply, conversation, kwargs: dict):
+    opts = {k: kwargs.pop(k, default) for k, default in (("padding", False), ("truncation", False),
+                                                          ("max_length", None), ("return_tensors", None),
+                                                          ("return_dict", True), ("tokenizer_kwargs", None))}
+    kwargs.pop("tokenize", None)
+    controls = sorted(tokenizer.all_special_tokens, key=len, reverse=True)
+    control_re = re.compile("|".join(map(re.escape, controls)))
+
+    def mark(obj):
+        if isinstance(obj, str):
+            obj = obj.replace(_MARK_START, "").replace(_MARK_END, "")
+            return control_re.sub(lambda m: _MARK_START + m.group(0) + _MARK_END, obj)
+        if isinstance(obj, Mapping):
+            return {key: mark(value) for key, value in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [mark(value) for value in obj]
+        return obj
+
+    for key in ("tools", "documents"):
+        if kwargs.get(key) is not None:
+            kwargs[key] = mark(kwargs[key])
+    rendered = apply(mark(conversation), tokenize=False, **kwargs)
+    split_re = re.compile(re.escape(_MARK_START) + "(.*?)" + re.escape(_MARK_END), re.S)
+
+    def encode(chat: str) -> list[int]:
+        ids: list[int] = []
+        for i, piece in enumerate(split_re.split(chat)):
+            if piece:
+                ids += tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=bool(i % 2))
+        return ids
+
+    batched = not isinstance(rendered, str)
+    ids = [encode(chat) for chat in (rendered if batched else [rendered])]
+    if opts["truncation"] and opts["max_length"] is not None:
+        keep = opts["max_length"]
+        ids = [row[:keep] if tokenizer.truncation_side == "right" else row[-keep:] for row in ids]
+    out = tokenizer.pad({"input_ids": ids if batched else ids[0]}, padding=opts["padding"],
+                        max_length=opts["max_length"], return_tensors=opts["return_tensors"])
+    return out if opts["return_dict"] else out["input_ids"]
 
 
 _RESERVED_SET = frozenset(RESERVED_TOKENS)
@@ -668,18 +726,19 @@ class SpikeTokenizer(PreTrainedTokenizer):
                 "SpikeTokenizer (the slow, pure-Python tokenizer) does not compute offsets: use SpikeTokenizerFast "
                 "(what AutoTokenizer returns by default) for return_offsets_mapping=True"
             )
-        if is_split_into_words and isinstance(text, str):  # a one-word sequence, unwrapped by the batch loop
-            text = [text]
-        if is_split_into_words and isinstance(text_pair, str):
-            text_pair = [text_pair]
-        is_words = is_split_into_words and isinstance(text, (list, tuple)) and bool(text)
-        if is_words and isinstance(text[0], str):  # one pretokenized sequence (or pair): encode word by word here
+        if is_split_into_words:  # encoded word by word here; the base class then sees ids
             split = kwargs.get("split_special_tokens")
+            opts = {} if split is None else {"split_special_tokens": split}
 
             def ids_of(words):
-                if words is None or not words or not isinstance(words[0], str):
-                    return words
-                opts = {} if split is None else {"split_special_tokens": split}
+                if words is None:
+                    return None
+                if isinstance(words, str):  # a one-word sequence, unwrapped by the batch loop
+                    words = [words]
+                if isinstance(words, tuple) and len(words) == 2 and not isinstance(words[0], str):
+                    return ids_of(words[0]), ids_of(words[1])  # a (words, words) pair in a batch
+                if words and not isinstance(words[0], str):  # a batch of sequences
+                    return [ids_of(row) for row in words]
                 return self.convert_tokens_to_ids(
                     [t for word in words for t in self.tokenize(word, is_split_into_words=True, **opts)]
                 )
@@ -736,7 +795,7 @@ class SpikeTokenizer(PreTrainedTokenizer):
         `chat_template_kwargs`): a user message cannot inject ``<|im_start|>system``.  Pass
         ``sanitize_control_tokens=False`` for the raw behaviour; ``tokenize=False`` returns the rendered string,
         which cannot mark the difference (encode it with ``split_special_tokens`` as needed)."""
-        return super().apply_chat_template(conversation, **chat_template_kwargs(kwargs))
+        return apply_chat_template_safely(self, super().apply_chat_template, conversation, kwargs)
 
     # ---- save ---------------------------------------------------------------------------------------
 
@@ -782,7 +841,7 @@ __all__ = [
     "normalize_vocab_data",
     "dump_vocab_data",
     "CHATML_TEMPLATE",
-    "chat_template_kwargs",
+    "apply_chat_template_safely",
     "PAD_ID",
     "UNK_ID",
     "BOS_ID",

@@ -50,7 +50,7 @@ from .tokenization_spike import (
     VOCAB_FILE_NAME,
     VOCAB_SIZE,
     SpikeTokenizer,
-    chat_template_kwargs,
+    apply_chat_template_safely,
     dump_vocab_data,
     greedy_trie_pattern,
     load_vocab_file,
@@ -318,7 +318,7 @@ class SpikeTokenizerFast(PreTrainedTokenizerFast):
 
     def apply_chat_template(self, conversation, **kwargs):
         """As `SpikeTokenizer.apply_chat_template`: control tokens inside messages are encoded as text by default."""
-        return super().apply_chat_template(conversation, **chat_template_kwargs(kwargs))
+        return apply_chat_template_safely(self, super().apply_chat_template, conversation, kwargs)
 
     # ---- decode ---------------------------------------------------------------------------------------
 
