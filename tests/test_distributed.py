@@ -103,7 +103,9 @@ torch.save(results, f"{sys.argv[1]}/rank{dist.get_rank()}.pt")
 def test_tensor_parallel_matches_single_process(tmp_path):
     from spike_whale import SpikeWhaleForCausalLM
 
-    folders = [tiny_folder(tmp_path / "full", **FULL), tiny_folder(tmp_path / "derf", use_derf=True)]
+    # The tiny model's one-token decode steps take the fused decode path; FULL and DERF take the general one.
+    folders = [tiny_folder(tmp_path / "tiny"), tiny_folder(tmp_path / "full", **FULL),
+               tiny_folder(tmp_path / "derf", use_derf=True)]
     script = tmp_path / "tp_job.py"
     script.write_text(TP_JOB)
     run_job([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", free_port(),
