@@ -42,7 +42,13 @@ import threading
 from collections.abc import Iterable, Mapping
 
 from transformers import PreTrainedTokenizer
-from transformers.tokenization_utils_base import AddedToken, PreTrainedTokenizerBase
+from transformers.tokenization_utils_base import (
+    AddedToken,
+    BatchEncoding,
+    PaddingStrategy,
+    PreTrainedTokenizerBase,
+    TruncationStrategy,
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -220,6 +226,14 @@ def _apply_marked_chat_template(tokenizer, apply, conversation, kwargs: dict):
     return out if opts["return_dict"] else out["input_ids"]
 
 
+# `_encode_plus` arguments the plain path (`SpikeTokenizer._encode_plain`) handles; any other goes to the base class.
+_PLAIN_CALL_KEYS = frozenset({
+    "add_special_tokens", "padding_strategy", "truncation_strategy", "max_length", "stride", "pad_to_multiple_of",
+    "padding_side", "return_tensors", "return_token_type_ids", "return_attention_mask", "return_overflowing_tokens",
+    "return_special_tokens_mask", "return_length", "verbose", "split_special_tokens", "sanitize_control_tokens",
+})
+_UNSUPPORTED_BY_PLAIN_CALL = ("stride", "return_token_type_ids", "return_overflowing_tokens",
+                              "return_special_tokens_mask", "return_length", "sanitize_control_tokens")
 _RESERVED_SET = frozenset(RESERVED_TOKENS)
 _NON_TEXT_TOKENS = frozenset(BASE_SPECIAL_TOKENS) | frozenset(SPECIAL_TOKENS) | _RESERVED_SET
 
@@ -726,6 +740,12 @@ class SpikeTokenizer(PreTrainedTokenizer):
                 "SpikeTokenizer (the slow, pure-Python tokenizer) does not compute offsets: use SpikeTokenizerFast "
                 "(what AutoTokenizer returns by default) for return_offsets_mapping=True"
             )
+        if not is_split_into_words and text_pair is None and not args and kwargs.keys() <= _PLAIN_CALL_KEYS and not any(
+                kwargs.get(k) for k in _UNSUPPORTED_BY_PLAIN_CALL) and kwargs.get(
+                "truncation_strategy", TruncationStrategy.DO_NOT_TRUNCATE) == TruncationStrategy.DO_NOT_TRUNCATE:
+            rows = [text] if isinstance(text, str) else text
+            if isinstance(rows, (list, tuple)) and rows and all(isinstance(t, str) for t in rows):
+                return self._encode_plain(text, rows, **kwargs)
         if is_split_into_words:  # encoded word by word here; the base class then sees ids
             split = kwargs.get("split_special_tokens")
             opts = {} if split is None else {"split_special_tokens": split}
@@ -750,6 +770,43 @@ class SpikeTokenizer(PreTrainedTokenizer):
             finally:
                 _BOS_STATE.words = previous
         return super()._encode_plus(text, text_pair, *args, is_split_into_words=is_split_into_words, **kwargs)
+
+    def _encode_plain(self, text, rows: list[str], add_special_tokens: bool = True, padding_strategy=None,
+                      max_length=None, pad_to_multiple_of=None, padding_side=None, return_tensors=None,
+                      return_attention_mask=None, verbose: bool = True, split_special_tokens=None, **_):
+        """`__call__` on texts without truncation, pairs or extra outputs: the same result as the base class's
+        per-text `prepare_for_model`, computed with one regex pass and one dict lookup per token."""
+        split = self.split_special_tokens if split_special_tokens is None else split_special_tokens
+        ids = [self._text_ids(t, split) for t in rows]
+        if add_special_tokens and self._add_bos_token:  # never twice, as in `prepare_for_model`
+            ids = [row if row[:1] == [BOS_ID] else [BOS_ID] + row for row in ids]
+        for row in ids:
+            self._eventual_warn_about_too_long_sequence(row, max_length, verbose)
+        batched = not isinstance(text, str)
+        if padding_strategy is None or padding_strategy == PaddingStrategy.DO_NOT_PAD:
+            out = {"input_ids": ids}
+            if return_attention_mask or (return_attention_mask is None and "attention_mask" in self.model_input_names):
+                out["attention_mask"] = [[1] * len(row) for row in ids]
+            if not batched:
+                out = {key: value[0] for key, value in out.items()}
+        else:
+            out = self.pad({"input_ids": ids if batched else ids[0]}, padding=padding_strategy.value,
+                           max_length=max_length, pad_to_multiple_of=pad_to_multiple_of, padding_side=padding_side,
+                           return_attention_mask=return_attention_mask)
+        return BatchEncoding(dict(out), tensor_type=return_tensors, prepend_batch_axis=not batched)
+
+    def _text_ids(self, text: str, split_special_tokens: bool) -> list[int]:
+        pieces = [text] if split_special_tokens else self._split_added_tokens(text)
+        if pieces is None:
+            return self.convert_tokens_to_ids(self.tokenize(text, split_special_tokens=split_special_tokens))
+        greedy, added, findall = self._greedy, self._added_tokens_encoder, self.greedy_regex.findall
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if i % 2:
+                ids.append(added[piece])
+            elif piece:
+                ids += [greedy[t] for t in findall(_to_latin1(piece))]
+        return ids
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Greedy ids of `text` with no special-token handling and no <bos> (fast path for data prep).

@@ -278,3 +278,28 @@ def test_demo_tokenizer_is_trained_by_the_trainer():
     t = build_demo_tokenizer()
     assert isinstance(t, SpikeTokenizerFast)
     assert t.vocab_data == build_lengthmax_vocab([DEMO_CORPUS], vocab_size=2176) | {"vocab": t.vocab_data["vocab"]}
+
+
+def test_slow_plain_call_path_equals_the_base_class_path(pair, monkeypatch):
+    """SpikeTokenizer answers plain __call__s itself (one regex pass, no per-text prepare_for_model); the result must
+    be what transformers' generic path gives."""
+    import torch
+
+    import spike_whale.tokenization_spike as module
+
+    slow, _ = pair
+    rng = random.Random(3)
+    texts = [random_text(rng) for _ in range(300)] + ["", "<bos>", "<bos>x"]
+    calls = [(texts, {}), (texts, {"padding": True}), (texts, {"padding": "max_length", "max_length": 400}),
+             (texts, {"return_tensors": "pt", "padding": True}), (texts, {"add_special_tokens": False}),
+             (texts, {"split_special_tokens": True}), (texts, {"padding": True, "padding_side": "right",
+                                                               "pad_to_multiple_of": 8}),
+             (texts, {"return_attention_mask": False}), (texts[7], {"return_tensors": "pt"}), (texts[9], {})]
+    plain = [slow(t, **kw) for t, kw in calls]
+    monkeypatch.setattr(module, "_PLAIN_CALL_KEYS", frozenset())
+    for (t, kw), a in zip(calls, plain):
+        b = slow(t, **kw)
+        assert a.keys() == b.keys(), kw
+        for key in a:
+            same = torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor) else a[key] == b[key]
+            assert same, (kw, key)
