@@ -143,9 +143,10 @@ def train_with_trainer(model, rows, batches, args, *, lr: float, packed: bool = 
 
 
 def save_folder(model, tokenizer, out_dir, accelerator, source_dir) -> None:
-    """Save the trained weights gathered whole (by transformers for its own FSDP2, else by accelerate), the model's
-    code files and config, and the tokenizer as a folder that loads with `trust_remote_code=True`, through a
-    staging folder. Every process must call it."""
+    """Save the trained weights gathered whole, the model's code files and config, and the tokenizer as a folder
+    that loads with `trust_remote_code=True`, through a staging folder. Every process must call it."""
+    from torch.distributed.fsdp import FSDPModule
+
     from accelerate.utils import broadcast_object_list
 
     out = Path(out_dir)
@@ -154,20 +155,23 @@ def save_folder(model, tokenizer, out_dir, accelerator, source_dir) -> None:
         remove_stale_temps(out.absolute().parent)
     staging = broadcast_object_list([staging_folder(out) if main else None])[0]
     try:
-        if sharded_by_transformers(model):
-            # The FSDP2 class transformers' save_pretrained would copy the code of (and name in auto_map) is torch's
-            # wrapper, so the gathered weights are saved through an unsharded copy of the source model.
+        unwrapped = accelerator.unwrap_model(model)
+        if isinstance(unwrapped, FSDPModule):
+            # FSDP2 (accelerate's or transformers' own) gives the model torch's wrapper class, whose code
+            # save_pretrained would copy (and name in auto_map): gather the weights with torch and save them through
+            # an unsharded copy of the source model.
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
             from transformers import AutoModelForCausalLM
 
-            state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            state_dict = get_model_state_dict(unwrapped, options=options)
             if main:
-                plain = AutoModelForCausalLM.from_pretrained(source_dir, trust_remote_code=True, dtype=model.dtype)
+                plain = AutoModelForCausalLM.from_pretrained(source_dir, trust_remote_code=True, dtype=unwrapped.dtype)
                 plain.save_pretrained(staging, state_dict=state_dict)
         else:
             state_dict = accelerator.get_state_dict(model)
             if main:
-                accelerator.unwrap_model(model).save_pretrained(staging, state_dict=state_dict)
+                unwrapped.save_pretrained(staging, state_dict=state_dict)
         if main:
             tokenizer.save_pretrained(staging)
             replace_folder(staging, out)
