@@ -24,11 +24,13 @@ lose their score.  The last round's table decides the order of the final ids.
 from __future__ import annotations
 
 import glob
+import heapq
 import math
 import os
 import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from itertools import compress
 from operator import add
 from pathlib import Path
 
@@ -59,40 +61,53 @@ def _check_options(vocab_size, max_token_len, rounds, max_ngram, min_freq, max_c
 
 
 class CandidateTable:
-    """The scoreboard of one round: byte string -> tokens it would save, bounded to `max_candidates` entries."""
+    """The scoreboard of one round: for each run length n, byte string -> occurrences; bounded in entries.
+
+    ``score(s) = Σ_n (n − 1) · count_n(s)`` (the tokens `s` would save), ``freq(s) = Σ_n count_n(s)``.
+    """
 
     def __init__(self, max_candidates: int):
         self.max_candidates = max_candidates
-        self.score: Counter = Counter()
-        self.freq: Counter = Counter()
+        self.counts: dict[int, Counter] = {}
 
     def add_segmentation(self, seg: list[str], max_ngram: int, max_token_len: int) -> None:
         """Count every run of n = 2..max_ngram consecutive tokens of `seg` that fits in max_token_len bytes."""
+        fits = max_token_len.__ge__
         runs = seg
         for n in range(2, max_ngram + 1):
             runs = list(map(add, runs[:-1], seg[n - 1:]))
-            fitting = [r for r in runs if len(r) <= max_token_len]
+            fitting = list(compress(runs, map(fits, map(len, runs))))  # all in C: this loop is the hot path
             if not fitting:
                 break
-            counts = Counter(fitting)
-            self.freq.update(counts)
-            if n == 2:
-                self.score.update(counts)
-            else:
-                for piece, c in counts.items():
-                    self.score[piece] += (n - 1) * c
-        if len(self.score) > self.max_candidates:
+            self.counts.setdefault(n, Counter()).update(fitting)
+        if sum(map(len, self.counts.values())) > self.max_candidates:
             self.prune()
 
-    def prune(self) -> None:
-        keep = sorted(self.score.items(), key=lambda kv: (-kv[1], kv[0]))[: self.max_candidates // 2]
-        self.score = Counter(dict(keep))
-        self.freq = Counter({piece: self.freq[piece] for piece, _ in keep})
+    def scores(self) -> tuple[Counter, Counter]:
+        score, freq = Counter(), Counter()
+        for n, counts in self.counts.items():
+            freq.update(counts)
+            if n == 2:
+                score.update(counts)
+            else:
+                for piece, c in counts.items():
+                    score[piece] += (n - 1) * c
+        return score, freq
 
-    def best(self, exclude: set[str], min_freq: int) -> list[tuple[int, str]]:
-        ranked = [(s, p) for p, s in self.score.items() if self.freq[p] >= min_freq and p not in exclude]
-        ranked.sort(key=lambda item: (-item[0], item[1]))
-        return ranked
+    def prune(self) -> None:
+        """Keep the best-scoring half of `max_candidates` strings (deterministic: ties by the bytes)."""
+        score, _ = self.scores()
+        keep = {p for p, _ in heapq.nsmallest(self.max_candidates // 2, score.items(), key=_rank)}
+        self.counts = {n: Counter({p: c for p, c in counts.items() if p in keep}) for n, counts in self.counts.items()}
+
+    def best(self, count: int, exclude: set[str], min_freq: int) -> list[str]:
+        score, freq = self.scores()
+        eligible = ((p, s) for p, s in score.items() if freq[p] >= min_freq and p not in exclude)
+        return [p for p, _ in heapq.nsmallest(count, eligible, key=_rank)]
+
+
+def _rank(item: tuple[str, int]) -> tuple[int, str]:
+    return -item[1], item[0]
 
 
 def train_lengthmax_vocab(
@@ -133,13 +148,12 @@ def train_lengthmax_vocab(
                 bar.update(len(chunk))
         if bar is not None:
             bar.close()
-        ranked = table.best(known | forbidden, min_freq)
+        take = math.ceil(remaining / (rounds - round_idx))
+        ranked = table.best(take, known | forbidden, min_freq)
         if not ranked:
             break
-        take = math.ceil(remaining / (rounds - round_idx))
-        for _, piece in ranked[:take]:
-            selected.append(piece)
-            known.add(piece)
+        selected += ranked
+        known.update(ranked)
 
     vocab = {tok: i for i, tok in enumerate(lay["BASE_SPECIAL_TOKENS"])}
     vocab.update({chr(b): b + lay["BYTE_OFFSET"] for b in range(256)})
