@@ -678,13 +678,10 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
             )
         if kwargs.get("assistant_model") is not None:
             raise ValueError("use_mtp=True drafts with the model's own MTP head; do not pass an assistant_model.")
-        if eff.do_sample or eff.num_beams != 1:
+        if eff.num_beams != 1:
             raise NotImplementedError(
-                "use_mtp=True implements greedy self-speculative decoding (output identical to do_sample=False, "
-                f"num_beams=1); got do_sample={eff.do_sample}, num_beams={eff.num_beams}. Sampling would need "
-                "speculative rejection sampling between the MTP and main-head distributions, which is not "
-                "implemented. Pass do_sample=False (the shipped generation_config.json samples by default) or drop "
-                "use_mtp."
+                "use_mtp=True implements greedy and sampling self-speculative decoding (num_beams=1); got "
+                f"num_beams={eff.num_beams}. Drop num_beams or use_mtp."
             )
         if not len(getattr(model, "mtp_heads", ())):
             raise ValueError("use_mtp=True needs an MTP head, but this config has num_nextn_predict_layers=0.")
@@ -716,7 +713,8 @@ def mtp_speculative_generate(
     mtp_draft_tokens: int | None = None,
     **model_kwargs,
 ):
-    """Greedy decoding with MTP self-speculation; the token ids are those of plain greedy decoding.
+    """Greedy or sampling decoding with MTP self-speculation: greedy ids are those of plain greedy decoding, sampled
+    ids follow plain sampling's distribution (speculative sampling's accept/reject rule, below).
 
     Each step feeds the pending token plus K drafts (MTP head k, applied to the final normed hidden state of
     the last accepted position, drafts the token k+1 places past the pending one) through one multi-token
@@ -725,8 +723,14 @@ def mtp_speculative_generate(
     are then removed from the cache (`activate_past_recording` + `crop`), which restores the Memory-Cache
     state exactly. Rows of a batch advance in lockstep (a step keeps the drafts every unfinished row accepted).
     Called by `GenerationMixin.generate` through `custom_generate` (after all of its input preparation).
+
+    With `do_sample=True` each draft is sampled from its MTP head's processed distribution q, and the main head's
+    processed distribution p at that place accepts it with probability min(1, p(d)/q(d)); a rejected draft is
+    replaced by a sample of norm(max(0, p - q)) and ends the step; after the last draft, a token is sampled from p.
+    Each emitted token is then distributed as plain sampling's (Leviathan et al. 2023, Chen et al. 2023).
     """
     streamer = mtp_streamer
+    do_sample = bool(generation_config.do_sample)
     heads = model.mtp_heads
     K = int(mtp_draft_tokens or len(heads))
     cache = model_kwargs.get("cache")
@@ -758,8 +762,9 @@ def mtp_speculative_generate(
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    def emit(next_logits: torch.Tensor) -> torch.Tensor:
-        """One greedy step of `_sample`: process, pick, pad finished rows, append, stream, check stopping."""
+    def emit(next_logits: torch.Tensor, pick=None) -> torch.Tensor:
+        """One step of `_sample`: process, pick (argmax, or `pick(processed scores)`), pad finished rows, append,
+        stream, check stopping."""
         nonlocal input_ids, unfinished, scores, raw_logits
         next_logits = next_logits.to(copy=True, dtype=torch.float32, device=input_ids.device)
         next_scores = logits_processor(input_ids, next_logits)
@@ -767,7 +772,7 @@ def mtp_speculative_generate(
             scores += (next_scores,)
         if raw_logits is not None:
             raw_logits += (next_logits,)
-        tok = torch.argmax(next_scores, dim=-1)
+        tok = pick(next_scores) if pick is not None else torch.argmax(next_scores, dim=-1)
         if has_eos_stopping_criteria:
             tok = tok * unfinished + pad * (1 - unfinished)
         input_ids = torch.cat([input_ids, tok[:, None]], dim=-1)
@@ -783,17 +788,39 @@ def mtp_speculative_generate(
         [p for p in logits_processor if type(p).__module__.startswith("transformers.generation.")]
     )
 
-    def draft(h_last: torch.Tensor, k: int) -> torch.Tensor:
-        """k MTP drafts [B, k] from the hidden state [B, H] that produced the pending token."""
-        ctx, out = input_ids, []
+    def sample(next_scores: torch.Tensor) -> torch.Tensor:
+        return torch.multinomial(torch.softmax(next_scores, dim=-1), num_samples=1).squeeze(1)
+
+    def draft(h_last: torch.Tensor, k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """k MTP drafts [B, k] from the hidden state [B, H] that produced the pending token, and (sampling) the
+        distribution [B, V] each was drawn from."""
+        ctx, out, dists = input_ids, [], []
         for i in range(k):
-            logits = model.lm_head(heads[i](h_last)).float()
-            d = torch.argmax(draft_processor(ctx, logits), dim=-1)
+            draft_scores = draft_processor(ctx, model.lm_head(heads[i](h_last)).float())
+            if do_sample:
+                dists.append(torch.softmax(draft_scores, dim=-1))
+                d = torch.multinomial(dists[-1], num_samples=1).squeeze(1)
+            else:
+                d = torch.argmax(draft_scores, dim=-1)
             if has_eos_stopping_criteria:
                 d = d * unfinished + pad * (1 - unfinished)
             out.append(d)
             ctx = torch.cat([ctx, d[:, None]], dim=-1)
-        return torch.stack(out, 1) if out else input_ids.new_zeros(B, 0)
+        return (torch.stack(out, 1) if out else input_ids.new_zeros(B, 0)), dists
+
+    def accept_or_resample(drafted: torch.Tensor, q: torch.Tensor, accepted: list):
+        """Speculative sampling's rule for one draft per row: keep it with probability min(1, p/q), else draw from
+        norm(max(0, p - q)); appends to `accepted` whether every row kept its draft."""
+        def pick(next_scores: torch.Tensor) -> torch.Tensor:
+            p = torch.softmax(next_scores, dim=-1)
+            p_d, q_d = p.gather(1, drafted[:, None]).squeeze(1), q.gather(1, drafted[:, None]).squeeze(1)
+            keep = torch.rand(p_d.shape, device=p.device) * q_d < p_d
+            residual = (p - q).clamp_min(0)
+            residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+            tok = torch.where(keep, drafted, torch.multinomial(residual, num_samples=1).squeeze(1))
+            accepted.append(bool((keep | (unfinished == 0)).all()))
+            return tok
+        return pick
 
     past = cache.get_seq_length()
     embeds = model_kwargs.get("inputs_embeds")
@@ -805,7 +832,7 @@ def mtp_speculative_generate(
         )
     out = model(**prompt, attention_mask=attention_mask, cache=cache, use_cache=True, logits_to_keep=1)
     stats.forwards += 1
-    tok = emit(out.logits[:, -1])
+    tok = emit(out.logits[:, -1], sample if do_sample else None)
     h_last = out.last_hidden_state[:, -1]
     max_length = generation_config.max_length
     cache.activate_past_recording()  # after the prefill: per-position states of the verification chunks only
@@ -813,18 +840,25 @@ def mtp_speculative_generate(
         while unfinished.max() > 0:
             cur = input_ids.shape[1]  # the cache holds cur - 1 positions; `tok` (the last id) is pending
             k = max(0, min(K, max_length - cur - 1, cache.max_cache_len - cur))
-            drafts = draft(h_last, k)
+            drafts, dists = draft(h_last, k)
             out = model(input_ids=torch.cat([tok[:, None], drafts], dim=1), cache=cache, use_cache=True)
             stats.forwards += 1
             stats.verify_steps += int(k > 0)
             emitted, rejected = 0, False
-            for j in range(k + 1):  # the main head's greedy choice after each fed token, until a draft is wrong
-                tok = emit(out.logits[:, j])
+            for j in range(k + 1):  # the main head's choice after each fed token, until a draft is rejected
+                accepted = []
+                if not do_sample:
+                    pick = None
+                elif j < k:
+                    pick = accept_or_resample(drafts[:, j], dists[j], accepted)
+                else:
+                    pick = sample
+                tok = emit(out.logits[:, j], pick)
                 emitted += 1
                 if unfinished.max() == 0 or j == k:
                     break
                 stats.drafted += 1
-                if not bool(((tok == drafts[:, j]) | (unfinished == 0)).all()):
+                if not (accepted[0] if do_sample else bool(((tok == drafts[:, j]) | (unfinished == 0)).all())):
                     rejected = True
                     break
                 stats.accepted += 1

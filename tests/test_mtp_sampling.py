@@ -1,0 +1,82 @@
+"""`generate(use_mtp=True, do_sample=True)`: speculative sampling keeps plain sampling's distribution (the exact
+distribution of the first tokens against the empirical one, chi-square), and the check catches a sampler that
+keeps every draft the main head allows."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from conftest import tiny_model
+
+# Sharp enough that the MTP head's draft distribution differs clearly from the main head's.
+SETTINGS = dict(do_sample=True, top_k=4, temperature=0.15, repetition_penalty=1.0)
+PROMPT = torch.tensor([[2, 300, 301, 302, 303, 304, 305]])
+N_NEW = 3  # t1 from the prefill, t2 accepted or resampled against the MTP draft, t3 after either
+
+
+def exact_distribution(model, prompt, n):
+    """P(t1..tn) of plain sampling with SETTINGS over every path through the top-k ids, from full forwards."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+    warp = LogitsProcessorList([TemperatureLogitsWarper(SETTINGS["temperature"]), TopKLogitsWarper(SETTINGS["top_k"])])
+    probs = {(): 1.0}
+    for _ in range(n):
+        nxt = {}
+        for path, p in probs.items():
+            ids = torch.cat([prompt, torch.tensor([path], dtype=torch.long).reshape(1, -1)], 1)
+            with torch.no_grad():
+                scores = warp(ids, model(input_ids=ids, use_cache=False).logits[:, -1].float())
+            dist = torch.softmax(scores, -1)[0]
+            for t in torch.nonzero(dist > 0).flatten().tolist():
+                nxt[path + (t,)] = p * dist[t].item()
+        probs = nxt
+    return probs
+
+
+def chi_square(model, rows: int = 250, rounds: int = 6) -> tuple[float, float]:
+    """(statistic, its 99.9% quantile) of MTP sampling's paths against `exact_distribution`."""
+    exact = exact_distribution(model, PROMPT, N_NEW)
+    counts = dict.fromkeys(exact, 0)
+    torch.manual_seed(0)
+    for _ in range(rounds):  # rows of a batch are independent samples (they advance in lockstep)
+        ids = PROMPT.expand(rows, -1)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), use_mtp=True,
+                             max_new_tokens=N_NEW, min_new_tokens=N_NEW, **SETTINGS)
+        for row in out[:, PROMPT.shape[1]:].tolist():
+            counts[tuple(row)] += 1  # a path outside the exact support raises KeyError
+    total = rows * rounds
+    cells, pooled_obs, pooled_exp = [], 0, 0.0  # rare paths pooled so every expected count is >= 5
+    for path, p in sorted(exact.items(), key=lambda kv: -kv[1]):
+        if p * total >= 5:
+            cells.append((counts[path], p * total))
+        else:
+            pooled_obs, pooled_exp = pooled_obs + counts[path], pooled_exp + p * total
+    if pooled_exp > 0:
+        cells.append((pooled_obs, pooled_exp))
+    chi2 = sum((o - e) ** 2 / e for o, e in cells)
+    dof = len(cells) - 1
+    z = 3.09  # 99.9% (Wilson-Hilferty): a correct sampler fails for about one seed in a thousand
+    return chi2, dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def test_mtp_sampling_matches_plain_sampling_distribution():
+    model = tiny_model(seed=3)
+    chi2, limit = chi_square(model)
+    assert chi2 < limit, (chi2, limit)
+    drafted = accepted = 0
+    for _ in range(20):  # one row at a time: the step statistics then show both branches of the rule
+        model.generate(input_ids=PROMPT, attention_mask=torch.ones_like(PROMPT), use_mtp=True,
+                       max_new_tokens=N_NEW, min_new_tokens=N_NEW, **SETTINGS)
+        drafted += model.last_mtp_stats.drafted
+        accepted += model.last_mtp_stats.accepted
+    assert 0 < accepted < drafted
+
+
+def test_the_check_catches_a_sampler_that_keeps_every_allowed_draft(monkeypatch):
+    model = tiny_model(seed=3)
+    # u = 0 makes the rule keep every draft with p > 0, i.e. the draft distribution wherever the main head allows it.
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.zeros(*args, **kwargs))
+    chi2, limit = chi_square(model)
+    assert chi2 > limit, (chi2, limit)
