@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib
 import math
 from dataclasses import dataclass
 
@@ -172,6 +173,17 @@ PRESETS: dict[str, dict] = {
         mc_gate_dim=16,
     ),
 }
+
+
+def registered_tp_styles() -> set[str]:
+    """The tensor-parallel style names the installed transformers registers (the set grew across 5.x; the module
+    moved to `transformers.distributed` in later releases)."""
+    for module in ("transformers.distributed.tensor_parallel", "transformers.integrations.tensor_parallel"):
+        try:
+            return set(importlib.import_module(module).ALL_PARALLEL_STYLES)
+        except (ImportError, AttributeError):
+            continue
+    return set()
 
 
 class SpikeWhaleConfig(PretrainedConfig):
@@ -460,30 +472,37 @@ class SpikeWhaleConfig(PretrainedConfig):
 
     @property
     def base_model_tp_plan(self) -> dict[str, str]:
-        """transformers' tensor-parallel plan (`DistributedConfig(tp_size=N)`), naming only the modules this config
-        builds (transformers warns about a rule that matches nothing). The K/V heads must divide by the TP size.
+        """transformers' tensor-parallel plan (`DistributedConfig(tp_size=N)`, or `tp_plan="auto"` before
+        DistributedConfig had tp_size), naming only the modules this config builds (transformers warns about a rule
+        that matches nothing) and only styles the installed transformers registers. The K/V heads must divide by
+        the TP size.
 
         Split: attention heads (q up-projection, K, V column-wise, the heads→rank output projection o_a row-wise;
-        DERF/Elo per-head parameters go with their heads), SwiGLU FFNs and MoE experts, the Engram tables (by
-        bucket row) and gate, the HRM projections. Replicated: the low-rank q/o latents (q_a is normed over its full
-        width), norms, HC and gate scalars, the MoE router, the Memory-Cache branch (qkv_proj packs q, k, v into
-        one matrix, which no registered style splits three ways) and Engram fusion (its gate sums over the whole
-        fusion width). There is no pipeline plan: every loop pass re-enters the first layers, which transformers'
-        one-way stage schedule cannot run.
+        DERF/Elo per-head parameters go with their heads, which needs the `local_params` style of transformers
+        5.24: before it such attention stays whole), SwiGLU FFNs and MoE experts, the Engram tables (by bucket
+        row, from 5.18) and gate, the HRM projections. Replicated: the low-rank q/o latents (q_a is normed over its
+        full width), norms, HC and gate scalars, the MoE router, the Memory-Cache branch (qkv_proj packs q, k, v
+        into one matrix, which no registered style splits three ways) and Engram fusion (its gate sums over the
+        whole fusion width). There is no pipeline plan: every loop pass re-enters the first layers, which
+        transformers' one-way stage schedule cannot run.
         """
-        plan = {
-            "layers.*.attn.q_b_proj": "colwise",
-            "layers.*.attn.k_proj": "colwise",
-            "layers.*.attn.v_proj": "colwise",
-            "layers.*.attn.o_a_proj": "rowwise",
-        }
-        if self.use_qk_norm:  # one weight shared by the heads: each rank's gradient covers only its heads
-            plan["layers.*.attn.q_norm"] = plan["layers.*.attn.k_norm"] = "replicated_with_grad_allreduce"
+        styles = registered_tp_styles()
+        plan = {}
         per_head = ("elo_gain", "elo_k") if self.use_elo else ()
         per_head = per_head or (("derf_alpha", "derf_bias", "derf_gamma") if self.use_derf else ())
-        if per_head:
-            plan["layers.*.attn"] = "local_params"
-            plan.update({f"layers.*.attn.{name}": "colwise" for name in per_head})
+        if not per_head or "local_params" in styles:
+            plan.update({
+                "layers.*.attn.q_b_proj": "colwise",
+                "layers.*.attn.k_proj": "colwise",
+                "layers.*.attn.v_proj": "colwise",
+                "layers.*.attn.o_a_proj": "rowwise",
+            })
+            # One weight shared by the heads: each rank's gradient covers only its heads (TP training, 5.24+).
+            if self.use_qk_norm and "replicated_with_grad_allreduce" in styles:
+                plan["layers.*.attn.q_norm"] = plan["layers.*.attn.k_norm"] = "replicated_with_grad_allreduce"
+            if per_head:
+                plan["layers.*.attn"] = "local_params"
+                plan.update({f"layers.*.attn.{name}": "colwise" for name in per_head})
         swiglu = {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
         moe_layers = set(self.moe_layers) if self.use_moe else set()
         ffns = (["layers.*.ffn"] if len(moe_layers) < self.num_hidden_layers else []) + (
@@ -492,8 +511,9 @@ class SpikeWhaleConfig(PretrainedConfig):
         )
         plan.update({f"{ffn}.{name}": style for ffn in ffns for name, style in swiglu.items()})
         if self.use_engram:
-            plan["engram.lookup.tables.*"] = "embedding_rowwise"
-            plan["engram.gate.proj"] = "colwise_gather_output"
+            if "embedding_rowwise" in styles:
+                plan["engram.lookup.tables.*"] = "embedding_rowwise"
+            plan["engram.gate.proj"] = "colwise_rep"
         if self.use_hrm_refine:
             plan.update({"hrm_refine.down": "colwise", "hrm_refine.up": "rowwise"})
         return plan

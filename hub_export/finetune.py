@@ -14,6 +14,7 @@ Heavy imports live inside the functions, so that `--help` answers at once.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -182,6 +183,19 @@ def save_folder(model, tokenizer, out_dir, accelerator, source_dir) -> None:
     accelerator.wait_for_everyone()
 
 
+def unsupported(trainer: bool, fsdp_size: int) -> str | None:
+    """Why the installed transformers cannot run these options, or None."""
+    from transformers import TrainingArguments
+    from transformers.distributed import DistributedConfig
+
+    if trainer and "train_sampling_strategy" not in {f.name for f in dataclasses.fields(TrainingArguments)}:
+        return ("--trainer needs TrainingArguments(train_sampling_strategy=...) to read the batches in order "
+                "(transformers 5.18 has it, 5.0 does not)")
+    if fsdp_size > 1 and "fsdp_size" not in {f.name for f in dataclasses.fields(DistributedConfig)}:
+        return "--fsdp-size needs DistributedConfig(fsdp_size=...) (transformers 5.18 has it, 5.0 does not)"
+    return None
+
+
 def run(args) -> int:
     """Runs in every process `accelerate launch` starts; accelerate's state (or the Trainer's arguments) is set up
     first, so that `ACCELERATE_USE_CPU=1` and the launch's DDP/FSDP settings apply."""
@@ -196,6 +210,9 @@ def run(args) -> int:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
     if not args.lr > 0:
         raise ValueError(f"--lr must be positive, got {args.lr}")
+    reason = unsupported(args.trainer, args.fsdp_size)
+    if reason is not None:
+        raise NotImplementedError(reason)
     check_destination(args.out_dir, [args.model_dir, args.text], overwrite=args.overwrite)
     text = Path(args.text).read_text(encoding="utf-8")
     with tempfile.TemporaryDirectory(prefix="spike-whale-trainer-") as work_dir:  # the Trainer's output_dir
