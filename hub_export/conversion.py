@@ -27,7 +27,7 @@ from .conversion_check import VerificationResult, reference_logits, verify_folde
 from .folder import (
     CARD_FILE, EXPORT_FILES, PROVENANCE_FILE, save_hub_folder, sha256_file, write_model_card, write_provenance,
 )
-from .output_paths import check_destination, remove_stale_temps, replace_folder, staging_folder
+from .output_paths import check_destination, config_file, remove_stale_temps, replace_folder, staging_folder
 from .sources import load_checkpoint, sniff_format
 
 
@@ -206,8 +206,7 @@ def convert_checkpoint(
     log=print,
 ) -> ConversionResult:
     """Read `src` (see `load_checkpoint`) and write it as a verified Hub folder (see `export_checkpoint`)."""
-    check_destination(out_dir, [src, tokenizer, None if not config or config.lstrip().startswith("{") else config],
-                      overwrite=overwrite)
+    check_destination(out_dir, [src, tokenizer, config_file(config)], overwrite=overwrite)
     remove_stale_temps(Path(out_dir).absolute().parent)
     if expect_kind is not None and sniff_format(Path(src)) != expect_kind:
         raise ValueError(f"{src}: expected a {expect_kind} file, found {sniff_format(Path(src))}")

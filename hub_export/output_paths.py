@@ -64,6 +64,11 @@ def check_not_source(out: str | os.PathLike, sources, flag: str = "OUT") -> None
             raise ValueError(f"{out} {how} the source {src}; refusing to write there (choose an {flag} outside it)")
 
 
+def config_file(config) -> str | None:
+    """The path a `--config` value names (None for inline JSON or a config object), as a source to protect."""
+    return config if isinstance(config, (str, os.PathLike)) and not str(config).lstrip().startswith("{") else None
+
+
 def export_file_names() -> set[str]:
     from .folder import CODE_FILES, EXPORT_FILES
 
@@ -224,15 +229,15 @@ def replace_file(staging: Path, out: Path) -> None:
     os.replace(staging, out)
 
 
-def _die_with_parent(parent: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+def _die_with_parent(prctl, parent: int) -> None:
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
 
 
 def die_with_parent():
-    """A `preexec_fn` that makes the child get SIGKILL when this process dies (Linux); None elsewhere."""
+    """A `preexec_fn` that makes the child get SIGKILL when this process dies (Linux); None elsewhere.
+    libc is opened here, in the parent: the child, forked from a threaded process, only calls prctl."""
     if sys.platform.startswith("linux"):
-        return functools.partial(_die_with_parent, os.getpid())
+        return functools.partial(_die_with_parent, ctypes.CDLL(None, use_errno=True).prctl, os.getpid())
     return None

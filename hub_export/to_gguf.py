@@ -20,13 +20,11 @@ def checkpoint_to_gguf(src, out_path, qtype: str = "f16", *, config=None, tokeni
 
     from .checkpoint import CheckpointKeyError, prepare_state_dict
     from .gguf_io import write_gguf
-    from .output_paths import check_destination, remove_stale_temps
+    from .output_paths import check_destination, config_file, remove_stale_temps
     from .sources import load_checkpoint
 
     out_path = Path(out_path)
-    inline = config is None or config.lstrip().startswith("{")
-    check_destination(out_path, [src, tokenizer, None if inline else config], overwrite=overwrite, kind="file",
-                      magic=b"GGUF")
+    check_destination(out_path, [src, tokenizer, config_file(config)], overwrite=overwrite, kind="file", magic=b"GGUF")
     remove_stale_temps(out_path.absolute().parent)
     ckpt = load_checkpoint(src, config=config, tokenizer=tokenizer, progress=progress, rename_map=rename_map)
     check_destination(out_path, [ckpt.source, *ckpt.source_files], overwrite=overwrite, kind="file", magic=b"GGUF")
