@@ -30,7 +30,7 @@ def cloze_items(text: str, n: int, seed: int = 0) -> list[dict]:
     sentences = []
     for p in paragraphs:
         for s in re.split(r"(?<=[.!?])\s+", p):
-            words = s.rstrip(".!?").split(" ")
+            words = s.rstrip(".!?").split()
             if len(words) >= 8 and s.endswith(".") and WORD.match(words[-1]):
                 sentences.append((" ".join(words[:-1]), words[-1]))
     vocab = sorted({w.strip(".,;:()\"'") for w in text.split()} - {""})

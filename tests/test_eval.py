@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -79,3 +80,23 @@ def test_eval_bad_input_is_one_line(folder, tmp_path, capsys, monkeypatch, args,
     assert cli.main(["eval", folder, *args, "--quiet"]) == 1
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_lm_eval_task_files_are_written_from_held_out_text(tmp_path):
+    from spike_whale.hub_export.lm_eval_tasks import write_tasks
+    from spike_whale.hub_export.train_tokenizer import DEMO_CORPUS
+
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text(DEMO_CORPUS)
+    paths = write_tasks(str(heldout), str(tmp_path / "tasks"), n_docs=4, n_cloze=5)
+    assert sorted(os.path.basename(p) for p in paths) == [
+        "spike_whale_cloze.yaml", "spike_whale_cloze_gen.yaml", "spike_whale_heldout.yaml"]
+    items = [json.loads(line) for line in (tmp_path / "tasks" / "cloze.jsonl").read_text().splitlines()]
+    assert 0 < len(items) <= 5
+    for item in items:
+        assert item["choices"][item["label"]] == item["answer"] and len(set(item["choices"])) == 4
+        assert (item["context"] + " " + item["answer"]) in " ".join(DEMO_CORPUS.split())
+    docs = (tmp_path / "tasks" / "heldout.jsonl").read_text().splitlines()
+    assert len(docs) == 4 and json.loads(docs[0])["text"] in DEMO_CORPUS
+    config = json.loads((tmp_path / "tasks" / "spike_whale_cloze.yaml").read_text())
+    assert config["output_type"] == "multiple_choice" and os.path.isabs(config["dataset_kwargs"]["data_files"]["test"])
