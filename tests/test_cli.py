@@ -88,9 +88,10 @@ def test_verify_reports_a_missing_folder_in_one_line(tmp_path):
 
 
 def test_verify_bf16_prints_progress_and_passes(tmp_path):
-    folder = tmp_path / "tiny"
-    _run(["init-tiny", str(folder)], tmp_path)
-    out = _run(["verify", str(folder), "--dtype", "bf16", "--new-tokens", "3"], tmp_path).stdout
+    from spike_whale.hub_export.init_tiny import build_tiny, write_tiny_folder
+
+    folder = write_tiny_folder(tmp_path / "tiny", *build_tiny(max_position_embeddings=128))
+    out = _run(["verify", str(folder), "--dtype", "bf16", "--new-tokens", "2", "--threads", "1"], tmp_path).stdout
     lines = out.splitlines()
     assert any(line.startswith("tolerance: max |Δlogit| <=") and "bf16 rounding" in line for line in lines), out
     progress = [line for line in lines if line.startswith("[")]
