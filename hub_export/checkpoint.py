@@ -349,6 +349,28 @@ def key_report(shapes: dict[str, tuple], expected: dict[str, tuple], ignore=()) 
                      r["rename_map"], r["lines"])
 
 
+LAYER_INDEX_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def check_config_sizes(shapes: dict[str, tuple], config: SpikeWhaleConfig, source: str) -> None:
+    """Refuse a config whose sizes contradict the tensors it came with, before a model (even on the meta device,
+    where modules still cost memory per layer) is built from it: layer count, vocabulary and width from the
+    embedding, context from the RoPE caches."""
+    wrong = []
+    layers = {int(m.group(1)) for k in shapes if (m := LAYER_INDEX_RE.match(k))}
+    if layers and config.num_hidden_layers != max(layers) + 1:
+        wrong.append(f"num_hidden_layers {config.num_hidden_layers} vs layers 0..{max(layers)} in the tensors")
+    emb = shapes.get(TIED_SOURCE)
+    if emb is not None and len(emb) == 2 and (config.vocab_size, config.hidden_size) != tuple(emb):
+        wrong.append(f"vocab_size x hidden_size {config.vocab_size} x {config.hidden_size} vs {TIED_SOURCE} {tuple(emb)}")
+    cos = next((v for k, v in shapes.items() if k.endswith(".rope.cos_cache")), None)
+    if cos is not None and len(cos) == 2 and cos[0] != config.max_position_embeddings:
+        wrong.append(f"max_position_embeddings {config.max_position_embeddings} vs RoPE caches of {cos[0]} positions")
+    if wrong:
+        raise ValueError(f"{source}: the config contradicts the checkpoint's tensors ({'; '.join(wrong)}); "
+                         "pass the right --config")
+
+
 class CheckpointKeyError(ValueError):
     """The checkpoint's names do not fit the model; `report` is the full `KeyReport`."""
 
@@ -366,6 +388,7 @@ def prepare_state_dict(
     place for or missing tensors, then shape mismatches, integer tensors where the model holds floats, and NaN/inf.
     A tied head present in the source must equal the embedding bit for bit (it is then dropped, re-tied on load).
     """
+    check_config_sizes({k: tuple(v.shape) for k, v in sd.items()}, config, source)
     with torch.device("meta"):
         model = SpikeWhaleForCausalLM(config)
     expected = {k: v for k, v in model.state_dict().items()}

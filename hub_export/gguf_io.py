@@ -31,8 +31,8 @@ from ..tokenization_spike import (
     VOCAB_SIZE, normalize_vocab_data,
 )
 from .checkpoint import (
-    ROPE_CACHE_RE, TIED_HEAD, Checkpoint, complete_rope, config_fields, config_from_dict, infer_stage,
-    normalize_state_dict, one_line,
+    ROPE_CACHE_RE, TIED_HEAD, Checkpoint, check_config_sizes, complete_rope, config_fields, config_from_dict,
+    infer_stage, normalize_state_dict, one_line,
 )
 from .output_paths import replace_file, staging_file
 
@@ -237,10 +237,11 @@ def check_config_against_file(reader, config: SpikeWhaleConfig, path: Path, rena
     if wrong:
         raise ValueError(f"{path}: the config contradicts the file's metadata ({'; '.join(wrong)}); refusing it")
     with torch.device("meta"):
-        model = SpikeWhaleForCausalLM(config)
         stored = {t.name: torch.empty(tuple(int(d) for d in reversed(t.shape.tolist()))) for t in reader.tensors}
+        named = normalize_state_dict(stored, str(path), [], rename_map)
+        check_config_sizes({k: tuple(v.shape) for k, v in named.items()}, config, str(path))
+        model = SpikeWhaleForCausalLM(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    named = normalize_state_dict(stored, str(path), [], rename_map)
     bad = [f"{k} {tuple(v.shape)} vs {expected[k]}" for k, v in named.items() if k in expected and tuple(v.shape) != expected[k]]
     if bad:
         raise ValueError(f"{path}: the config contradicts the file's tensor shapes ({'; '.join(bad[:5])}); refusing it")

@@ -1042,6 +1042,11 @@ def _one_line_case(case: str, release, tmp: Path) -> tuple[list[str], str]:
                   "config-list": "a config must be a JSON object, found a list",
                   "config-nan": "rope_theta is NaN, expected a finite number"}[case]
         return ["convert", str(folder)], phrase
+    if case == "config-huge":  # a lying size is refused before any model (even a meta one) is built from it
+        path = tmp / "huge.pt"
+        torch.save({"model": cpu_state(release.base), "config": dict(config_blob(release.base), num_hidden_layers=200_000)},
+                   path)
+        return ["convert", str(path), "--tokenizer", tok_json], "num_hidden_layers 200000 vs layers 0..3 in the tensors"
     if case == "empty-pt":
         return ["convert", str(_write(tmp / "empty.pt", "")), "--tokenizer", tok_json], "empty.pt: the file is empty (0 bytes)"
     sd = cpu_state(release.base)
@@ -1059,8 +1064,8 @@ def _one_line_case(case: str, release, tmp: Path) -> tuple[list[str], str]:
     return ["convert", str(path), "--tokenizer", tok_json], phrase
 
 
-@pytest.mark.parametrize("case", ["config-bool", "config-list", "config-nan", "empty-pt", "int32-weight", "nan-weight",
-                                  "key-mismatch-names-file"])
+@pytest.mark.parametrize("case", ["config-bool", "config-list", "config-nan", "config-huge", "empty-pt", "int32-weight",
+                                  "nan-weight", "key-mismatch-names-file"])
 def test_bad_inputs_fail_in_one_line(case, release, tmp_path, capsys):
     args, phrase = _one_line_case(case, release, tmp_path)
     out = tmp_path / "out"
