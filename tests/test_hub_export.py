@@ -827,6 +827,13 @@ DESTINATION_CASES = {
     "init-tiny-non-empty": (["init-tiny", "{m}/export"], "not empty (pass --overwrite"),
     "init-tiny-foreign-files": (["init-tiny", "{m}", "--overwrite"], "holds files spike-whale does not write"),
     "convert-foreign-files": (["convert", "{m}/sft", "{m}/ckpt/..", "--overwrite"], "contains the source"),
+    "convert-over-source-file": (["convert", "{m}/run.pt", "{l}/run.pt", "--overwrite"], "is the source"),
+    "convert-existing": (["convert", "{m}/run.pt", "{m}/export"], "not empty (pass --overwrite"),
+    "from-gguf-over-source-file": (["from-gguf", "{m}/model.gguf", "{m}/model.gguf", "--overwrite"], "is the source"),
+    "from-gguf-existing": (["from-gguf", "{m}/model.gguf", "{m}/export"], "not empty (pass --overwrite"),
+    "widen-existing": (["widen", "{m}/sft", "{m}/export", "--max-position-embeddings", "512"], "not empty (pass --overwrite"),
+    "widen-into-foreign-folder": (["widen", "{m}/export", "{m}/sft", "--max-position-embeddings", "512", "--overwrite"],
+                                  "holds files spike-whale does not write"),
 }
 
 
