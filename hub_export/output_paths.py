@@ -27,7 +27,7 @@ STAGING_DIR_RE = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-[a-z0-9_]{8}$")
 STAGING_FILE_RE = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)-[a-z0-9_]{8}\.tmp$")
 BACKUP_RE = re.compile(r"^\.(?P<name>.+)\.old-(?P<pid>\d+)$")
 VERIFY_DIR_RE = re.compile(r"^spike-whale-verify-(?P<pid>\d+)-[a-z0-9_]{8}$")
-# Names an earlier version used (no pid): stale once older than this.
+# Names an earlier version used (no pid): stale once older than this, if the content is ours.
 LEGACY_RES = (re.compile(r"^\..+\.tmp-[a-z0-9_]{8}$"), re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$"),
               re.compile(r"^spike-whale-verify-[a-z0-9_]{8}$"))
 LEGACY_AGE_S = 3600
@@ -146,7 +146,8 @@ def remove_stale_temps(folder: str | os.PathLike, log=None) -> list[str]:
         return done
     for entry in entries:
         name = entry.name
-        m = STAGING_DIR_RE.match(name) or STAGING_FILE_RE.match(name) or VERIFY_DIR_RE.match(name)
+        is_dir = entry.is_dir() and not entry.is_symlink()
+        m = (STAGING_DIR_RE.match(name) or VERIFY_DIR_RE.match(name)) if is_dir else STAGING_FILE_RE.match(name)
         backup = BACKUP_RE.match(name)
         if backup:
             if _pid_alive(int(backup["pid"])) and _age(entry) < STALE_AGE_S:
@@ -164,13 +165,25 @@ def remove_stale_temps(folder: str | os.PathLike, log=None) -> list[str]:
             size = _size(entry)
             _remove(entry)
             done.append(f"removed {entry} ({size}), a temporary output left by an interrupted run (pid {m['pid']})")
-        elif any(r.match(name) for r in LEGACY_RES) and _age(entry) > LEGACY_AGE_S:
+        elif any(r.match(name) for r in LEGACY_RES) and _age(entry) > LEGACY_AGE_S and _looks_like_ours(entry):
             size = _size(entry)
             _remove(entry)
             done.append(f"removed {entry} ({size}), a temporary output left by an interrupted run")
     for line in done:
         log(f"note: {line}")
     return done
+
+
+def _looks_like_ours(path: Path) -> bool:
+    """A temp name without a pid is removed only if its content is what we write: a GGUF file, or a folder of
+    export files (or our verification child's files)."""
+    if path.is_symlink():
+        return False
+    if path.is_file():
+        with open(path, "rb") as handle:
+            return handle.read(4) == b"GGUF"
+    names = {p.name for p in path.iterdir()}
+    return names <= export_file_names() | {"report.json", "logits.pt", "modules"}
 
 
 def _size(path: Path) -> str:

@@ -1286,3 +1286,28 @@ def test_sigkill_at_random_moments_loses_nothing(command, release, tmp_path):
                     if any(p.name.startswith(f"spike-whale-verify-{pid}-") for pid in killed)]
     if command == "convert":  # the next verification cleans up its predecessors' temp folders
         assert not stale_verify, stale_verify
+
+
+def test_stale_cleanup_removes_only_what_we_wrote(tmp_path):
+    import time
+
+    from spike_whale.hub_export.output_paths import remove_stale_temps
+
+    old = time.time() - 2 * 3600
+    legacy = tmp_path / ".export.tmp-abcd1234"  # an earlier version's staging folder (no pid in the name)
+    legacy.mkdir()
+    (legacy / "model.safetensors").write_bytes(b"\0" * 10)
+    legacy_gguf = tmp_path / ".m.gguf.abcd1234.tmp"
+    legacy_gguf.write_bytes(b"GGUF....")
+    theirs = tmp_path / ".notes.abcd1234.tmp"  # same name shape, another program's file
+    theirs.write_text("someone else's")
+    their_dir = tmp_path / ".cache.tmp-abcd1234"
+    their_dir.mkdir()
+    (their_dir / "thesis.tex").write_text("years of work")
+    young = tmp_path / ".fresh.tmp-abcd1234"  # could belong to an old-version run still going
+    young.mkdir()
+    for p in (legacy, legacy_gguf, theirs, their_dir):
+        os.utime(p, (old, old))
+    done = remove_stale_temps(tmp_path, log=lambda msg: None)
+    assert not legacy.exists() and not legacy_gguf.exists() and len(done) == 2
+    assert theirs.exists() and (their_dir / "thesis.tex").exists() and young.exists()
