@@ -194,3 +194,16 @@ def test_trainer_fsdp2_finetune_matches_single_process(tmp_path):
     """`transformers.Trainer` under transformers' own FSDP2 (decoder layers as the wrap unit, each resharded
     after every one of the loop's reuses)."""
     finetune_matches_single_process(tmp_path, packed=False, flags=["--trainer", "--fsdp-size", "2"])
+
+
+def test_accelerate_fsdp_on_cpu_is_refused_not_run_as_ddp(tmp_path):
+    """accelerate turns FSDP on only on accelerator devices; on CPU `finetune` says so instead of training DDP."""
+    folder = tiny_folder(tmp_path / "tiny")
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    env = dict(job_env(tmp_path), ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
+    proc = subprocess.run([sys.executable, "-m", "spike_whale", "finetune", folder, str(tmp_path / "out"), "--text",
+                           str(text), *TRAIN], capture_output=True, text=True, env=env, timeout=TIMEOUT)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "accelerate turns FSDP on only on accelerator devices" in proc.stderr and "--fsdp-size" in proc.stderr
+    assert not (tmp_path / "out").exists()
