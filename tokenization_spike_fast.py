@@ -13,8 +13,8 @@ that ``tokenizers.Tokenizer.from_file`` loads alone::
     post_processor TemplateProcessing                 "<bos> $A" (add_bos_token=True)
 
 Every special is an added token at its released id.  The WordPiece alternative (empty continuing-subword
-prefix over byte-level input) is exact too but cubic in the length of a piece, and the whole text is one
-piece: 10,000 characters take ~40 s (measured; see the README).
+prefix over byte-level input) is exact too, but `tokenizers` 0.23's WordPiece is cubic in the length of a piece
+and there the whole text is one piece (10,000 characters took about 39 s); Split + WordLevel is linear.
 
 A folder that holds only the released vocab (``spike_vocab.json``, or a custom-format ``tokenizer.json``)
 still loads: the pipeline is built from it on the fly.

@@ -4,8 +4,8 @@ trainer vs `tokenizers`' own BPE trained on the same corpus at the same vocabula
     python benchmarks/bench_tokenizer.py                 # ~4 MB of local text, vocab 16512
     python benchmarks/bench_tokenizer.py --quick         # ~1 MB, vocab 8192: a few minutes on 2 shared cores
 
-Corpus: mixed local text (no network): Python sources, Markdown/reST/text documentation and licences found under
-this interpreter's prefix and /usr/share, shuffled by file with a fixed seed; the last `--heldout-bytes` are held
+Corpus: mixed local text (no network): Python sources, Markdown/reST/text documentation and licences of the base
+interpreter's standard library and /usr/share, shuffled by file with a fixed seed; the last `--heldout-bytes` are held
 out. Both vocabularies are trained on the rest; tokens per byte are measured on the held-out part.
 - Length-MAX: `spike_whale.hub_export.train_tokenizer.train_lengthmax_vocab`, greedy longest-match encoding.
 - BPE: `tokenizers` BpeTrainer with the standard byte-level pre-tokenizer (GPT-2 regex), and, as a second
@@ -36,7 +36,7 @@ os.environ.setdefault("RAYON_NUM_THREADS", "2")
 
 
 def collect_corpus(total_bytes: int, seed: int) -> list[str]:
-    roots = [sys.prefix + "/lib", "/usr/share/doc", "/usr/share/common-licenses", "/usr/lib/python3"]
+    roots = [sys.base_prefix + "/lib", "/usr/share/doc", "/usr/share/common-licenses"]  # not the venv: it changes
     files = []
     for root in roots:
         for ext in ("py", "md", "rst", "txt"):
@@ -86,6 +86,7 @@ def main() -> int:
     parser.add_argument("--train-bytes", type=int, default=None)
     parser.add_argument("--heldout-bytes", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--refine-rounds", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/tokenizer[_quick].json)")
@@ -108,7 +109,7 @@ def main() -> int:
 
     latin = [d.encode("utf-8").decode("latin-1") for d in train_docs]
     start = time.perf_counter()
-    data = train_lengthmax_vocab(lambda _r: latin, vocab_size, rounds=args.rounds)
+    data = train_lengthmax_vocab(lambda _r: latin, vocab_size, rounds=args.rounds, refine_rounds=args.refine_rounds)
     lm_time = time.perf_counter() - start
     fast, slow = SpikeTokenizerFast(data), SpikeTokenizer(data)
     lm_tokens = sum(len(ids) for ids in fast(held, add_special_tokens=False)["input_ids"])
@@ -142,8 +143,28 @@ def main() -> int:
     ordinary_mb_s = best_rate(lambda: [slow.encode_ordinary(d) for d in docs], n_bytes, args.repeats)
     identical = fast(docs)["input_ids"] == slow(docs)["input_ids"]
 
+    # The other exact recipe (WordPiece with an empty continuing-subword prefix over byte-level input): the whole
+    # text is one WordPiece word, and tokenizers' WordPiece tries every end position for every start.
+    spec = json.loads(fast.backend_tokenizer.to_str())
+    wp = Tokenizer(models.WordPiece(spec["model"]["vocab"], unk_token="<unk>", continuing_subword_prefix="",
+                                    max_input_chars_per_word=1 << 30))
+    wp.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    variants = {}
+    for size in (250, 500, 1000, 2000):
+        sample = [d[:size] for d in docs if len(d) >= size][:4]
+        n_sample = sum(len(d.encode()) for d in sample)
+        start = time.perf_counter()
+        wp_ids = [e.ids for e in wp.encode_batch(sample)]
+        wp_s = time.perf_counter() - start
+        start = time.perf_counter()
+        ours = [e.ids for e in fast.backend_tokenizer.encode_batch(sample, add_special_tokens=False)]
+        ours_s = time.perf_counter() - start
+        variants[size] = {"wordpiece_MB_s": n_sample / wp_s / 1e6, "split_wordlevel_MB_s": n_sample / ours_s / 1e6,
+                          "identical": wp_ids == ours}
+
     result = {
         "vocab_size": vocab_size, "train_bytes": n_train, "heldout_bytes": n_held, "rounds": args.rounds,
+        "refine_rounds": args.refine_rounds,
         "lengthmax": {"train_s": round(lm_time, 1), "tokens": lm_tokens, "tokens_per_byte": lm_tokens / n_held},
         **bpe_rows,
         "fewer_tokens_than_bpe_regex": 1 - lm_tokens / bpe_rows["bpe_bytelevel_regex"]["tokens"],
@@ -151,6 +172,7 @@ def main() -> int:
         "throughput_MB_s": {"fast_call_2_threads": fast_mb_s, "slow_call_2_threads": slow_mb_s,
                             "slow_encode_ordinary_1_thread": ordinary_mb_s},
         "fast_equals_slow_on_heldout": identical,
+        "exact_variants_by_text_chars": variants,
         "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "load": os.getloadavg()},
     }
     print(f"{'':28s} {'train s':>8s} {'tokens/byte':>12s}")
@@ -161,6 +183,9 @@ def main() -> int:
           f"{100 * result['fewer_tokens_than_bpe_noregex']:.1f}% fewer than BPE without the regex split")
     print(f"throughput MB/s: fast {fast_mb_s:.2f}, slow {slow_mb_s:.2f} (slow encode_ordinary {ordinary_mb_s:.2f}); "
           f"identical ids: {identical}")
+    for size, row in variants.items():
+        print(f"{size:5d}-char texts: WordPiece recipe {row['wordpiece_MB_s']:.3f} MB/s, Split+WordLevel "
+              f"{row['split_wordlevel_MB_s']:.2f} MB/s, identical ids: {row['identical']}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -7,7 +7,8 @@ corpus with the current vocabulary, scores each run of n = 2..`max_ngram` consec
 `max_token_len` bytes) by the tokens it would save, ``score(s) = Σ (n − 1)`` over its occurrences (the
 authors' trainer scores the same (n − 1)·freq), and adds the best new strings.  Re-scoring against the new
 segmentation after each batch of additions is the scoreboard: candidates that a new token already covers
-lose their score.  The last round's table decides the order of the final ids.
+lose their score.  Tokens picked in one batch can overlap, so `refine_rounds` more passes swap the least used
+tokens for candidates worth more than twice their use.  Multi-byte ids follow the order of selection.
 
 * Streaming: files and globs are read in chunks of `chunk_bytes` (any size of corpus); memory is bounded by
   the candidate table, which is pruned to its best half whenever it exceeds `max_candidates` entries.
@@ -100,10 +101,22 @@ class CandidateTable:
         keep = {p for p, _ in heapq.nsmallest(self.max_candidates // 2, score.items(), key=_rank)}
         self.counts = {n: Counter({p: c for p, c in counts.items() if p in keep}) for n, counts in self.counts.items()}
 
-    def best(self, count: int, exclude: set[str], min_freq: int) -> list[str]:
+    def best(self, count: int, exclude: set[str], min_freq: int) -> list[tuple[str, int]]:
+        """The `count` best (string, score) pairs not in `exclude`, best first.
+
+        A string inside one already chosen from this table is taken only if it occurs at least twice as often
+        (otherwise most of its score comes from inside the longer token, which greedy matching will prefer).
+        """
         score, freq = self.scores()
         eligible = ((p, s) for p, s in score.items() if freq[p] >= min_freq and p not in exclude)
-        return [p for p, _ in heapq.nsmallest(count, eligible, key=_rank)]
+        chosen: list[tuple[str, int]] = []
+        for piece, value in heapq.nsmallest(3 * count, eligible, key=_rank):
+            if any(piece in longer and freq[piece] < 2 * freq[longer] for longer, _ in chosen):
+                continue
+            chosen.append((piece, value))
+            if len(chosen) == count:
+                break
+        return chosen
 
 
 def _rank(item: tuple[str, int]) -> tuple[int, str]:
@@ -119,6 +132,7 @@ def train_lengthmax_vocab(
     max_ngram: int = 8,
     min_freq: int = 2,
     max_candidates: int = 4_000_000,
+    refine_rounds: int = 4,
     progress: Callable[[int], object] | None = None,
 ) -> dict:
     """Train a vocab in the released file format.
@@ -130,30 +144,55 @@ def train_lengthmax_vocab(
     from ..tokenization_spike import compile_greedy_regex
 
     _check_options(vocab_size, max_token_len, rounds, max_ngram, min_freq, max_candidates)
+    if refine_rounds < 0:
+        raise ValueError(f"refine_rounds must be >= 0, got {refine_rounds}")
     lay = _layout()
     capacity = vocab_size - NUM_FIXED_IDS
     forbidden = set(lay["BASE_SPECIAL_TOKENS"]) | set(lay["SPECIAL_TOKENS"]) | set(lay["RESERVED_TOKENS"])
     known = {chr(b) for b in range(256)}
     selected: list[str] = []
-    for round_idx in range(rounds):
-        remaining = capacity - len(selected)
-        if remaining <= 0:
-            break
+
+    def scan(round_idx: int) -> tuple[CandidateTable, Counter]:
+        """Segment the corpus with the current vocab: the candidate table and how often each token is used."""
         findall = compile_greedy_regex(known).findall
-        table = CandidateTable(max_candidates)
+        table, usage = CandidateTable(max_candidates), Counter()
         bar = progress(round_idx) if progress else None
         for chunk in chunks(round_idx):
-            table.add_segmentation(findall(chunk), max_ngram, max_token_len)
+            seg = findall(chunk)
+            table.add_segmentation(seg, max_ngram, max_token_len)
+            usage.update(seg)
             if bar is not None:
                 bar.update(len(chunk))
         if bar is not None:
             bar.close()
+        return table, usage
+
+    for round_idx in range(rounds):
+        remaining = capacity - len(selected)
+        if remaining <= 0:
+            break
+        table, _ = scan(round_idx)
         take = math.ceil(remaining / (rounds - round_idx))
-        ranked = table.best(take, known | forbidden, min_freq)
+        ranked = [piece for piece, _ in table.best(take, known | forbidden, min_freq)]
         if not ranked:
             break
         selected += ranked
         known.update(ranked)
+
+    # Refinement: tokens picked in the same batch overlap, so some end up rarely used. Each refine round swaps the
+    # least used tokens (removing one costs at least one token per use) for new candidates worth clearly more.
+    for refine_idx in range(refine_rounds):
+        table, usage = scan(rounds + refine_idx)
+        weakest = sorted(selected, key=lambda t: (usage[t], t))[: max(1, len(selected) // 10)]
+        fresh = table.best(len(weakest), known | forbidden, min_freq)
+        swaps = 0
+        while swaps < min(len(weakest), len(fresh)) and fresh[swaps][1] > 2 * usage[weakest[swaps]]:
+            swaps += 1
+        if swaps == 0:
+            break
+        dropped = set(weakest[:swaps])
+        selected = [t for t in selected if t not in dropped] + [piece for piece, _ in fresh[:swaps]]
+        known = (known - dropped) | {piece for piece, _ in fresh[:swaps]}
 
     vocab = {tok: i for i, tok in enumerate(lay["BASE_SPECIAL_TOKENS"])}
     vocab.update({chr(b): b + lay["BYTE_OFFSET"] for b in range(256)})
@@ -230,7 +269,7 @@ def train_from_files(patterns: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SI
         keep = None if fraction >= 1.0 else (lambda: rng.random() < fraction)
         return read_chunks(files, chunk_bytes, keep)
 
-    rounds = options.get("rounds", 10)
+    rounds = options.get("rounds", 10) + options.get("refine_rounds", 4)
 
     def progress(round_idx: int):
         return tqdm(total=int(total * fraction), unit="B", unit_scale=True, desc=f"round {round_idx + 1}/{rounds}",
@@ -281,7 +320,8 @@ def run(args) -> int:
     _check_out_dir(out_dir, corpus, args.overwrite)
     start = time.perf_counter()
     data = train_from_files(args.corpus, args.vocab_size, seed=args.seed, sample_bytes=args.sample_bytes,
-                            max_token_len=args.max_token_len, rounds=args.rounds, max_ngram=args.max_ngram,
+                            max_token_len=args.max_token_len, rounds=args.rounds, refine_rounds=args.refine_rounds,
+                            max_ngram=args.max_ngram,
                             min_freq=args.min_freq, max_candidates=args.max_candidates)
     elapsed = time.perf_counter() - start
     n_multi = sum(1 for i in data["vocab"].values() if 260 <= i < 16384)
@@ -306,6 +346,8 @@ def register(sub) -> None:
                    f"{DEFAULT_VOCAB_SIZE}, the released size); the specials keep their released ids")
     p.add_argument("--max-token-len", type=int, default=24, help="longest token in bytes (default 24)")
     p.add_argument("--rounds", type=int, default=10, help="scoreboard rounds (default 10)")
+    p.add_argument("--refine-rounds", type=int, default=4,
+                   help="rounds that swap rarely used tokens for better candidates (default 4)")
     p.add_argument("--max-ngram", type=int, default=8, help="longest run of current tokens scored (default 8)")
     p.add_argument("--min-freq", type=int, default=2, help="minimum occurrences of a new token (default 2)")
     p.add_argument("--max-candidates", type=int, default=4_000_000,
