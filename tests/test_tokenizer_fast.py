@@ -174,6 +174,13 @@ def test_tokenizer_json_is_standard_and_old_folders_load(pair, tmp_path):
     assert "tokenizer.json" not in os.listdir(tmp_path / "old")
     old = SpikeTokenizerFast.from_pretrained(tmp_path / "old")
     assert old(text)["input_ids"] == slow(text)["input_ids"] and len(old) == 16512
+    # A released snapshot: its custom-format vocab is called tokenizer.json (not a `tokenizers` file)
+    (tmp_path / "released").mkdir()
+    (tmp_path / "released" / "tokenizer.json").write_text(json.dumps(slow.vocab_data))
+    config = json.loads((tmp_path / "old" / "tokenizer_config.json").read_text())
+    (tmp_path / "released" / "tokenizer_config.json").write_text(json.dumps(config))
+    released = SpikeTokenizerFast.from_pretrained(tmp_path / "released")
+    assert released(text)["input_ids"] == slow(text)["input_ids"]
 
 
 def test_autotokenizer_fast_by_default_slow_by_class(pair, tmp_path, fresh_python):
