@@ -105,6 +105,11 @@ def train(args) -> int:
     torch.manual_seed(args.seed)
     config = SpikeWhaleConfig.from_preset("tiny", **DEFAULT_CONFIG)
     model = SpikeWhaleForCausalLM(config)
+    if args.embedding_init_std:
+        # At hidden 128 the config's std (0.02) leaves the token signal ~0.2 in norm; the looped blocks' outputs soon
+        # outgrow it with a position-independent (unigram) component and the model stalls at unigram loss.
+        with torch.no_grad():
+            model.get_input_embeddings().weight.normal_(0.0, args.embedding_init_std)
     opt = torch.optim.AdamW(model.optimizer_param_groups(args.lr, embedding_lr_scale=args.embedding_lr_scale,
                                                          weight_decay=args.weight_decay), betas=(0.9, 0.95))
     base_lrs = [group["lr"] / args.lr for group in opt.param_groups]
@@ -171,11 +176,13 @@ def main(argv=None) -> int:
                    help="Length-MAX vocab size as spike-whale train-tokenizer counts it (4484: 4,096 multi-byte tokens)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--min-lr", type=float, default=1e-4)
-    p.add_argument("--embedding-lr-scale", type=float, default=0.5)
+    p.add_argument("--embedding-lr-scale", type=float, default=1.0)
     p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--embedding-init-std", type=float, default=0.2,
+                   help="re-initialise the (tied) token embedding with this std (0: keep the config's)")
+    p.add_argument("--warmup-steps", type=int, default=30)
     p.add_argument("--max-steps", type=int, default=4000)
     p.add_argument("--time-budget-min", type=float, default=80.0)
     p.add_argument("--checkpoint-every", type=int, default=50)
