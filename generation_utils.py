@@ -24,6 +24,9 @@ from .configuration_spike_whale import CHAT_EOS_IDS, RESERVED_IDS, SpikeWhaleCon
 
 logger = logging.get_logger(__name__)
 
+# The cache field of transformers' model and generate outputs: `cache` from 5.24, `past_key_values` before.
+CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+
 
 class MemoryCacheState(NamedTuple):
     """Memory-Cache state of one slot: finished-segment summaries and the running sums of the current segment.
@@ -58,12 +61,24 @@ class MemoryCacheState(NamedTuple):
         return MemoryCacheState(*(fn(t) for t in self))
 
 
+def write_kv(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int):
+    """Write a chunk's K/V [B, kvh, S, hd] into a slot's static buffers at `start`, in place; returns views of
+    everything written so far. The one K/V write of every path (`LoopSlotLayer.update`, the one-token decode)."""
+    end = start + k.shape[2]
+    keys[:, :, start:end] = k
+    values[:, :, start:end] = v
+    return keys[:, :, :end], values[:, :, :end]
+
+
 class LoopSlotLayer(CacheLayerMixin):
     """One loop-plan slot: static K (after QK-norm and RoPE) / V (after depth mixing) and Memory-Cache state."""
 
-    is_compileable = False
+    # The one-token decode step reads and writes these buffers in place at static shapes (see `compile_decode`).
+    is_compileable = True
     is_sliding = False
     is_croppable = True
+    # The slot's recurrent (not positional) states, read and written through `SpikeWhaleCache.set_slot_state`.
+    STATES = ("mc", "elo")
 
     def __init__(self, max_cache_len: int):
         super().__init__()
@@ -90,10 +105,8 @@ class LoopSlotLayer(CacheLayerMixin):
                 f"The cache holds {self.max_cache_len} positions but this step needs {end}; create a "
                 f"SpikeWhaleCache with a larger max_cache_len (at most max_position_embeddings)."
             )
-        self.keys[:, :, start:end] = key_states
-        self.values[:, :, start:end] = value_states
         self._length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        return write_kv(self.keys, self.values, key_states, value_states, start)
 
     def mark_written(self, end: int) -> None:
         """Record that `keys`/`values` were written in place up to `end` (the one-token decode path)."""
@@ -106,6 +119,9 @@ class LoopSlotLayer(CacheLayerMixin):
         return self._length
 
     def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def get_max_cache_shape(self) -> int:  # abstract in transformers < 5.2x
         return self.max_cache_len
 
     def reset(self) -> None:
@@ -160,7 +176,6 @@ class SpikeWhaleCache(Cache):
                 "positions past the context window are not defined for this model (widen the RoPE caches first)."
             )
         self.config = config
-        self.max_cache_len = max_cache_len
         super().__init__(layers=[LoopSlotLayer(max_cache_len) for _ in range(config.num_loop_slots)])
         self.n_mc_segments = math.ceil(max_cache_len / config.mc_segment_len)
         self.seq_len = 0
@@ -169,7 +184,7 @@ class SpikeWhaleCache(Cache):
         self.mc_segment: torch.Tensor | None = None  # [B] long
         self.engram_c: torch.Tensor | None = None  # [B, max_cache_len, cd]
         self.record_past = False
-        self._history: dict[int, list[MemoryCacheState | None]] = {}
+        self._history: dict[tuple | str, list] = {}  # (kind, slot) or "segment" -> [(length, state)]
         self._chunk_start = 0
 
     @property
@@ -183,6 +198,11 @@ class SpikeWhaleCache(Cache):
     def record_past(self, value: bool) -> None:
         for layer in self.layers:
             layer.record_past = bool(value)
+
+    @property
+    def max_cache_len(self) -> int:
+        """Positions every slot holds (one length for all; read-only, as transformers' `Cache.max_cache_len`)."""
+        return self.layers[0].max_cache_len
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seq_len
@@ -210,41 +230,25 @@ class SpikeWhaleCache(Cache):
                 "use a new cache (or batch_select_indices) for a different batch."
             )
 
-    def mc_state(self, slot: int) -> MemoryCacheState | None:
-        return self.layers[slot].mc
+    def slot_state(self, slot: int, kind: str):
+        """A slot's recurrent state: kind "mc" (its `MemoryCacheState`) or "elo" (Elo ratings [B, heads, seq_len], the
+        un-scaled Σ of rating steps of its cached keys); None before the first chunk."""
+        return getattr(self.layers[slot], kind)
 
-    def set_mc_state(self, slot: int, state: MemoryCacheState, per_position: list | None = None) -> None:
-        """Store a slot's new Memory-Cache state; `per_position[j]` is the state after chunk token j."""
+    def set_slot_state(self, slot: int, kind: str, value, per_position: list | None = None) -> None:
+        """The one setter of a slot's recurrent state (see `slot_state`), after a chunk; `per_position[j]` is the state
+        after chunk token j. These states are not positional (every token adds to them), so `crop` restores them
+        from the snapshots kept here: the chunk start always, every position while recording."""
         layer = self.layers[slot]
         start = self.seq_len
-        hist = self._history.setdefault(slot, [])
+        hist = self._history.setdefault((kind, slot), [])
         if self.record_past:
-            hist.append((start, layer.mc))
+            hist.append((start, getattr(layer, kind)))
             for j, st in enumerate(per_position or []):
                 hist.append((start + j + 1, st))
         else:
-            hist[:] = [(start, layer.mc)]
-        layer.mc = state
-
-    def elo_state(self, slot: int) -> torch.Tensor | None:
-        """Elo attention ratings ([B, heads, seq_len], un-scaled Σ of rating steps) of a slot's cached keys."""
-        return self.layers[slot].elo
-
-    def set_elo_state(self, slot: int, ratings: torch.Tensor, per_position: list | None = None) -> None:
-        """Store a slot's ratings after a chunk; `per_position[j]` are the ratings after chunk token j (for `crop`).
-
-        Ratings are not positional (every query adds to every earlier key's rating), so like the Memory-Cache
-        state they are rolled back from recorded snapshots."""
-        layer = self.layers[slot]
-        start = self.seq_len
-        hist = self._history.setdefault(("elo", slot), [])
-        if self.record_past:
-            hist.append((start, layer.elo))
-            for j, st in enumerate(per_position or []):
-                hist.append((start + j + 1, st))
-        else:
-            hist[:] = [(start, layer.elo)]
-        layer.elo = ratings
+            hist[:] = [(start, getattr(layer, kind))]
+        setattr(layer, kind, value)
 
     def commit(
         self,
@@ -320,17 +324,15 @@ class SpikeWhaleCache(Cache):
         old_len = self.seq_len
         restored = {}  # look every state up before touching anything, so a failed crop leaves the cache intact
         for slot, layer in enumerate(self.layers):
-            if slot in self._history or layer.mc is not None:
-                restored[slot] = self._recorded(slot, new_len)
-            if ("elo", slot) in self._history or layer.elo is not None:
-                restored[("elo", slot)] = self._recorded(("elo", slot), new_len)
+            for kind in LoopSlotLayer.STATES:
+                if (kind, slot) in self._history or getattr(layer, kind) is not None:
+                    restored[(kind, slot)] = self._recorded((kind, slot), new_len)
         if "segment" in self._history:
             restored["segment"] = self._recorded("segment", new_len)
         for slot, layer in enumerate(self.layers):
-            if slot in restored:
-                layer.mc = restored[slot]
-            if ("elo", slot) in restored:
-                layer.elo = restored[("elo", slot)]
+            for kind in LoopSlotLayer.STATES:
+                if (kind, slot) in restored:
+                    setattr(layer, kind, restored[(kind, slot)])
             layer._length = new_len
             if layer.is_initialized:
                 layer.keys[:, :, new_len:old_len] = 0
@@ -449,6 +451,9 @@ class SpikeWhaleGenerateOutput(GenerateDecoderOnlyOutput):
     """`GenerateDecoderOnlyOutput` of `generate(..., use_mtp=True, return_dict_in_generate=True)`, plus the
     MTP draft statistics: `mtp_acceptance_rate` = `mtp_accepted_tokens` / `mtp_drafted_tokens`."""
 
+    if CACHE_FIELD != "cache":  # transformers < 5.24: `out.cache` reads the field under its old name
+        cache = property(lambda self: self.past_key_values)
+
     mtp_acceptance_rate: float | None = None
     mtp_drafted_tokens: int | None = None
     mtp_accepted_tokens: int | None = None
@@ -479,15 +484,18 @@ def caller_length_wins(config: GenerationConfig, passed: GenerationConfig | None
 
 
 def prepare_generation_cache(model, generation_config: GenerationConfig, model_kwargs: dict) -> bool:
-    """Build the loop-slot cache for `cache_implementation` "static" (sized to this call's `max_length`, or
-    `max_cache_len` if larger) or "dynamic" (the whole context window): `SpikeWhaleCache` is static in both cases,
-    preallocated per slot. Returns False where transformers' own preparation applies (a cache passed in, no cache,
-    no `cache_implementation`); other implementations raise, since no generic cache can hold this model's state."""
+    """Build the loop-slot cache before the prefill: for `cache_implementation` "static" sized to this call's
+    `max_length` (or `max_cache_len` if larger), else ("dynamic" or none) to the whole context window;
+    `SpikeWhaleCache` is static either way, preallocated per slot. Returns False where transformers' own preparation
+    applies (a cache passed in, use_cache=False); other implementations raise, since no generic cache can hold this
+    model's state."""
     impl = generation_config.cache_implementation
-    if model_kwargs.get("cache") is not None or generation_config.use_cache is False or impl is None:
+    if model_kwargs.get("cache") is not None or generation_config.use_cache is False:
         return False
     limit = model.config.max_position_embeddings
-    if impl == "static":
+    if impl is None:
+        cache = SpikeWhaleCache(model.config)
+    elif impl == "static":
         size = max(generation_config.max_length or 0, generation_config.max_cache_len or 0)
         cache = SpikeWhaleCache(model.config, max_cache_len=min(max(size, 1), limit))
     elif impl == "dynamic":
@@ -583,6 +591,28 @@ def _as_assistant_call(generation_config: GenerationConfig, kwargs: dict) -> tup
     return config, kwargs
 
 
+def _heal_prompt(model, ids: torch.Tensor, mask: torch.Tensor | None, tokenizer, bos_id: int | None):
+    """transformers' token healing (`heal_tokens`), run before generate and repaired for this model: heal_tokens
+    re-tokenizes the prompts (so the caller's mask no longer fits) and turns <bos> into <pad>. The healed rows are
+    re-packed left-padded, each with <bos> back in front where the caller's row started with it, with a new mask."""
+    healed = model.heal_tokens(ids, tokenizer)
+    pad = tokenizer.pad_token_id
+    real = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
+    rows = []
+    for original, keep, row in zip(ids, real, healed):
+        tokens = row[row != pad].tolist()
+        starts_with_bos = bos_id is not None and original[keep][:1].tolist() == [bos_id]
+        rows.append(([bos_id] if starts_with_bos and tokens[:1] != [bos_id] else []) + tokens)
+    width = max(len(r) for r in rows)
+    new_ids = torch.full((len(rows), width), pad, dtype=ids.dtype, device=ids.device)
+    new_mask = torch.zeros((len(rows), width), dtype=torch.long, device=ids.device)
+    for i, r in enumerate(rows):
+        if r:
+            new_ids[i, width - len(r):] = torch.tensor(r, dtype=ids.dtype)
+            new_mask[i, width - len(r):] = 1
+    return new_ids, new_mask
+
+
 def spike_whale_generate(model, parent_generate, inputs=None, generation_config=None, **kwargs):
     """Body of `SpikeWhaleForCausalLM.generate` (see its docstring): checks the inputs and the context window before
     any work, applies the opt-in prompt truncation, routes `use_mtp=True` to `mtp_speculative_generate` (through the
@@ -609,6 +639,14 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
     mask = kwargs.get("attention_mask")
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     _check_generate_inputs(ids, embeds, mask, model.config.bos_token_id)
+    if ids is not None and (kwargs.get("token_healing") or getattr(eff, "token_healing", False)):
+        ids, mask = _heal_prompt(model, ids, mask, kwargs.get("tokenizer"), model.config.bos_token_id)
+        kwargs["token_healing"] = False
+        kwargs["attention_mask"] = mask
+        if inputs is not None:
+            inputs = ids
+        else:
+            kwargs["input_ids"] = ids
     if ids is not None:
         width = ids.shape[-1]
     elif embeds is not None:
@@ -872,7 +910,7 @@ def mtp_speculative_generate(
     model.last_mtp_stats = stats
     if return_dict:
         return SpikeWhaleGenerateOutput(
-            sequences=input_ids, scores=scores, logits=raw_logits, cache=cache,
+            sequences=input_ids, scores=scores, logits=raw_logits, **{CACHE_FIELD: cache},
             mtp_acceptance_rate=stats.acceptance_rate, mtp_drafted_tokens=stats.drafted,
             mtp_accepted_tokens=stats.accepted,
         )

@@ -25,6 +25,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import logging
 from transformers.utils.generic import can_return_tuple
 
 try:
@@ -52,12 +53,16 @@ except ImportError:  # transformers < 5.13
 
 from .configuration_spike_whale import LoopPlan, SpikeWhaleConfig
 from .generation_utils import (
+    CACHE_FIELD,
     MemoryCacheState,
     SpikeWhaleCache,
     caller_length_wins,
     prepare_generation_cache,
     spike_whale_generate,
+    write_kv,
 )
+
+logger = logging.get_logger(__name__)
 
 # Released checkpoint name (regex) -> our name. Empty until a real Byrne header is read (blueprint §14).
 CHECKPOINT_KEY_RENAMES: dict[str, str] = {}
@@ -305,14 +310,14 @@ class MemoryCacheBranch(nn.Module):
     def forward(self, u: torch.Tensor, ctx: ForwardContext, slot: int) -> torch.Tensor:
         lay = ctx.segments.on_device(u.device)
         cache = ctx.cache
-        state = cache.mc_state(slot) if cache is not None else None
+        state = cache.slot_state(slot, "mc") if cache is not None else None
         with torch.autocast(device_type=u.device.type, enabled=False):
             y, new_state, per_pos = self._memory_readout(_as(u, torch.float32), lay, state, cache)
             out = self._output(y)
             if lay.padded:
                 out = out * lay.valid_f[..., None]
         if cache is not None:
-            cache.set_mc_state(slot, new_state, per_pos)
+            cache.set_slot_state(slot, "mc", new_state, per_pos)
         return _as(out, u.dtype)
 
     def _features(self, x: torch.Tensor, proj: tuple | None = None):
@@ -338,32 +343,60 @@ class MemoryCacheBranch(nn.Module):
 
     def decode(self, u: torch.Tensor, state: tuple, fin_mask: torch.Tensor, proj: tuple | None = None
                ) -> tuple[torch.Tensor, tuple]:
-        """`forward` for one new token per row that stays in its row's current segment, with the slot's state
-        passed in (the fields of `MemoryCacheState`) and returned: O(finished segments), nothing re-read.
+        """`forward` specialised to one new token per row that stays in its row's current segment, with the slot's
+        state passed in (the fields of `MemoryCacheState`) and returned: the same running-sum update
+        (`_add_to_segment`) and readout (`_read`) as `forward`, O(finished segments), nothing re-read.
 
         fin_mask: [B, n] readable finished segments (n = the cache's finished-segment count); proj: see
         `_features`."""
         fin_M, fin_z, fin_g, run_M, run_z, run_g, run_n = state
         B = u.shape[0]
         with torch.autocast(device_type=u.device.type, enabled=False):
-            fq, fk, v, gu, gk = (t[:, 0] for t in self._features(_as(u, torch.float32), proj))
-            run_M = run_M + fk[..., :, None] * v[..., None, :]
-            run_z, run_g, run_n = run_z + fk, run_g + gk, run_n + 1
-            num = torch.matmul(fq.unsqueeze(-2), run_M).squeeze(-2)
-            den = (fq * run_z).sum(-1)
+            fq, fk, v, gu, gk = self._features(_as(u, torch.float32), proj)
+            run_M, run_z, run_g, run_n = self._add_to_segment((run_M, run_z, run_g, run_n), fk, v, gk, None)
+            own_num, own_den = self._read_own_totals(fq, run_M, run_z)
             n = fin_mask.shape[1]
-            if n:
-                scores = torch.matmul(fin_g[:, :n], gu[..., None]).squeeze(-1).masked_fill(~fin_mask, float("-inf"))
-                diag = (gu * run_g).sum(-1, keepdim=True) / run_n.clamp(min=1)[:, None]
-                gamma = torch.softmax(torch.cat([scores, diag], -1), dim=-1)
-                g_fin, g_own = gamma[:, None, :-1], gamma[:, -1:]
-                mixed_M = torch.matmul(g_fin, fin_M[:, :n].reshape(B, n, -1)).view(run_M.shape)
-                mixed_z = torch.matmul(g_fin, fin_z[:, :n].reshape(B, n, -1)).view(run_z.shape)
-                num = torch.matmul(fq.unsqueeze(-2), mixed_M).squeeze(-2) + g_own[..., None] * num
-                den = (fq * mixed_z).sum(-1) + g_own * den
-            y = (num / (den[..., None] + self.eps)).reshape(B, 1, self.nh * self.hd)
-            out = self._output(y)
+            cands = (fin_M[:, :n], fin_z[:, :n], fin_g[:, :n], fin_mask[:, None]) if n else None
+            y = self._read(fq, gu, own_num, own_den, run_g[:, None], run_n[:, None], cands)
+            out = self._output(y.reshape(B, 1, self.nh * self.hd))
         return _as(out, u.dtype), (fin_M, fin_z, fin_g, run_M, run_z, run_g, run_n)
+
+    @staticmethod
+    def _add_to_segment(sums: tuple | None, fk, v, gk, valid_f) -> tuple:
+        """Σ over the chunk's tokens (all in one segment) of φ(k)vᵀ, φ(k), W_k x and 1, added to `sums` (a segment's
+        running M, z, gate-key sum and token count, or None): the running-sum update of every path."""
+        M, z = torch.matmul(fk.permute(0, 2, 3, 1), v.transpose(1, 2)), fk.sum(1)
+        g = gk.sum(1)
+        n = valid_f.sum(1) if valid_f is not None else torch.full_like(g[:, 0], fk.shape[1])
+        if sums is None:
+            return M, z, g, n
+        return M + sums[0], z + sums[1], g + sums[2], n + sums[3]
+
+    @staticmethod
+    def _read_own_totals(fq, M, z):
+        """φ(q)ᵀM and φ(q)·z of one-token chunks against their segment's running totals M [B, nh, hd, hd], z."""
+        return torch.matmul(fq.transpose(1, 2), M).transpose(1, 2), (fq * z[:, None]).sum(-1)
+
+    def _read(self, fq, gu, own_num, own_den, own_g, own_n, cands: tuple | None) -> torch.Tensor:
+        """y_t = Σ_i γ_{t,i} φ(q_t)ᵀM⁽ⁱ⁾ / (Σ_i γ_{t,i} φ(q_t)·z⁽ⁱ⁾ + ε), γ = softmax over the readable finished
+        segments' ⟨u_t, ḡ⁽ⁱ⁾⟩ and the own segment's ⟨u_t, own_g⟩/own_n; [B, S, nh, hd].
+
+        cands: (M [B, I, nh, hd, hd], z [B, I, nh, hd], ḡ [B, I, gd], readable [B, S, I]) or None."""
+        if cands is None:
+            return own_num / (own_den[..., None] + self.eps)
+        cand_M, cand_z, cand_g, cand_mask = cands
+        B, S, nh, hd = fq.shape
+        I = cand_M.shape[1]
+        scores = torch.matmul(gu, cand_g.transpose(1, 2)).masked_fill(~cand_mask, float("-inf"))
+        diag = (gu * own_g).sum(-1, keepdim=True) / own_n.clamp(min=1)[..., None]
+        gamma = torch.softmax(torch.cat([scores, diag], -1), dim=-1)
+        g_fin, g_own = gamma[..., :-1], gamma[..., -1:]
+        # Mix the candidate memories per token first (Σ_i γ_i M_i), then read them with φ(q).
+        mixed_M = torch.matmul(g_fin, cand_M.reshape(B, I, -1)).view(B, S, nh, hd, hd)
+        mixed_z = torch.matmul(g_fin, cand_z.reshape(B, I, -1)).view(B, S, nh, hd)
+        num = torch.matmul(fq.unsqueeze(-2), mixed_M).squeeze(-2) + g_own[..., None] * own_num
+        den = (fq * mixed_z).sum(-1) + g_own * own_den
+        return num / (den[..., None] + self.eps)
 
     def _memory_readout(self, x, lay: SegmentLayout, state: MemoryCacheState | None, cache):
         B, S, _ = x.shape
@@ -375,12 +408,8 @@ class MemoryCacheBranch(nn.Module):
 
         # Each chunk segment's totals (the cache's running sums carried into relative segment 0).
         if lay.n_rel == 1:
-            seg_M, seg_z = torch.matmul(fk.permute(0, 2, 3, 1), v.transpose(1, 2)), fk.sum(1)
-            seg_g, seg_n = gk.sum(1), lay.valid_f.sum(1)
-            if state is not None:
-                seg_M, seg_z = seg_M + state.run_M, seg_z + state.run_z
-                seg_g, seg_n = seg_g + state.run_g, seg_n + state.run_n
-            seg_M, seg_z, seg_g, seg_n = seg_M[:, None], seg_z[:, None], seg_g[:, None], seg_n[:, None]
+            running = state[3:] if state is not None else None
+            seg_M, seg_z, seg_g, seg_n = (t[:, None] for t in self._add_to_segment(running, fk, v, gk, lay.valid_f))
         else:
             E = lay.onehot
             seg_M = torch.einsum("bsr,bshd,bshe->brhde", E, fk, v)
@@ -395,8 +424,7 @@ class MemoryCacheBranch(nn.Module):
 
         # Causal running sums of each token's own segment. A one-token chunk's are its segment's totals.
         if S == 1 and lay.n_rel == 1:
-            own_num = torch.matmul(fq.transpose(1, 2), seg_M[:, 0]).transpose(1, 2)
-            own_den = (fq * seg_z).sum(-1)
+            own_num, own_den = self._read_own_totals(fq, seg_M[:, 0], seg_z[:, 0])
             own_g, own_n = seg_g, seg_n
         else:
             own_num, own_den, own_g, own_n = self._own_segment_sums(fq, fk, v, gk, lay)
@@ -415,23 +443,11 @@ class MemoryCacheBranch(nn.Module):
             cands.append((state.fin_M[:, :n], state.fin_z[:, :n], state.fin_g[:, :n], lay.fin_mask[:, None].expand(B, S, n)))
         if lay.n_rel > 1:
             cands.append((seg_M, seg_z, seg_gmean, lay.chunk_mask))
-        if not cands:
-            y = own_num / (own_den[..., None] + self.eps)
-        else:
-            cand_M, cand_z, cand_g, cand_mask = (
-                torch.cat(parts, 1 if i < 3 else -1) if len(parts) > 1 else parts[0] for i, parts in enumerate(zip(*cands))
-            )
-            I = cand_M.shape[1]
-            scores = torch.matmul(gu, cand_g.transpose(1, 2)).masked_fill(~cand_mask, float("-inf"))
-            diag = (gu * own_g).sum(-1, keepdim=True) / own_n.clamp(min=1)[..., None]
-            gamma = torch.softmax(torch.cat([scores, diag], -1), dim=-1)
-            g_fin, g_own = gamma[..., :-1], gamma[..., -1:]
-            # Mix the candidate memories per token first (Σ_i γ_i M_i), then read them with φ(q).
-            mixed_M = torch.matmul(g_fin, cand_M.reshape(B, I, -1)).view(B, S, nh, hd, hd)
-            mixed_z = torch.matmul(g_fin, cand_z.reshape(B, I, -1)).view(B, S, nh, hd)
-            num = torch.matmul(fq.unsqueeze(-2), mixed_M).squeeze(-2) + g_own[..., None] * own_num
-            den = (fq * mixed_z).sum(-1) + g_own * own_den
-            y = num / (den[..., None] + self.eps)
+        cand = None
+        if cands:
+            cand = tuple(torch.cat(parts, 1 if i < 3 else -1) if len(parts) > 1 else parts[0]
+                         for i, parts in enumerate(zip(*cands)))
+        y = self._read(fq, gu, own_num, own_den, own_g, own_n, cand)
         y = y.reshape(B, S, nh * hd)
 
         if cache is None:
@@ -868,7 +884,7 @@ class SpikeWhaleAttention(nn.Module):
             return self._attend_stateless(q, k, v, mask, ctx.is_causal)
         dropout = self.config.attention_dropout if self.training else 0.0
         cache = ctx.cache
-        past = cache.elo_state(slot) if cache is not None else None
+        past = cache.slot_state(slot, "elo") if cache is not None else None
         y, weights, ratings, per_query = elo_attention(
             q, k, v, mask, ctx.is_causal, dropout, self.elo_gain, self.elo_k, past, ctx.valid.to(q.device)
         )
@@ -877,7 +893,7 @@ class SpikeWhaleAttention(nn.Module):
             per_pos = None
             if cache.record_past:
                 per_pos = [per_query[:, :, j, : start + j + 1] for j in range(q.shape[2])]
-            cache.set_elo_state(slot, ratings, per_pos)
+            cache.set_slot_state(slot, "elo", ratings, per_pos)
         return y.to(q.dtype), weights
 
     def _attend_stateless(self, q, k, v, mask, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -946,10 +962,7 @@ class SpikeWhaleAttention(nn.Module):
         fused = self._fused_projections(u)
         q, k, v = self._project(u, positions, fused[:3] if fused is not None else None)
         v, depth_entry = self._mix_depth(q, k, v, depth_sources)
-        end = start + 1
-        keys[:, :, start:end] = k
-        values[:, :, start:end] = v
-        keys, values = keys[:, :, :end], values[:, :, :end]
+        keys, values = write_kv(keys, values, k, v, start)
         if self.attn_kind == "softmax":
             y = decode_attention(q, keys, values, attn_mask)
         else:
@@ -1180,22 +1193,33 @@ def decode_block(layer: SpikeWhaleDecoderLayer, X, token_embed, engram_r, depth_
     return X, depth_entry, mc_state
 
 
-def decode_run(layers: tuple, X, pass_embed, token_embed, engram_r, positions, attn_mask, fin_mask, start: int,
-               kv: tuple, mc: tuple):
-    """A one-token decode step through one run of the loop plan (a loop pass, or the layers before or after the
-    loop), as a function of tensors and the write offset only, so that `torch.compile` traces it once and reuses
-    it for every pass. kv / mc: per slot of the run, its (K, V) buffers and Memory-Cache state tuple (or None).
-    Returns (X, the run's new Memory-Cache state tuples)."""
+def walk_run(layers: tuple, X, pass_embed, step):
+    """One run of the loop plan (a loop pass, or the layers before the loop): X plus the pass embedding, then each
+    layer through `step(i, layer, X, depth_sources) -> (X, depth entry or None, extra)`, reading this run's depth
+    checkpoints. The one walk of the plan: the chunk path and the one-token decode step both go through it.
+    Returns (X, the layers' extras)."""
     if pass_embed is not None:
         X = X + pass_embed
-    depth, mc_out = (), []
-    for layer, (keys, values), state in zip(layers, kv, mc):
-        X, entry, state = decode_block(
-            layer, X, token_embed, engram_r, depth, positions, attn_mask, fin_mask, start, keys, values, state
-        )
+    depth, extras = (), []
+    for i, layer in enumerate(layers):
+        X, entry, extra = step(i, layer, X, depth)
         depth = depth + (entry,) if entry is not None else depth
-        mc_out.append(state)
-    return X, tuple(mc_out)
+        extras.append(extra)
+    return X, tuple(extras)
+
+
+def decode_run(layers: tuple, X, pass_embed, token_embed, engram_r, positions, attn_mask, fin_mask, start: int,
+               kv: tuple, mc: tuple):
+    """`walk_run` for a one-token decode step, as a function of tensors and the write offset only, so that
+    `torch.compile` traces it once and reuses it for every pass. kv / mc: per slot of the run, its (K, V) buffers and
+    Memory-Cache state tuple (or None). Returns (X, the run's new Memory-Cache state tuples)."""
+
+    def step(i, layer, X, depth):
+        keys, values = kv[i]
+        return decode_block(layer, X, token_embed, engram_r, depth, positions, attn_mask, fin_mask, start, keys,
+                            values, mc[i])
+
+    return walk_run(layers, X, pass_embed, step)
 
 
 def compiled_decode_guards(entries) -> list[bool]:
@@ -1252,7 +1276,7 @@ class DecodeStep:
         if seg is None and not bool(ctx.valid.all()):
             return False
         return all(
-            layer.is_initialized and (seg is None or cache.mc_state(slot) is not None)
+            layer.is_initialized and (seg is None or cache.slot_state(slot, "mc") is not None)
             for slot, layer in enumerate(cache.layers)
         )
 
@@ -1270,20 +1294,17 @@ class DecodeStep:
         X = X.contiguous()  # the streams start as an expanded view; one memory layout means one compiled graph
         record, end = cache.record_past, self.start + 1
         for lo, hi, loop_pass in plan.runs:
-            pass_embed = None
-            if loop_pass is not None and model.loop_pass_embed is not None:
-                pass_embed = model.pass_embedding(loop_pass, X)
-            layers = tuple(model.layers[layer_idx] for layer_idx, _ in plan.entries[lo:hi])
             slots = cache.layers[lo:hi]
             X, mc_out = self.run_fn(
-                layers, X, pass_embed, token_embed, engram_r, self.positions, self.attn_mask, self.fin_mask,
-                self.start, tuple((s.keys, s.values) for s in slots), tuple(s.mc for s in slots),
+                model.run_layers(lo, hi), X, model.run_pass_embedding(loop_pass, X), token_embed, engram_r,
+                self.positions, self.attn_mask, self.fin_mask, self.start, tuple((s.keys, s.values) for s in slots),
+                tuple(s.mc for s in slots),
             )
             for slot, slot_cache, state in zip(range(lo, hi), slots, mc_out):
                 slot_cache.mark_written(end)
                 if state is not None:
                     state = MemoryCacheState._make(state)
-                    cache.set_mc_state(slot, state, [state] if record else None)
+                    cache.set_slot_state(slot, "mc", state, [state] if record else None)
         return X
 
 
@@ -1394,6 +1415,9 @@ class SpikeWhaleModelOutput(BaseModelOutputWithPast):
 
     refinement_states: tuple[torch.Tensor, ...] | None = None
     moe_aux_loss: torch.FloatTensor | None = None
+
+    if CACHE_FIELD != "cache":  # transformers < 5.24: `out.cache` reads the field under its old name
+        cache = property(lambda self: self.past_key_values)
 
 
 class SpikeWhaleModel(SpikeWhalePreTrainedModel):
@@ -1526,31 +1550,38 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             segments = SegmentLayout.build(positions, valid, base, L, n_fin)
         return ForwardContext(positions, valid, attn_mask, is_causal, cache, segments)
 
-    def pass_embedding(self, loop_pass: int, X: torch.Tensor) -> torch.Tensor:
-        """The loop-pass embedding added to the streams at the start of pass `loop_pass`, [1, H] like X."""
+    def run_layers(self, lo: int, hi: int) -> tuple:
+        """The layers of loop-plan slots lo..hi-1."""
+        return tuple(self.layers[layer_idx] for layer_idx, _ in self.loop_plan.entries[lo:hi])
+
+    def run_pass_embedding(self, loop_pass: int | None, X: torch.Tensor) -> torch.Tensor | None:
+        """The loop-pass embedding added to the streams at the start of a run (None for a run that starts no pass),
+        [1, H] like X."""
+        if loop_pass is None or self.loop_pass_embed is None:
+            return None
         index = torch.full((1,), loop_pass, dtype=torch.long, device=X.device)
         return _as(_on(self.loop_pass_embed(index), X.device), X.dtype)
 
     def _run_slots(self, X, token_embed, engram_r, ctx: ForwardContext, hidden_states: list | None,
                    attentions: list | None):
-        """The general chunk path through every loop-plan slot. Returns (X, the MoE load-balance losses); appends
-        each slot's output (streams read out like the final one) and attention weights to the lists given."""
-        aux_terms, depth_sources = [], []
-        for slot, ((layer_idx, loop_pass), starts_pass) in enumerate(zip(self.loop_plan.entries, self.loop_plan.pass_starts)):
-            if starts_pass:
-                depth_sources = []
-                if self.loop_pass_embed is not None:
-                    X = X + self.pass_embedding(loop_pass, X)
-            depth_flat = [t for entry in depth_sources for t in entry]
-            X, aux, dk, dv, weights = self.layers[layer_idx](X, token_embed, engram_r, *depth_flat, ctx=ctx, slot=slot)
-            if dk is not None:
-                depth_sources.append((dk, dv))
-            if aux is not None:
-                aux_terms.append(aux.to(ctx.positions.device))
-            if hidden_states is not None:
-                hidden_states.append(self.hc_out_mix(X) if self.hc_out_mix is not None else X)
-            if attentions is not None:
-                attentions.append(weights)
+        """The general chunk path: `walk_run` over every run of the loop plan. Returns (X, the MoE load-balance
+        losses); appends each slot's output (streams read out like the final one) and attention weights to the
+        lists given."""
+        aux_terms = []
+        for lo, hi, loop_pass in self.loop_plan.runs:
+
+            def step(i, layer, X, depth, slot0=lo):
+                depth_flat = [t for entry in depth for t in entry]
+                X, aux, dk, dv, weights = layer(X, token_embed, engram_r, *depth_flat, ctx=ctx, slot=slot0 + i)
+                if aux is not None:
+                    aux_terms.append(aux.to(ctx.positions.device))
+                if hidden_states is not None:
+                    hidden_states.append(self.hc_out_mix(X) if self.hc_out_mix is not None else X)
+                if attentions is not None:
+                    attentions.append(weights)
+                return X, ((dk, dv) if dk is not None else None), None
+
+            X, _ = walk_run(self.run_layers(lo, hi), X, self.run_pass_embedding(loop_pass, X), step)
         return X, aux_terms
 
     @staticmethod
@@ -1672,7 +1703,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             cache.commit(ctx.valid, engram_c, seg.new_segment if seg is not None else None, per_pos)
         moe_aux = torch.stack(aux_terms).mean() if aux_terms else None
         return SpikeWhaleModelOutput(
-            last_hidden_state=steps[-1], cache=cache, refinement_states=tuple(steps), moe_aux_loss=moe_aux,
+            last_hidden_state=steps[-1], **{CACHE_FIELD: cache}, refinement_states=tuple(steps), moe_aux_loss=moe_aux,
             hidden_states=tuple(hidden_states) if hidden_states is not None else None,
             attentions=tuple(attentions) if attentions is not None else None,
         )
@@ -1707,6 +1738,9 @@ class SpikeWhaleCausalLMOutput(CausalLMOutputWithPast):
     abstain_threshold: float | None = None
     last_hidden_state: torch.FloatTensor | None = None
 
+    if CACHE_FIELD != "cache":  # transformers < 5.24: `out.cache` reads the field under its old name
+        cache = property(lambda self: self.past_key_values)
+
 
 def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean CE over targets != -100 (0, not NaN, when a batch has none), in float32."""
@@ -1719,7 +1753,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
     """SpikeWhale language model: backbone, tied `lm_head` and the MTP heads (no `model.` prefix on the heads)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _tp_plan = {"lm_head": "colwise_rep"}  # split by vocabulary, gathered (the name every transformers 5.x registers)
     _auto_class = "AutoModelForCausalLM"
     # The loss is a per-batch mean of several terms; let `Trainer` average it over accumulation steps.
     accepts_loss_kwargs = False
@@ -1759,9 +1793,51 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         return caller_length_wins(config, generation_config, kwargs), model_kwargs
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """`cache_implementation="static"` / `"dynamic"` give a `SpikeWhaleCache` (`prepare_generation_cache`)."""
+        """A `SpikeWhaleCache` before the prefill (`prepare_generation_cache`), so that generate sees a compileable
+        cache; `cache_implementation="static"` sizes it to the call."""
         if not prepare_generation_cache(self, generation_config, model_kwargs):
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
+    def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
+        """When generate compiles the decode step. A `compile_config` given explicitly compiles on any device (the
+        decode step's compile was built and measured on CPU, where transformers would skip it); without one, as for
+        in-library models, only a static cache (`cache_implementation="static"`) on an accelerator does. Never where
+        every decode step takes the general path (`DecodeStep.unsupported`)."""
+        if generation_config.disable_compile or not isinstance(model_kwargs.get("cache"), SpikeWhaleCache):
+            return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
+        reason = DecodeStep.unsupported(self.model)
+        if reason is not None:
+            if generation_config.compile_config is not None:
+                logger.warning_once(f"compile_config is ignored: every decode step takes the general path because {reason}.")
+            return False
+        if generation_config.compile_config is not None:
+            return True
+        return generation_config.cache_implementation == "static" and super()._valid_auto_compile_criteria(
+            model_kwargs, generation_config
+        )
+
+    def create_masks_for_generate(self, attention_mask=None, **kwargs):
+        """generate's mask hook for compileable caches: this model keeps the 2D padding mask, from which (with the
+        cache's key validity) its forward builds the attention mask and the Memory-Cache segment layout."""
+        return attention_mask
+
+    def get_compiled_call(self, compile_config):
+        """transformers' compile switch (`generate(..., compile_config=CompileConfig(...))`, or the same in
+        `generation_config`): compiles the one-token decode step, one graph per loop-plan run (`compile_decode`,
+        traced once per config), and returns the model's call; prefill and multi-token chunks stay eager."""
+        if DecodeStep.unsupported(self.model) is not None:
+            return self.__call__
+        config = compile_config.to_dict() if compile_config is not None else {}
+        if config != getattr(self, "_decode_compile_config", None) or self.model._compiled_for is None:
+            kwargs = {k: v for k, v in config.items() if k in ("fullgraph", "backend") or (k == "dynamic" and v is not None)}
+            # torch.compile takes `mode` or `options`, not both; compile_decode needs options, so the mode becomes them.
+            options = dict(torch._inductor.list_mode_options(config.get("mode") or "default", kwargs.get("dynamic")))
+            if self.device.type != "cuda":
+                options.pop("triton.cudagraphs", None)  # CUDA graphs only exist on CUDA
+            options.update(config.get("options") or {})
+            self.compile_decode(**kwargs, options=options)
+            self._decode_compile_config = config
+        return self.__call__
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
         """`GenerationMixin.generate` (greedy, sampling, beams, processors, stopping criteria, streamers, ...) with
@@ -1780,7 +1856,9 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         return spike_whale_generate(self, super().generate, inputs, generation_config, **kwargs)
 
     def compile_decode(self, enable: bool = True, **compile_kwargs) -> None:
-        """Run one-token decode steps through `torch.compile` (the gpt-fast recipe, on the loop-slot cache).
+        """Run one-token decode steps through `torch.compile` (the gpt-fast recipe, on the loop-slot cache). This is
+        what transformers' standard switch, `generate(..., compile_config=CompileConfig(...))`, calls
+        (`get_compiled_call`); calling it directly is a convenience for forwards outside generate.
 
         Each run of the loop plan (a loop pass) becomes one graph with dynamic shapes, traced on the first
         eligible step and reused by every pass and step after it; prefill, multi-token chunks and the other
@@ -1906,7 +1984,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(h[:, keep])
         return SpikeWhaleCausalLMOutput(
-            logits=logits, cache=out.cache, hidden_states=out.hidden_states, attentions=out.attentions,
+            logits=logits, **{CACHE_FIELD: out.cache}, hidden_states=out.hidden_states, attentions=out.attentions,
             last_hidden_state=h, **self._abstain_fields(h[:, keep])
         )
 
@@ -2003,7 +2081,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         if moe_aux_loss is not None and cfg.moe_aux_loss_coef:
             loss = loss + cfg.moe_aux_loss_coef * moe_aux_loss.to(loss.device)
         return SpikeWhaleCausalLMOutput(
-            loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states, attentions=out.attentions,
+            loss=loss, logits=logits, **{CACHE_FIELD: out.cache}, hidden_states=out.hidden_states, attentions=out.attentions,
             lm_loss=lm_loss, z_loss=z_loss, mtp_loss=mtp_loss, hrm_loss=hrm_loss, abstain_loss=abstain_loss,
             moe_aux_loss=moe_aux_loss, last_hidden_state=h,
             **self._abstain_fields(h),

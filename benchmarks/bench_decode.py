@@ -11,9 +11,11 @@ sequence, so that row decodes only `--nocache-new-tokens` tokens (its per-step c
 The "512 context" ratio compares one cached decode step at 512 tokens of context with the forward that a
 no-cache decoder needs for the same token (512 tokens, use_cache=False), medians of `--repeats` runs.
 
-spike_whale is timed eager and with `model.compile_decode()` (the one-token step through torch.compile; its one-off
+spike_whale is timed eager and compiled through transformers' standard switch, `generate(...,
+compile_config=CompileConfig())` (the one-token step through torch.compile, `compile_decode` underneath; its one-off
 compile time per batch size is reported separately and excluded); `--cpp-wrapper` adds, at batch 1, a third twin
-compiled with `options={"cpp_wrapper": True}` (inductor's C++ wrapper: less per-kernel dispatch, slower compile).
+compiled with `CompileConfig(options={"cpp_wrapper": True})` (inductor's C++ wrapper: less per-kernel dispatch,
+slower compile).
 The Llama anchor runs the way transformers runs it by default (eager, DynamicCache).
 
 Issue targets: spike_whale cached decode >= 1.15x the Llama anchor, and >= 18x faster than no cache at 512.
@@ -137,9 +139,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--no-llama", action="store_true", help="skip the Llama anchor")
     p.add_argument("--mtp", action="store_true", help="also time use_mtp=True (random weights: drafts mostly rejected)")
-    p.add_argument("--no-compile", action="store_true", help="skip the compile_decode() rows")
+    p.add_argument("--no-compile", action="store_true", help="skip the compiled rows")
     p.add_argument("--cpp-wrapper", action="store_true",
-                   help="also time compile_decode(options={'cpp_wrapper': True}) at batch 1 (minutes more to compile)")
+                   help="also time CompileConfig(options={'cpp_wrapper': True}) at batch 1 (minutes more to compile)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode.json"))
     args = p.parse_args(argv)
     prompt = args.prompt or (128 if args.quick else 256)
@@ -166,26 +168,29 @@ def main(argv=None) -> int:
         ids[:, 0] = 2
         return ids
 
-    def compiled_twin(batch_sizes: list[int], **options) -> tuple[SpikeWhaleForCausalLM, dict]:
-        """A second model with the same weights, decoding through compile_decode(), compiled for `batch_sizes` (one
-        graph per batch size; batch 1 is specialised). The one-off compile times are returned, not timed as decode."""
+    def compiled_twin(batch_sizes: list[int], **options) -> tuple[SpikeWhaleForCausalLM, dict, dict]:
+        """A second model with the same weights, decoding through transformers' standard switch
+        (`generate(..., compile_config=CompileConfig(...))`), compiled for `batch_sizes` (one graph per batch size;
+        batch 1 is specialised). Returns (twin, its generate kwargs, the one-off compile times, not timed as decode)."""
+        from transformers import CompileConfig
+
         twin = SpikeWhaleForCausalLM(spike.config).eval()
         twin.load_state_dict(spike.state_dict())
-        twin.compile_decode(options=options)
+        kw = {"compile_config": CompileConfig(options=options or None)}
         seconds = {}
         for batch in batch_sizes:
             t = time.perf_counter()
-            time_generate(twin, prompt_ids(batch), 3, use_cache=True)
+            time_generate(twin, prompt_ids(batch), 3, use_cache=True, **kw)
             seconds[batch] = time.perf_counter() - t
-            print(f"compile_decode({'cpp_wrapper' if options else ''}): first decode steps at batch {batch} took "
+            print(f"compile_config({'cpp_wrapper' if options else ''}): first decode steps at batch {batch} took "
                   f"{seconds[batch]:.0f} s (tracing and compiling, once)", flush=True)
-        return twin, seconds
+        return twin, kw, seconds
 
-    compile_s, compiled, compiled_cpp = {}, None, None
+    compile_s, compiled, compiled_cpp, compiled_kw, compiled_cpp_kw = {}, None, None, {}, {}
     if not args.no_compile:
-        compiled, compile_s["python_wrapper"] = compiled_twin(args.batch_sizes)
+        compiled, compiled_kw, compile_s["python_wrapper"] = compiled_twin(args.batch_sizes)
         if args.cpp_wrapper and 1 in args.batch_sizes:
-            compiled_cpp, compile_s["cpp_wrapper"] = compiled_twin([1], cpp_wrapper=True)
+            compiled_cpp, compiled_cpp_kw, compile_s["cpp_wrapper"] = compiled_twin([1], cpp_wrapper=True)
 
     runs: dict[tuple, list[dict]] = {}
     for r in range(repeats):
@@ -195,9 +200,9 @@ def main(argv=None) -> int:
             if not args.no_llama:
                 plan.insert(1, ("llama", llama, True, {}))
             if compiled is not None:
-                plan.insert(1, ("spike_whale+compile", compiled, True, {}))
+                plan.insert(1, ("spike_whale+compile", compiled, True, compiled_kw))
             if compiled_cpp is not None and batch == 1:
-                plan.insert(2, ("spike_whale+compile_cpp", compiled_cpp, True, {}))
+                plan.insert(2, ("spike_whale+compile_cpp", compiled_cpp, True, compiled_cpp_kw))
             if args.mtp and batch == 1:
                 plan.append(("spike_whale+mtp", spike, True, {"use_mtp": True}))
             for name, m, use_cache, kw in plan:
@@ -241,7 +246,7 @@ def main(argv=None) -> int:
             x = sw["decode_tok_s"] / ll["decode_tok_s"]
             summary[f"spike_vs_llama_b{batch}"] = x
             print(f"batch {batch}: spike_whale / Llama decode speed {x:.2f}x eager", end="")
-            for model, key, how in (("spike_whale+compile", "compiled", "compile_decode()"),
+            for model, key, how in (("spike_whale+compile", "compiled", "compile_config"),
                                     ("spike_whale+compile_cpp", "compiled_cpp", "the C++ wrapper")):
                 row = by.get((model, batch, True))
                 if row:
@@ -257,7 +262,7 @@ def main(argv=None) -> int:
           f"{1000 * nocache_s:.0f} ms -> {nocache_s / cached_s:.1f}x eager", end="")
     if compiled_s is not None:
         summary[f"cache_compiled_vs_nocache_ctx{args.ratio_context}"] = nocache_s / compiled_s
-        print(f", {nocache_s / compiled_s:.1f}x with compile_decode() ({1000 * compiled_s:.0f} ms)", end="")
+        print(f", {nocache_s / compiled_s:.1f}x with compile_config ({1000 * compiled_s:.0f} ms)", end="")
     print(" (target >= 18x)")
     summary["mtp_verify_step_cost"] = verify_s / cached_s
     print(f"MTP: a 2-token verification step costs {verify_s / cached_s:.2f}x a 1-token step at {args.ratio_context} "

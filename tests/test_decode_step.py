@@ -200,3 +200,18 @@ def test_compile_decode_with_the_cpp_wrapper_equals_eager():
         compiled = model.generate(ids, **kw)
     assert torch.equal(eager.sequences, compiled.sequences)
     assert max(float((a - b).abs().max()) for a, b in zip(eager.logits, compiled.logits)) <= TOL
+
+
+def test_generate_compile_config_compiles_the_decode_step_through_the_standard_switch(monkeypatch):
+    """transformers' own switch, `generate(..., compile_config=CompileConfig(...))`, compiles the one-token decode step
+    (no model-specific call) and gives the eager ids; prefill stays eager."""
+    from transformers import CompileConfig
+
+    model = tiny_model(seed=3)
+    ids = torch.randint(5, 200, (2, 9), generator=torch.Generator().manual_seed(3))
+    eager = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert model.model._decode_run is msw.decode_run
+    compiled = model.generate(ids, max_new_tokens=4, do_sample=False, compile_config=CompileConfig(backend="eager"))
+    assert model.model._decode_run is not msw.decode_run  # compile_decode ran through get_compiled_call
+    assert torch.equal(compiled, eager)
+    assert msw.SpikeWhaleCache(model.config).is_compileable

@@ -353,7 +353,7 @@ def test_elo_ratings_live_in_the_cache_and_survive_select_reorder_and_crop():
         full = model(ids).logits
         cache = SpikeWhaleCache(model.config)
         model(ids[:, :12], cache=cache, use_cache=True)
-        assert cache.elo_state(0).shape == (3, 4, 12)
+        assert cache.slot_state(0, "elo").shape == (3, 4, 12)
         # Select rows 2 and 0 (in that order), continue, compare with their full recompute.
         cache.batch_select_indices(torch.tensor([2, 0]))
         out = model(ids[[2, 0], 12:20], cache=cache, use_cache=True).logits
@@ -362,11 +362,11 @@ def test_elo_ratings_live_in_the_cache_and_survive_select_reorder_and_crop():
         cache.activate_past_recording()
         model(ids[[0, 2], 20:26], cache=cache, use_cache=True)
         cache.crop(-4)  # remove the last 4: back to 22 positions
-        assert cache.elo_state(0).shape[-1] == 22
+        assert cache.slot_state(0, "elo").shape[-1] == 22
         out = model(ids[[0, 2], 22:30], cache=cache, use_cache=True).logits
         torch.testing.assert_close(out, full[[0, 2], 22:30], rtol=0, atol=2e-6)
         cache.reset()
-        assert cache.elo_state(0) is None
+        assert cache.slot_state(0, "elo") is None
 
 
 def test_sdpa_stays_the_default_without_derf_or_elo(monkeypatch):
