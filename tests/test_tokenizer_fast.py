@@ -72,14 +72,17 @@ def test_100k_random_strings_identical(pair):
     slow, fast = pair
     rng = random.Random(0)
     texts = [random_unicode(rng) for _ in range(100_000)]
-    assert fast(texts, add_special_tokens=False)["input_ids"] == [slow.encode_ordinary(t) for t in texts]
-    mixed = [random_text(rng) for _ in range(5000)]
+    # the Rust pipeline itself (transformers' per-row wrapping is exercised by the mixed texts below)
+    encoded = fast.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+    assert [e.ids for e in encoded] == [slow.encode_ordinary(t) for t in texts]
+    mixed = [random_text(rng) for _ in range(2000)]
     fast_ids = fast(mixed)["input_ids"]
     assert fast_ids == slow(mixed)["input_ids"]
-    assert fast.batch_decode(fast_ids) == slow.batch_decode(fast_ids)
-    assert fast.batch_decode(fast_ids, skip_special_tokens=True) == slow.batch_decode(fast_ids, skip_special_tokens=True)
-    assert fast.batch_decode(fast_ids) == [t if t.startswith("<bos>") else "<bos>" + t for t in mixed]
-    cut = [ids[: len(ids) // 2] for ids in fast_ids]  # ends inside UTF-8 sequences
+    decoded = fast.batch_decode(fast_ids)
+    assert decoded == slow.batch_decode(fast_ids) == [t if t.startswith("<bos>") else "<bos>" + t for t in mixed]
+    some = fast_ids[:500]
+    assert fast.batch_decode(some, skip_special_tokens=True) == slow.batch_decode(some, skip_special_tokens=True)
+    cut = [ids[: len(ids) // 2] for ids in some]  # ends inside UTF-8 sequences
     assert fast.batch_decode(cut) == slow.batch_decode(cut)
 
 
