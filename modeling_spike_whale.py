@@ -11,13 +11,16 @@ recompute, a prefill and any mix of multi-token decode steps compute the same fu
 from __future__ import annotations
 
 import functools
+import glob
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
@@ -123,6 +126,15 @@ def checkpoint_key_report(checkpoint_shapes: dict, model_shapes: dict) -> dict:
                      f"'{json.dumps(rename_map)}'")
     return {"matched": matched, "expected": len(model_shapes), "unexpected": unexpected, "missing": missing,
             "guessed": guessed, "candidates": candidates, "rename_map": rename_map, "lines": lines}
+
+
+def _stored_shape(folder: str, key: str) -> tuple | None:
+    """A tensor's shape from the safetensors header(s) in a local model folder, or None where it cannot be read."""
+    for path in sorted(glob.glob(os.path.join(str(folder), "*.safetensors"))):
+        with safe_open(path, "pt") as handle:
+            if key in handle.keys():
+                return tuple(handle.get_slice(key).get_shape())
+    return None
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -1358,6 +1370,25 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
     # each projection buffer), as transformers matches them; the buffers are also created float32, which is what
     # keeps them so under `_from_config(dtype=...)`.
     _keep_in_fp32_modules_strict = ["rope", r"hash_proj_n\d+_p\d+"]
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, with `CHECKPOINT_KEY_RENAMES` applied to the file's names (transformers'
+        `key_mapping`) once a released header has filled the table; a caller's own `key_mapping` wins."""
+        if CHECKPOINT_KEY_RENAMES and kwargs.get("key_mapping") is None:
+            kwargs["key_mapping"] = dict(CHECKPOINT_KEY_RENAMES)
+        return super().from_pretrained(*args, **kwargs)
+
+    def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
+        """transformers' clean-up of the load report, then, when names still differ, `checkpoint_key_report`: which
+        expected names are guesses, and for each unplaceable tensor the absent ones of the same shape."""
+        super()._adjust_missing_and_unexpected_keys(loading_info)
+        if not (loading_info.missing_keys or loading_info.unexpected_keys):
+            return
+        model_shapes = {k: tuple(v.shape) for k, v in self.state_dict().items()}
+        checkpoint = {k: shape for k, shape in model_shapes.items() if k not in loading_info.missing_keys}
+        checkpoint.update({k: _stored_shape(self.config._name_or_path, k) for k in loading_info.unexpected_keys})
+        logger.warning("\n".join(checkpoint_key_report(checkpoint, model_shapes)["lines"]))
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
