@@ -313,3 +313,43 @@ def test_slow_plain_call_path_equals_the_base_class_path(pair, monkeypatch):
         for key in a:
             same = torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor) else a[key] == b[key]
             assert same, (kw, key)
+
+
+@pytest.mark.parametrize(
+    "messages, kwargs, match",
+    [
+        ([{"content": "hi"}], {}, "has no 'role'"),
+        ([{"role": "user", "content": [{"type": "image", "url": "x.png"}]}], {}, "content parts must be"),
+        ([{"role": "user", "content": 3}], {}, "content must be a string"),
+        ([{"role": "user", "content": {"text": "hi"}}], {}, "content must be a string"),
+        ([{"role": "user", "content": "hi"}], {"tools": [{"type": "function", "function": {"name": "f"}}]},
+         "no tool-calling format"),
+        ([{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]}],
+         {}, "has tool_calls"),
+    ],
+)
+def test_chat_template_edge_cases_raise_clearly(pair, messages, kwargs, match):
+    """Issue 11 item 10: nothing in a message is dropped silently."""
+    for tok in pair:
+        with pytest.raises(Exception, match=match):
+            tok.apply_chat_template(messages, tokenize=False, **kwargs)
+
+
+def test_chat_template_content_parts_and_empty_content(pair):
+    for tok in pair:
+        parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                 {"role": "assistant", "content": None}]
+        assert tok.apply_chat_template(parts, tokenize=False) == (
+            "<bos><|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n")
+
+
+def test_model_files_do_not_import_the_tokenizer():
+    """Loading a model (configuration, modeling, generation_utils) must not execute the tokenizer file."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for name in ("configuration_spike_whale.py", "modeling_spike_whale.py", "generation_utils.py"):
+        tree = ast.parse((root / name).read_text(encoding="utf-8"))
+        modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert not any(m and "tokenization" in m for m in modules), name
