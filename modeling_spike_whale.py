@@ -1702,8 +1702,18 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                         "output_attentions=True with padding-free packed rows: each packed sequence attends only "
                         "within itself, so there is no per-row attention map to return; unpack the batch."
                     )
-                out = self._forward_packed(input_ids, inputs_embeds, position_ids, starts, output_hidden_states)
-                return out
+                return self._forward_packed(input_ids, inputs_embeds, position_ids, starts, output_hidden_states)
+        elif position_ids is not None and S > 1 and not torch.compiler.is_compiling():
+            starts = self.packed_sequence_starts(position_ids.to(device).expand(B, S))[:, 1:]
+            if attention_mask is not None:
+                real = attention_mask[:, -S:].to(device).bool()
+                starts = starts & real[:, 1:] & real[:, :-1]
+            if bool(starts.any()):
+                raise NotImplementedError(
+                    "position_ids restart inside a row (padding-free packing) together with an attention_mask or a "
+                    "non-empty cache: packed rows are supported as DataCollatorWithFlattening writes them, with "
+                    "position_ids only. Drop the attention_mask, or pad the sequences into separate rows."
+                )
         if use_cache and cache is None:
             cache = SpikeWhaleCache(cfg)
         if not use_cache:

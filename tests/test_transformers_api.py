@@ -175,10 +175,14 @@ def test_padding_free_packing_equals_each_sequence_alone():
     assert torch.allclose(only_a.mtp_loss, alone_a.mtp_loss, atol=1e-5)  # no MTP target crosses into b
 
 
-def test_custom_4d_mask_raises_clearly():
+def test_custom_4d_mask_and_packing_with_a_mask_raise_clearly():
     model = tiny_model()
     with pytest.raises(ValueError, match="4D masks are not supported"):
         model(ids_of(1, 6), attention_mask=torch.ones(1, 1, 6, 6, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="padding-free packing"):
+        model(ids_of(1, 6), attention_mask=torch.ones(1, 6, dtype=torch.long), position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]))
+    left_padded = torch.tensor([[0, 0, 1, 1, 1, 1]])  # generate's position_ids: pads at 1, real tokens from 0
+    model(ids_of(1, 6), attention_mask=left_padded, position_ids=torch.tensor([[1, 1, 0, 1, 2, 3]]))
 
 
 def test_negative_position_ids_raise():
