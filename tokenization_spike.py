@@ -222,7 +222,8 @@ def _apply_marked_chat_template(tokenizer, apply, conversation, kwargs: dict):
         keep = opts["max_length"]
         ids = [row[:keep] if tokenizer.truncation_side == "right" else row[-keep:] for row in ids]
     out = tokenizer.pad({"input_ids": ids if batched else ids[0]}, padding=opts["padding"],
-                        max_length=opts["max_length"], return_tensors=opts["return_tensors"])
+                        max_length=opts["max_length"])
+    out = BatchEncoding(dict(out), tensor_type=opts["return_tensors"], prepend_batch_axis=not batched)
     return out if opts["return_dict"] else out["input_ids"]
 
 
