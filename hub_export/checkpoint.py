@@ -113,9 +113,15 @@ def read_json(path: Path):
 
 
 def _field_defaults() -> dict:
-    params = inspect.signature(SpikeWhaleConfig.__init__).parameters
-    return {n: p.default for n, p in params.items()
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "self" and n not in _HF_ONLY_CONFIG_KEYS}
+    """Each model field of `SpikeWhaleConfig` and its default: the fields the class declares (annotations), or, for
+    a config class written with an explicit `__init__`, its keyword arguments."""
+    declared = SpikeWhaleConfig.__dict__.get("__annotations__", {})
+    if declared:
+        fields = {n: getattr(SpikeWhaleConfig, n, None) for n in declared if "ClassVar" not in str(declared[n])}
+    else:
+        params = inspect.signature(SpikeWhaleConfig.__init__).parameters
+        fields = {n: p.default for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {n: d for n, d in fields.items() if n != "self" and n not in _HF_ONLY_CONFIG_KEYS}
 
 
 def _type_error(name: str, value, default) -> str | None:

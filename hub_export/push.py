@@ -94,24 +94,31 @@ def check_provenance(folder: Path, files: list[str]) -> None:
                          "it was written; refusing to upload it (re-export it with `spike-whale convert`)")
 
 
+def http_library():
+    """The HTTP library huggingface_hub's client is built on (httpx2 from huggingface_hub 2, httpx before)."""
+    from huggingface_hub.utils import _http
+
+    return getattr(_http, "httpx2", None) or _http.httpx
+
+
 def make_api(timeout: float):
     """An `HfApi` whose HTTP client gives up on a call after `timeout` seconds without progress."""
-    import httpx2
     from huggingface_hub import HfApi, set_client_factory
     from huggingface_hub.utils._http import hf_request_event_hook
 
-    set_client_factory(lambda: httpx2.Client(event_hooks={"request": [hf_request_event_hook]}, follow_redirects=True,
-                                             timeout=httpx2.Timeout(timeout)))
+    http = http_library()
+    set_client_factory(lambda: http.Client(event_hooks={"request": [hf_request_event_hook]}, follow_redirects=True,
+                                           timeout=http.Timeout(timeout)))
     return HfApi()
 
 
 def _transient(err: Exception) -> bool:
-    import httpx2
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
+    http = http_library()
     if isinstance(err, OfflineModeIsEnabled):
         return False
-    if isinstance(err, (httpx2.TimeoutException, httpx2.NetworkError, httpx2.RemoteProtocolError, TimeoutError,
+    if isinstance(err, (http.TimeoutException, http.NetworkError, http.RemoteProtocolError, TimeoutError,
                         ConnectionError)):
         return True
     status = getattr(getattr(err, "response", None), "status_code", None)

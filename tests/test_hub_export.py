@@ -968,8 +968,7 @@ def test_push_refuses_a_folder_changed_since_export(converted_pt, tmp_path, monk
 
 
 def test_push_retries_transient_errors_a_bounded_number_of_times(monkeypatch):
-    import httpx2
-
+    httpx2 = push_mod.http_library()
     calls = []
 
     class FlakyApi:
