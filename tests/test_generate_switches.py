@@ -59,6 +59,24 @@ def test_missing_folder_is_named(tmp_path, capsys):
     assert "no such folder" in capsys.readouterr().err
 
 
-def test_token_healing_prints_the_healed_prompt(folder, capsys):
-    out = generate(folder, capsys, "--greedy", "--token-healing")
-    assert out.startswith("The wh") and len(out) > len("The whale")
+def test_token_healing_is_the_default_and_can_be_turned_off(folder, capsys, monkeypatch):
+    from spike_whale.hub_export import generate_text
+
+    seen, load = [], generate_text.load
+
+    def recording_load(args):
+        tokenizer, model = load(args)
+        generate = model.generate
+
+        def record(*a, **kw):
+            seen.append(kw.get("token_healing"))
+            return generate(*a, **kw)
+
+        model.generate = record
+        return tokenizer, model
+
+    monkeypatch.setattr(generate_text, "load", recording_load)
+    out = generate(folder, capsys, "--greedy")
+    assert out.startswith("The wh") and len(out) > len("The wh")  # the streamer prints the healed prompt
+    plain = generate(folder, capsys, "--greedy", "--no-token-healing")
+    assert plain.startswith("The whale") and seen == [True, None]
