@@ -1374,21 +1374,20 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """`PreTrainedModel.from_pretrained`, with `CHECKPOINT_KEY_RENAMES` applied to the file's names (transformers'
-        `key_mapping`) once a released header has filled the table; a caller's own `key_mapping` wins."""
+        `key_mapping`) once a released header has filled the table (a caller's own `key_mapping` wins), and, when
+        names still differ, `checkpoint_key_report` logged: which expected names are guesses, and for each unplaceable
+        tensor the absent ones of the same shape."""
         if CHECKPOINT_KEY_RENAMES and kwargs.get("key_mapping") is None:
             kwargs["key_mapping"] = dict(CHECKPOINT_KEY_RENAMES)
-        return super().from_pretrained(*args, **kwargs)
-
-    def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
-        """transformers' clean-up of the load report, then, when names still differ, `checkpoint_key_report`: which
-        expected names are guesses, and for each unplaceable tensor the absent ones of the same shape."""
-        super()._adjust_missing_and_unexpected_keys(loading_info)
-        if not (loading_info.missing_keys or loading_info.unexpected_keys):
-            return
-        model_shapes = {k: tuple(v.shape) for k, v in self.state_dict().items()}
-        checkpoint = {k: shape for k, shape in model_shapes.items() if k not in loading_info.missing_keys}
-        checkpoint.update({k: _stored_shape(self.config._name_or_path, k) for k in loading_info.unexpected_keys})
-        logger.warning("\n".join(checkpoint_key_report(checkpoint, model_shapes)["lines"]))
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        missing, unexpected = set(info.get("missing_keys") or ()), set(info.get("unexpected_keys") or ())
+        if missing or unexpected:
+            model_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+            checkpoint = {k: shape for k, shape in model_shapes.items() if k not in missing}
+            checkpoint.update({k: _stored_shape(model.config._name_or_path, k) for k in unexpected})
+            logger.warning("\n".join(checkpoint_key_report(checkpoint, model_shapes)["lines"]))
+        return (model, info) if want_info else model
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
