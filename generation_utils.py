@@ -74,7 +74,8 @@ class LoopSlotLayer(CacheLayerMixin):
     """One loop-plan slot: static K (after QK-norm and RoPE) / V (after depth mixing) and Memory-Cache state."""
 
     # The one-token decode step reads and writes these buffers in place at static shapes (see `compile_decode`).
-    is_compileable = True
+    # Declared only from transformers 5.24: earlier 5.x refuse assisted decoding with any compileable cache layer.
+    is_compileable = CACHE_FIELD == "cache"
     is_sliding = False
     is_croppable = True
     # The slot's recurrent (not positional) states, read and written through `SpikeWhaleCache.set_slot_state`.
@@ -490,7 +491,7 @@ def prepare_generation_cache(model, generation_config: GenerationConfig, model_k
     applies (a cache passed in, use_cache=False); other implementations raise, since no generic cache can hold this
     model's state."""
     impl = generation_config.cache_implementation
-    if model_kwargs.get("cache") is not None or generation_config.use_cache is False:
+    if model_kwargs.get(CACHE_FIELD) is not None or generation_config.use_cache is False:
         return False
     limit = model.config.max_position_embeddings
     if impl is None:
@@ -508,7 +509,7 @@ def prepare_generation_cache(model, generation_config: GenerationConfig, model_k
         )
     if getattr(generation_config, "is_assistant", False):  # drafting for another model: candidates get rolled back
         cache.activate_past_recording()
-    model_kwargs["cache"] = cache
+    model_kwargs[CACHE_FIELD] = cache
     return True
 
 
@@ -704,9 +705,12 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
                    or getattr(eff, "prompt_lookup_num_tokens", None))
     if (needs_cache or getattr(eff, "is_assistant", False)) and eff.use_cache and cache is None \
             and eff.cache_implementation is None:
-        kwargs["cache"] = SpikeWhaleCache(model.config)
-        if getattr(eff, "is_assistant", False):  # drafting for another model: its candidates get rolled back
-            kwargs["cache"].activate_past_recording()
+        kwargs[CACHE_FIELD] = SpikeWhaleCache(model.config)
+        drafting = getattr(eff, "is_assistant", False)  # drafting for another model: its candidates get rolled back
+        # transformers < 5.24 rolls the verified model's cache back without first turning recording on.
+        verifying = CACHE_FIELD != "cache" and needs_cache and not eff.prefill_chunk_size
+        if drafting or verifying:
+            kwargs[CACHE_FIELD].activate_past_recording()
 
     # --- MTP self-speculative decoding ---
     if use_mtp:
@@ -771,7 +775,7 @@ def mtp_speculative_generate(
     do_sample = bool(generation_config.do_sample)
     heads = model.mtp_heads
     K = int(mtp_draft_tokens or len(heads))
-    cache = model_kwargs.get("cache")
+    cache = model_kwargs.get(CACHE_FIELD)
     if cache is not None and not isinstance(cache, SpikeWhaleCache):
         if isinstance(cache, Cache) and cache.get_seq_length() == 0:
             cache = None

@@ -1843,7 +1843,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         decode step's compile was built and measured on CPU, where transformers would skip it); without one, as for
         in-library models, only a static cache (`cache_implementation="static"`) on an accelerator does. Never where
         every decode step takes the general path (`DecodeStep.unsupported`)."""
-        if generation_config.disable_compile or not isinstance(model_kwargs.get("cache"), SpikeWhaleCache):
+        if generation_config.disable_compile or not isinstance(model_kwargs.get(CACHE_FIELD), SpikeWhaleCache):
             return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
         reason = DecodeStep.unsupported(self.model)
         if reason is not None:
