@@ -25,7 +25,7 @@ from transformers import (
 )
 
 from spike_whale import SpikeWhaleCache
-from spike_whale.generation_utils import serving_generation_config
+from spike_whale.generation_utils import CACHE_FIELD, serving_generation_config
 from spike_whale.tokenization_spike import CHAT_EOS_IDS, RESERVED_IDS
 
 from conftest import open_gates, run_fresh_python, tiny_model
@@ -64,10 +64,13 @@ def left_pad(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, t
 
 def greedy(model, ids, n, **kw):
     kw.setdefault("min_new_tokens", n)
-    return model.generate(
+    out = model.generate(
         ids, max_new_tokens=n, do_sample=False, output_scores=True, output_logits=True,
         return_dict_in_generate=True, **kw,
     )
+    if not hasattr(out, "cache"):  # transformers < 5.24 names the field past_key_values
+        out.cache = getattr(out, CACHE_FIELD)
+    return out
 
 
 def max_dlogit(a, b, rows_a=slice(None), rows_b=slice(None)) -> float:
