@@ -1,0 +1,1 @@
+../../configuration_spike_whale.py

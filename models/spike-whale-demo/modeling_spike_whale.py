@@ -1,0 +1,1 @@
+../../modeling_spike_whale.py

@@ -1,0 +1,1 @@
+../../tokenization_spike_fast.py

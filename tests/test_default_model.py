@@ -1,0 +1,94 @@
+"""The committed default model (models/spike-whale-demo): it loads as shipped, it has learned its corpus (held-out
+bits per byte below gzip and xz of the same text), its card matches its files, and diagnose runs on it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import lzma
+import math
+import os
+import zlib
+
+import pytest
+import torch
+
+from _tiny_folder import load_folder
+from spike_whale.hub_export import cli
+from spike_whale.hub_export.perplexity import score_ids
+
+FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "spike-whale-demo")
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_folder(FOLDER)
+
+
+def test_folder_is_complete_and_small():
+    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "spike_vocab.json",
+                 "tokenizer_config.json", "chat_template.jinja", "modeling_spike_whale.py", "README.md",
+                 "heldout.txt", "training_record.json"):
+        assert os.path.isfile(os.path.join(FOLDER, name)), name
+    assert os.path.getsize(os.path.join(FOLDER, "model.safetensors")) <= 25 * 2**20
+
+
+def test_card_states_the_held_out_hash_and_figures():
+    record = json.load(open(os.path.join(FOLDER, "training_record.json")))
+    held = open(os.path.join(FOLDER, "heldout.txt"), "rb").read()
+    assert hashlib.sha256(held).hexdigest() == record["heldout_sha256"]
+    card = open(os.path.join(FOLDER, "README.md"), encoding="utf-8").read()
+    for fact in (record["corpus_sha256"], record["heldout_sha256"], "bits_per_byte", "gzip", "xz", "Public domain"):
+        assert fact in card, fact
+
+
+def test_every_mechanism_is_on(loaded):
+    c = loaded[1].config
+    assert c.loop_count > 1 and c.use_memory_cache and c.use_engram and c.use_hyper_connections
+    assert c.use_depth_attention and c.use_fractal_rope and c.use_hrm_refine and c.use_xsa and c.use_qk_norm
+    assert c.num_nextn_predict_layers >= 1
+    assert 1e6 < sum(p.numel() for p in loaded[1].parameters()) < 10e6
+
+
+def test_held_out_bits_per_byte_below_gzip_and_xz(loaded):
+    tokenizer, model = loaded
+    text = open(os.path.join(FOLDER, "heldout.txt"), encoding="utf-8").read()[:8000]
+    data = text.encode("utf-8")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    bpb = score_ids(model, ids, context=model.config.max_position_embeddings, stride=255) / len(data) / math.log(2)
+    gzip_bpb = len(zlib.compress(data, 9)) * 8 / len(data)
+    xz_bpb = len(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)) * 8 / len(data)
+    assert bpb < min(gzip_bpb, xz_bpb), (bpb, gzip_bpb, xz_bpb)
+
+
+def test_generates_words_from_the_corpus(loaded):
+    tokenizer, model = loaded
+    enc = tokenizer("A hacker is a person who", return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=False, max_new_tokens=30)
+    text = tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    words = [w.strip(".,;:()\"'") for w in text.split()]
+    corpus = {w.strip(".,;:()\"'").lower() for w in open(os.path.join(FOLDER, "heldout.txt"), encoding="utf-8").read().split()}
+    known = sum(1 for w in words if w and w.lower() in corpus)  # English words of the held-out text
+    assert len(words) >= 4 and known >= 0.5 * len(words), text
+
+
+def test_diagnose_tables_on_the_default_model(tmp_path, capsys):
+    report = tmp_path / "diag.json"
+    assert cli.main(["diagnose", FOLDER, "--max-tokens", "300", "--json", str(report), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    for title in ("Memory-Cache knock-out", "RoPE swap", "Loop-pass contribution", "Context readiness"):
+        assert title in out
+    r = json.loads(report.read_text())
+    assert len(r["mc_knockout"]) == 2 + r["loop_passes"][-1]["slots"]
+    assert r["loop_passes"][-1]["perplexity"] == pytest.approx(r["mc_knockout"][0]["perplexity"])
+    assert all(row["ok"] for row in r["context_readiness"])
+
+
+def test_code_files_are_the_repository_files():
+    """The folder's code files are links to the root files, so trust_remote_code runs the current code."""
+    root = os.path.dirname(os.path.dirname(FOLDER))
+    code = [f for f in os.listdir(FOLDER) if f.endswith(".py")]
+    assert "modeling_spike_whale.py" in code and "configuration_spike_whale.py" in code
+    for f in code:
+        assert os.path.realpath(os.path.join(FOLDER, f)) == os.path.realpath(os.path.join(root, f)), f
