@@ -233,7 +233,7 @@ def run(args) -> int:
     report = {"model": args.model_dir}
     if needs_text:
         (_, text), = read_texts([text_file])
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"][: args.max_tokens]
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"][: args.max_tokens]
         n_bytes = len(tokenizer.decode(ids).encode("utf-8"))
         evaluate = Evaluator(model, ids, n_bytes, context, stride, args.batch_size)
         report.update(text=text_file, tokens=len(ids), bytes=n_bytes, context=context, stride=stride)

@@ -97,7 +97,7 @@ def score_ids(model, ids: list[int], context: int, stride: int, batch_size: int 
 
 def score_text(model, tokenizer, text: str, name: str, context: int, stride: int, batch_size: int = 8,
                progress=None) -> TextScore:
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     if not ids:
         raise ValueError(f"{name}: no text to score (empty file)")
     nll = score_ids(model, ids, context, stride, batch_size, progress)
@@ -144,7 +144,8 @@ def run(args) -> int:
     texts = read_texts(args.text_files)
     context, stride = window_arguments(args)
     tokenizer, model = load(args)
-    encoded = [(name, text, tokenizer(text, add_special_tokens=False)["input_ids"]) for name, text in texts]
+    encoded = [(name, text, tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+               for name, text in texts]
     total_windows = sum(len(windows(len(ids), context, stride)) for _, _, ids in encoded)
     scores = []
     with tqdm(total=total_windows, unit="window", desc="eval", disable=args.quiet) as bar:
