@@ -644,6 +644,9 @@ class FakeApi:
         return types.SimpleNamespace(commit_url="fake")
 api = FakeApi()
 hub.hf_api = lambda: api
+for name in ("create_repo", "create_branch", "create_commit"):  # transformers < 5.24 calls these functions directly
+    if hasattr(hub, name):
+        setattr(hub, name, getattr(api, name))
 hub.create_and_tag_model_card = lambda repo_id, tags=None, token=None: ModelCard("---\nlibrary_name: transformers\n---\n")
 model.push_to_hub("me/finetuned")
 tok.push_to_hub("me/finetuned")
@@ -753,7 +756,11 @@ def test_transformers_push_to_hub_carries_code_and_auto_map(pushed, monkeypatch)
                                               if op.path_in_repo.endswith("config.json") else None)
                             for op in operations})
 
-    monkeypatch.setattr(hub, "hf_api", lambda: FakeApi())
+    fake = FakeApi()
+    monkeypatch.setattr(hub, "hf_api", lambda: fake, raising=False)
+    for name in ("create_repo", "create_commit"):  # transformers < 5.24 calls these functions directly
+        if hasattr(hub, name):
+            monkeypatch.setattr(hub, name, getattr(fake, name))
     monkeypatch.setattr(hub, "create_and_tag_model_card", lambda *a, **k: ModelCard("---\nlicense: other\n---\n"))
     register_auto_classes()
     tiny_model(seed=3).push_to_hub("me/direct")
