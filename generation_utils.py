@@ -499,7 +499,7 @@ def prepare_generation_cache(model, generation_config: GenerationConfig, model_k
     elif impl == "static":
         size = max(generation_config.max_length or 0, generation_config.max_cache_len or 0)
         cache = SpikeWhaleCache(model.config, max_cache_len=min(max(size, 1), limit))
-    elif impl == "dynamic":
+    elif impl in ("dynamic", "dynamic_full"):  # "dynamic_full": no sliding layers, which this cache never has
         cache = SpikeWhaleCache(model.config)
     else:
         raise NotImplementedError(
