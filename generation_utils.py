@@ -594,9 +594,20 @@ def _as_assistant_call(generation_config: GenerationConfig, kwargs: dict) -> tup
 
 def _heal_prompt(model, ids: torch.Tensor, mask: torch.Tensor | None, tokenizer, bos_id: int | None):
     """transformers' token healing (`heal_tokens`), run before generate and repaired for this model: heal_tokens
-    re-tokenizes the prompts (so the caller's mask no longer fits) and turns <bos> into <pad>. The healed rows are
+    re-tokenizes the prompts (so the caller's mask no longer fits), turns <bos> into <pad> and samples the healed token
+    under sampling defaults. The healed rows are
     re-packed left-padded, each with <bos> back in front where the caller's row started with it, with a new mask."""
-    healed = model.heal_tokens(ids, tokenizer)
+    # heal_tokens' inner one-token generate would inherit the serving defaults (sampling): the best extension is
+    # picked greedily.
+    defaults = model.generation_config
+    model.generation_config = copy.deepcopy(defaults)
+    model.generation_config.do_sample = False
+    for name, neutral in _SAMPLING_NEUTRAL.items():
+        setattr(model.generation_config, name, neutral)
+    try:
+        healed = model.heal_tokens(ids, tokenizer)
+    finally:
+        model.generation_config = defaults
     pad = tokenizer.pad_token_id
     real = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
     rows = []
