@@ -110,9 +110,8 @@ def register(sub) -> None:
     p.add_argument("model_dir")
     p.add_argument("-p", "--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the ChatML chat template")
-    # Opt-in until healing is greedy whatever the folder's sampling defaults (transformers' heal_tokens samples
-    # with generation_config.json's do_sample=True, so --greedy output would vary between runs).
-    p.add_argument("--token-healing", action="store_true",
-                   help="let the first new token re-choose the prompt's last token (a prompt cut inside a word)")
+    p.add_argument("--no-token-healing", dest="token_healing", action="store_false",
+                   help="keep the prompt's last token as encoded (by default the first new token may re-choose it, "
+                   "so a prompt cut inside a word continues that word)")
     add_sampling_arguments(p)
     p.set_defaults(func=run)

@@ -59,7 +59,7 @@ def test_missing_folder_is_named(tmp_path, capsys):
     assert "no such folder" in capsys.readouterr().err
 
 
-def test_token_healing_is_opt_in(folder, capsys, monkeypatch):
+def test_token_healing_is_the_default_and_can_be_turned_off(folder, capsys, monkeypatch):
     from spike_whale.hub_export import generate_text
 
     seen, load = [], generate_text.load
@@ -76,7 +76,8 @@ def test_token_healing_is_opt_in(folder, capsys, monkeypatch):
         return tokenizer, model
 
     monkeypatch.setattr(generate_text, "load", recording_load)
-    healed = generate(folder, capsys, "--greedy", "--token-healing")
+    healed = generate(folder, capsys, "--greedy")
     assert healed.startswith("The wh") and len(healed) > len("The wh")  # the streamer prints the healed prompt
-    plain = generate(folder, capsys, "--greedy")
-    assert plain.startswith("The whale") and seen == [True, None]
+    assert generate(folder, capsys, "--greedy") == healed  # healing is greedy too
+    plain = generate(folder, capsys, "--greedy", "--no-token-healing")
+    assert plain.startswith("The whale") and seen == [True, True, None]
