@@ -649,6 +649,8 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
     ids = inputs if inputs is not None else kwargs.get("input_ids")
     embeds = kwargs.get("inputs_embeds")
     mask = kwargs.get("attention_mask")
+    if "cache" in kwargs and CACHE_FIELD != "cache":  # transformers < 5.24 carries the cache as past_key_values
+        kwargs[CACHE_FIELD] = kwargs.pop("cache")
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     _check_generate_inputs(ids, embeds, mask, model.config.bos_token_id)
     if ids is not None and (kwargs.get("token_healing") or getattr(eff, "token_healing", False)):

@@ -84,6 +84,8 @@ class ChatSession:
         what was generated stays in the conversation and the next turn prefills again."""
         import torch
 
+        from ..generation_utils import CACHE_FIELD
+
         message = {"role": "user", "content": content}
         prompt = self.ids + self._new_tokens(message)
         if not self.fits(len(prompt)):
@@ -97,7 +99,7 @@ class ChatSession:
                 out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=self.cache,
                                           streamer=collector, return_dict_in_generate=True, **self.generate_kwargs)
             new = out.sequences[0, len(prompt):].tolist()
-            self.cache = out.cache
+            self.cache = getattr(out, CACHE_FIELD)
         except KeyboardInterrupt:
             new, interrupted = collector.ids, True
             self.cache = None
