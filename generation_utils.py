@@ -497,7 +497,7 @@ def prepare_generation_cache(model, generation_config: GenerationConfig, model_k
     if impl is None:
         cache = SpikeWhaleCache(model.config)
     elif impl == "static":
-        size = max(generation_config.max_length or 0, generation_config.max_cache_len or 0)
+        size = max(generation_config.max_length or 0, getattr(generation_config, "max_cache_len", None) or 0)
         cache = SpikeWhaleCache(model.config, max_cache_len=min(max(size, 1), limit))
     elif impl in ("dynamic", "dynamic_full"):  # "dynamic_full": no sliding layers, which this cache never has
         cache = SpikeWhaleCache(model.config)

@@ -917,8 +917,10 @@ class SpikeWhaleAttention(nn.Module):
         impl = self.config._attn_implementation or "sdpa"
         if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
             attend = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
-        else:  # transformers < 5.2x
-            attend = eager_attention_forward if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
+        else:  # transformers < 5.24, whose set_attn_implementation looks for this in-library idiom
+            attend = eager_attention_forward
+            if self.config._attn_implementation != "eager":
+                attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
         if impl != "sdpa" and (mask is not None or is_causal):
             # Every other kernel gets the additive float mask of transformers' eager convention.
             vis = _visible(mask, is_causal, q.shape[2], k.shape[2], q.device)
