@@ -35,65 +35,10 @@ from pathlib import Path
 
 import torch
 
-from spike_whale import SpikeWhaleConfig, SpikeWhaleForCausalLM
+from _common import build_models, median_rows, n_params, time_generate
+from spike_whale import SpikeWhaleForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def build_models(seed: int = 0):
-    import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    sw_cfg = SpikeWhaleConfig.from_preset("byrne-100m-ultra-mc")
-    spike = SpikeWhaleForCausalLM(sw_cfg).eval()
-    # Same per-token shape as the looped stack unrolled: 48 layers, hidden 768, 12/2 heads of 64, FFN 2048.
-    llama_cfg = LlamaConfig(
-        vocab_size=16512, hidden_size=768, num_hidden_layers=48, num_attention_heads=12, num_key_value_heads=2,
-        head_dim=64, intermediate_size=2048, max_position_embeddings=sw_cfg.max_position_embeddings,
-        tie_word_embeddings=True, bos_token_id=2, eos_token_id=3, pad_token_id=0,
-    )
-    torch.manual_seed(seed)
-    llama = LlamaForCausalLM(llama_cfg).eval()
-    transformers.logging.set_verbosity_error()
-    return spike, llama
-
-
-def n_params(model) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-class _Clock:
-    """Pass-through logits processor recording when each decode step's logits arrive."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def __call__(self, input_ids, scores):
-        self.times.append(time.perf_counter())
-        return scores
-
-
-def time_generate(model, ids: torch.Tensor, new_tokens: int, use_cache: bool, **kw) -> dict:
-    from transformers import LogitsProcessorList
-
-    clock = _Clock()
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            do_sample=False, use_cache=use_cache, logits_processor=LogitsProcessorList([clock]), pad_token_id=0, **kw,
-        )
-    assert out.shape[1] == ids.shape[1] + new_tokens
-    steps = len(clock.times) - 1
-    decode_s = clock.times[-1] - clock.times[0]
-    return {
-        "prefill_s": clock.times[0] - t0,
-        "decode_s": decode_s,
-        "decode_steps": steps,
-        "decode_tok_s": steps * ids.shape[0] / decode_s if steps else float("nan"),
-        "ms_per_step": 1000 * decode_s / steps if steps else float("nan"),
-    }
 
 
 def time_step_at_context(model, ctx: int, batch: int, use_cache: bool, steps: int = 5, width: int = 1) -> float:
@@ -116,15 +61,6 @@ def time_step_at_context(model, ctx: int, batch: int, use_cache: bool, steps: in
                 model(ids, use_cache=False, logits_to_keep=1)
                 times.append(time.perf_counter() - t)
     return statistics.median(times)
-
-
-def median_rows(rows: list[dict]) -> dict:
-    out = dict(rows[0])
-    for key in ("prefill_s", "decode_s", "decode_tok_s", "ms_per_step"):
-        out[key] = statistics.median(r[key] for r in rows)
-    out["runs"] = len(rows)
-    out["decode_tok_s_all_runs"] = [round(r["decode_tok_s"], 3) for r in rows]
-    return out
 
 
 def main(argv=None) -> int:
