@@ -61,9 +61,33 @@ class MemoryCacheState(NamedTuple):
         return MemoryCacheState(*(fn(t) for t in self))
 
 
+class SlotState(NamedTuple):
+    """What one loop-plan slot carries from chunk to chunk, as its block reads it: static K/V buffers
+    [B, kvh, max_cache_len, hd] (None before the first write), the Memory-Cache state and the Elo ratings (None
+    where the mechanism is off or nothing was written yet)."""
+
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
+    mc: MemoryCacheState | None
+    elo: torch.Tensor | None
+
+
+class SlotUpdate(NamedTuple):
+    """What a block hands back for its slot after a chunk (stored by `SpikeWhaleCache.store_slot`): K/V buffers it
+    allocated (None when it wrote into the slot's own in place), the new Memory-Cache state and Elo ratings, and,
+    while recording for `crop`, those states after each chunk token."""
+
+    kv: tuple[torch.Tensor, torch.Tensor] | None
+    mc: MemoryCacheState | None
+    mc_steps: list | None
+    elo: torch.Tensor | None
+    elo_steps: list | None
+
+
 def write_kv(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int):
     """Write a chunk's K/V [B, kvh, S, hd] into a slot's static buffers at `start`, in place; returns views of
-    everything written so far. The one K/V write of every path (`LoopSlotLayer.update`, the one-token decode)."""
+    everything written so far. The one K/V write (`SpikeWhaleAttention.forward`, and `LoopSlotLayer.update` for
+    callers of transformers' cache-layer API)."""
     end = start + k.shape[2]
     keys[:, :, start:end] = k
     values[:, :, start:end] = v
@@ -73,7 +97,7 @@ def write_kv(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch
 class LoopSlotLayer(CacheLayerMixin):
     """One loop-plan slot: static K (after QK-norm and RoPE) / V (after depth mixing) and Memory-Cache state."""
 
-    # The one-token decode step reads and writes these buffers in place at static shapes (see `compile_decode`).
+    # Blocks write these buffers in place at static shapes (see `compile_decode`).
     # Declared only from transformers 5.24: earlier 5.x refuse assisted decoding with any compileable cache layer.
     is_compileable = CACHE_FIELD == "cache"
     is_sliding = False
@@ -108,10 +132,6 @@ class LoopSlotLayer(CacheLayerMixin):
             )
         self._length = end
         return write_kv(self.keys, self.values, key_states, value_states, start)
-
-    def mark_written(self, end: int) -> None:
-        """Record that `keys`/`values` were written in place up to `end` (the one-token decode path)."""
-        self._length = end
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self._length + query_length, 0
@@ -235,6 +255,24 @@ class SpikeWhaleCache(Cache):
         """A slot's recurrent state: kind "mc" (its `MemoryCacheState`) or "elo" (Elo ratings [B, heads, seq_len], the
         un-scaled Σ of rating steps of its cached keys); None before the first chunk."""
         return getattr(self.layers[slot], kind)
+
+    def slot(self, slot: int) -> SlotState:
+        """Everything slot `slot` carries, for its block (`SpikeWhaleModel._run_slots`)."""
+        layer = self.layers[slot]
+        kv = (layer.keys, layer.values) if layer.is_initialized else (None, None)
+        return SlotState(*kv, *(self.slot_state(slot, kind) for kind in LoopSlotLayer.STATES))
+
+    def store_slot(self, slot: int, update: SlotUpdate, end: int) -> None:
+        """Store what a block hands back for slot `slot` after a chunk that ends at `end` (see `SlotUpdate`)."""
+        layer = self.layers[slot]
+        if update.kv is not None:
+            layer.keys, layer.values = update.kv
+            layer.is_initialized = True
+        layer._length = end
+        for kind in LoopSlotLayer.STATES:
+            value = getattr(update, kind)
+            if value is not None:
+                self.set_slot_state(slot, kind, value, getattr(update, f"{kind}_steps"))
 
     def set_slot_state(self, slot: int, kind: str, value, per_position: list | None = None) -> None:
         """The one setter of a slot's recurrent state (see `slot_state`), after a chunk; `per_position[j]` is the state

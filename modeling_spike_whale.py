@@ -58,6 +58,8 @@ from .configuration_spike_whale import LoopPlan, SpikeWhaleConfig
 from .generation_utils import (
     CACHE_FIELD,
     MemoryCacheState,
+    SlotState,
+    SlotUpdate,
     SpikeWhaleCache,
     caller_length_wins,
     prepare_generation_cache,
@@ -235,7 +237,6 @@ class SegmentLayout:
     n_fin: int
     valid: torch.Tensor
     valid_f: torch.Tensor
-    padded: bool
     first: torch.Tensor
     fin_mask: torch.Tensor
     chunk_mask: torch.Tensor
@@ -263,8 +264,7 @@ class SegmentLayout:
         else:
             idx = positions - base[:, None] * seg_len
             block_idx = torch.where(valid, idx, torch.full_like(idx, n_rel * seg_len))
-        padded = not bool(valid.all())
-        return cls(rel, n_rel, seg_len, onehot, base, new_segment, n_fin, valid, valid_f, padded, first, fin_mask,
+        return cls(rel, n_rel, seg_len, onehot, base, new_segment, n_fin, valid, valid_f, first, fin_mask,
                    chunk_mask, own_mask, own_count, block_idx)
 
     def on_device(self, device: torch.device) -> "SegmentLayout":
@@ -279,15 +279,25 @@ class SegmentLayout:
 
 @dataclass
 class ForwardContext:
-    """Per-forward inputs shared by every block and slot (built once in `SpikeWhaleModel.forward`)."""
+    """Per-forward inputs shared by every block and slot (built once in `SpikeWhaleModel.forward`). The slots' states
+    are not in it: each block gets its own (`SlotState`) and hands back its update (`SlotUpdate`)."""
 
     positions: torch.Tensor
     valid: torch.Tensor
     attn_mask: torch.Tensor | None
     is_causal: bool
-    cache: SpikeWhaleCache | None
     segments: SegmentLayout | None
     token_ids: torch.Tensor | None = None  # [B, S] input ids (hash routing of the MoE); None with inputs_embeds
+    past: int = 0  # positions cached before this chunk: where its K/V are written
+    max_cache_len: int = 0  # positions each slot's K/V buffers hold (0: no cache)
+    n_mc_segments: int = 0  # finished-segment entries of a Memory-Cache state
+    record: bool = False  # states after each chunk token are kept for `crop`
+    need_weights: bool = False  # output_attentions: every slot returns its attention map
+    keep_streams: bool = False  # output_hidden_states: every slot returns its residual streams
+
+    @property
+    def cached(self) -> bool:
+        return self.max_cache_len > 0
 
 
 class MemoryCacheBranch(nn.Module):
@@ -319,18 +329,14 @@ class MemoryCacheBranch(nn.Module):
         return F.elu(x * _as(self.feature_scale, torch.float32)) + 1.0
 
     @force_accelerate_hooks(["qkv_proj", "o_proj", "gate_proj"])
-    def forward(self, u: torch.Tensor, ctx: ForwardContext, slot: int) -> torch.Tensor:
+    def forward(self, u: torch.Tensor, ctx: ForwardContext, state: MemoryCacheState | None, proj: tuple | None = None):
+        """(output [B, S, H], the slot's state after the chunk and after each chunk token while recording; both None
+        without a cache). state: the slot's state before the chunk (None: nothing read yet); proj: see `_features`."""
         lay = ctx.segments.on_device(u.device)
-        cache = ctx.cache
-        state = cache.slot_state(slot, "mc") if cache is not None else None
         with torch.autocast(device_type=u.device.type, enabled=False):
-            y, new_state, per_pos = self._memory_readout(_as(u, torch.float32), lay, state, cache)
-            out = self._output(y)
-            if lay.padded:
-                out = out * lay.valid_f[..., None]
-        if cache is not None:
-            cache.set_slot_state(slot, "mc", new_state, per_pos)
-        return _as(out, u.dtype)
+            y, new_state, per_pos = self._memory_readout(_as(u, torch.float32), lay, state, ctx, proj)
+            out = self._output(y) * lay.valid_f[..., None]
+        return _as(out, u.dtype), new_state, per_pos
 
     def _features(self, x: torch.Tensor, proj: tuple | None = None):
         """φ(q), φ(k), v ([B, S, nh, hd]) and the gate query u / gate key W_k x ([B, S, gd]) of float32 x.
@@ -353,30 +359,10 @@ class MemoryCacheBranch(nn.Module):
         out = F.linear(y, _as(self.o_proj.weight, f32), _as(self.o_proj.bias, f32))
         return torch.tanh(_as(self.mc_gate, f32)) * out
 
-    def decode(self, u: torch.Tensor, state: tuple, fin_mask: torch.Tensor, proj: tuple | None = None
-               ) -> tuple[torch.Tensor, tuple]:
-        """`forward` specialised to one new token per row that stays in its row's current segment, with the slot's
-        state passed in (the fields of `MemoryCacheState`) and returned: the same running-sum update
-        (`_add_to_segment`) and readout (`_read`) as `forward`, O(finished segments), nothing re-read.
-
-        fin_mask: [B, n] readable finished segments (n = the cache's finished-segment count); proj: see
-        `_features`."""
-        fin_M, fin_z, fin_g, run_M, run_z, run_g, run_n = state
-        B = u.shape[0]
-        with torch.autocast(device_type=u.device.type, enabled=False):
-            fq, fk, v, gu, gk = self._features(_as(u, torch.float32), proj)
-            run_M, run_z, run_g, run_n = self._add_to_segment((run_M, run_z, run_g, run_n), fk, v, gk, None)
-            own_num, own_den = self._read_own_totals(fq, run_M, run_z)
-            n = fin_mask.shape[1]
-            cands = (fin_M[:, :n], fin_z[:, :n], fin_g[:, :n], fin_mask[:, None]) if n else None
-            y = self._read(fq, gu, own_num, own_den, run_g[:, None], run_n[:, None], cands)
-            out = self._output(y.reshape(B, 1, self.nh * self.hd))
-        return _as(out, u.dtype), (fin_M, fin_z, fin_g, run_M, run_z, run_g, run_n)
-
     @staticmethod
     def _add_to_segment(sums: tuple | None, fk, v, gk, valid_f) -> tuple:
         """Σ over the chunk's tokens (all in one segment) of φ(k)vᵀ, φ(k), W_k x and 1, added to `sums` (a segment's
-        running M, z, gate-key sum and token count, or None): the running-sum update of every path."""
+        running M, z, gate-key sum and token count, or None): the one running-sum update."""
         M, z = torch.matmul(fk.permute(0, 2, 3, 1), v.transpose(1, 2)), fk.sum(1)
         g = gk.sum(1)
         n = valid_f.sum(1) if valid_f is not None else torch.full_like(g[:, 0], fk.shape[1])
@@ -386,7 +372,7 @@ class MemoryCacheBranch(nn.Module):
 
     @staticmethod
     def _read_own_totals(fq, M, z):
-        """φ(q)ᵀM and φ(q)·z of one-token chunks against their segment's running totals M [B, nh, hd, hd], z."""
+        """φ(q)ᵀM and φ(q)·z of a one-token chunk against its segment's running totals M [B, nh, hd, hd], z."""
         return torch.matmul(fq.transpose(1, 2), M).transpose(1, 2), (fq * z[:, None]).sum(-1)
 
     def _read(self, fq, gu, own_num, own_den, own_g, own_n, cands: tuple | None) -> torch.Tensor:
@@ -410,13 +396,12 @@ class MemoryCacheBranch(nn.Module):
         den = (fq * mixed_z).sum(-1) + g_own * own_den
         return num / (den[..., None] + self.eps)
 
-    def _memory_readout(self, x, lay: SegmentLayout, state: MemoryCacheState | None, cache):
+    def _memory_readout(self, x, lay: SegmentLayout, state: MemoryCacheState | None, ctx: ForwardContext, proj):
         B, S, _ = x.shape
         nh, hd = self.nh, self.hd
-        fq, fk, v, gu, gk = self._features(x)
-        if lay.padded:
-            vf = lay.valid_f
-            fk, v, gk = fk * vf[..., None, None], v * vf[..., None, None], gk * vf[..., None]
+        fq, fk, v, gu, gk = self._features(x, proj)
+        vf = lay.valid_f  # padding adds nothing (×1 leaves real tokens bit-identical, so no host check for padding)
+        fk, v, gk = fk * vf[..., None, None], v * vf[..., None, None], gk * vf[..., None]
 
         # Each chunk segment's totals (the cache's running sums carried into relative segment 0).
         if lay.n_rel == 1:
@@ -434,7 +419,7 @@ class MemoryCacheBranch(nn.Module):
                 seg_g[:, 0] += state.run_g
                 seg_n[:, 0] += state.run_n
 
-        # Causal running sums of each token's own segment. A one-token chunk's are its segment's totals.
+        # Causal running sums of each token's own segment. A one-token chunk's (a decode step) are its segment's totals.
         if S == 1 and lay.n_rel == 1:
             own_num, own_den = self._read_own_totals(fq, seg_M[:, 0], seg_z[:, 0])
             own_g, own_n = seg_g, seg_n
@@ -462,10 +447,10 @@ class MemoryCacheBranch(nn.Module):
         y = self._read(fq, gu, own_num, own_den, own_g, own_n, cand)
         y = y.reshape(B, S, nh * hd)
 
-        if cache is None:
+        if not ctx.cached:
             return y, None, None
-        new_state = self._advance_state(state, lay, seg_M, seg_z, seg_g, seg_n, seg_gmean, cache, x.device)
-        per_pos = self._per_position_states(new_state, state, fk, v, gk, lay) if cache.record_past else None
+        new_state = self._advance_state(state, lay, seg_M, seg_z, seg_g, seg_n, seg_gmean, ctx.n_mc_segments, x.device)
+        per_pos = self._per_position_states(new_state, state, fk, v, gk, lay) if ctx.record else None
         return y, new_state, per_pos
 
     def _own_segment_sums(self, fq, fk, v, gk, lay: SegmentLayout):
@@ -502,11 +487,11 @@ class MemoryCacheBranch(nn.Module):
         on = torch.einsum("lm,brmg->brlg", tri, to_blocks(vf[..., None]))
         return from_blocks(num), from_blocks(den), from_blocks(og), from_blocks(on).squeeze(-1)
 
-    def _advance_state(self, state, lay, seg_M, seg_z, seg_g, seg_n, seg_gmean, cache, device):
+    def _advance_state(self, state, lay, seg_M, seg_z, seg_g, seg_n, seg_gmean, n_segments: int, device):
         """The state after this chunk: segments left behind become finished entries, the last one keeps running."""
         B = seg_M.shape[0]
         if state is None:
-            state = MemoryCacheState.empty(B, cache.n_mc_segments, self.nh, self.hd, self.gd, device)
+            state = MemoryCacheState.empty(B, n_segments, self.nh, self.hd, self.gd, device)
         if lay.n_rel == 1:
             return MemoryCacheState(state.fin_M, state.fin_z, state.fin_g, seg_M[:, 0], seg_z[:, 0], seg_g[:, 0], seg_n[:, 0])
         # fin_* are written in place and shared with the states recorded for rollback. That is safe because a
@@ -530,6 +515,8 @@ class MemoryCacheBranch(nn.Module):
     def _per_position_states(self, new_state, state, fk, v, gk, lay):
         """Running state after each chunk token (for an exact `crop` into the middle of this chunk)."""
         B, S = lay.valid.shape
+        if S == 1:
+            return [new_state]
         causal = torch.ones(S, S, dtype=torch.bool, device=fk.device).tril()
         m = ((lay.rel[:, :, None] == lay.rel[:, None, :]) & causal & lay.valid[:, None, :]).float()
         run_M = torch.einsum("bst,bthd,bthe->bshde", m, fk, v)
@@ -726,8 +713,8 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling: 
 
 def decode_attention(q, k, v, mask):
     """softmax(q·kᵀ/√hd)·v for one query per row, each KV head's query group read at once (no K/V repeat):
-    the decode step's softmax attention (eager CPU SDPA takes twice as long for one query per row at batch 8, and
-    `compile_decode` keeps inductor from rewriting this back into its CPU SDPA kernel)."""
+    the softmax kernel of a decode step (eager CPU SDPA takes twice as long for one query per row at batch 8, and
+    `compile_decode` keeps inductor from rewriting this back into its CPU SDPA kernel). mask: [B, 1, 1, N] bool."""
     B, nh, _, hd = q.shape
     kvh = k.shape[1]
     scores = torch.matmul(q.view(B, kvh, nh // kvh, hd), k.transpose(-1, -2)).float() / math.sqrt(hd)
@@ -873,7 +860,7 @@ class SpikeWhaleAttention(nn.Module):
         self.fused_input: FusedLinears | None = None
 
     def fuse_input_projections(self, enable: bool = True) -> None:
-        """Let `decode` read every projection of its input u in one GEMM (`FusedLinears`): q_a, k, v and, when the
+        """Let `forward` read every projection of its input u in one GEMM (`FusedLinears`): q_a, k, v and, when the
         weights are float32 (the branch computes in float32), the Memory Cache's qkv and gate. `enable=False`
         undoes it."""
         linears = (self.q_a_proj, self.k_proj, self.v_proj)
@@ -883,30 +870,38 @@ class SpikeWhaleAttention(nn.Module):
         self.fused_input = FusedLinears(linears) if enable and same else None
 
     def _fused_projections(self, u: torch.Tensor) -> tuple | None:
-        """u's projections from `fused_input`, or None where decode must project one by one: not fused, or under
-        autocast, which would run the float32 Memory-Cache projections in low precision too."""
-        if self.fused_input is None or torch.is_autocast_enabled(u.device.type):
+        """u's projections from `fused_input`, or None where they are made one by one: not fused, gradients on (the
+        fused matrix is a copy that does not train), or under autocast, which would run the float32 Memory-Cache
+        projections in low precision too. Weights given new storage since fusing are fused again (outside a compiled
+        graph; `SpikeWhaleModel._decode_step_compiles` checks before entering one)."""
+        if self.fused_input is None or torch.is_grad_enabled() or torch.is_autocast_enabled(u.device.type):
             return None
+        if not torch.compiler.is_compiling() and not self.fused_input.intact():
+            self.fuse_input_projections()
+            if self.fused_input is None:
+                return None
         return self.fused_input(u)
 
-    def _attend(self, q, k, v, ctx: ForwardContext, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(attention output [B, nh, S, hd], attention weights or None)."""
+    def _attend(self, q, k, v, ctx: ForwardContext, ratings: torch.Tensor | None):
+        """(attention output [B, nh, S, hd], attention weights or None, Elo ratings after the chunk and after each
+        chunk token while recording, or None). The kernel fits the case: a single query per row (a decode step)
+        against the cache reads it with `decode_attention`, other softmax attention goes through the
+        `AttentionInterface`, DERF and Elo are the config's own kernels. ratings: the cached keys' Elo ratings."""
         mask = _on(ctx.attn_mask, q.device) if ctx.attn_mask is not None else None
         if self.attn_kind != "elo":
-            return self._attend_stateless(q, k, v, mask, ctx.is_causal)
+            impl = self.config._attn_implementation
+            if (self.attn_kind == "softmax" and q.shape[2] == 1 and not ctx.need_weights
+                    and impl in ("sdpa", "eager", None)):
+                return decode_attention(q, k, v, mask), None, None, None
+            return (*self._attend_stateless(q, k, v, mask, ctx.is_causal), None, None)
         dropout = self.config.attention_dropout if self.training else 0.0
-        cache = ctx.cache
-        past = cache.slot_state(slot, "elo") if cache is not None else None
         y, weights, ratings, per_query = elo_attention(
-            q, k, v, mask, ctx.is_causal, dropout, self.elo_gain, self.elo_k, past, ctx.valid.to(q.device)
+            q, k, v, mask, ctx.is_causal, dropout, self.elo_gain, self.elo_k, ratings, ctx.valid.to(q.device)
         )
-        if cache is not None:
-            start = cache.seq_len
-            per_pos = None
-            if cache.record_past:
-                per_pos = [per_query[:, :, j, : start + j + 1] for j in range(q.shape[2])]
-            cache.set_slot_state(slot, "elo", ratings, per_pos)
-        return y.to(q.dtype), weights
+        if not ctx.cached:
+            return y.to(q.dtype), weights, None, None
+        steps = [per_query[:, :, j, : ctx.past + j + 1] for j in range(q.shape[2])] if ctx.record else None
+        return y.to(q.dtype), weights, ratings, steps
 
     def _attend_stateless(self, q, k, v, mask, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Softmax attention through transformers' `AttentionInterface` (`config._attn_implementation`: eager, sdpa,
@@ -957,36 +952,31 @@ class SpikeWhaleAttention(nn.Module):
         B, nh, S, hd = y.shape
         return self.o_b_proj(self.o_a_proj(y.transpose(1, 2).reshape(B, S, nh * hd)))
 
-    def forward(self, u: torch.Tensor, ctx: ForwardContext, slot: int, depth_sources: tuple):
-        """(output [B, S, H], this layer's depth entry or None, attention weights or None)."""
-        q, k, v = self._project(u, ctx.positions)
+    def forward(self, u: torch.Tensor, ctx: ForwardContext, state: SlotState | None, depth_sources: tuple):
+        """(output [B, S, H], this layer's depth entry or None, attention weights or None, the slot's `SlotUpdate` or
+        None without a cache). state: what the slot carries (None without a cache); its K/V buffers are written in
+        place at `ctx.past`."""
+        fused = self._fused_projections(u)
+        q, k, v = self._project(u, ctx.positions, fused[:3] if fused is not None else None)
         v, depth_entry = self._mix_depth(q, k, v, depth_sources)
         v_self = v
-        if ctx.cache is not None:
-            k, v = ctx.cache.layers[slot].update(k, v, start=ctx.cache.seq_len)
-        y, weights = self._attend(q, k, v, ctx, slot)
+        new_kv = None
+        if state is not None:
+            keys, values = state.keys, state.values
+            if keys is None:
+                keys = k.new_zeros(*k.shape[:2], ctx.max_cache_len, k.shape[-1])
+                values = v.new_zeros(*v.shape[:2], ctx.max_cache_len, v.shape[-1])
+                new_kv = (keys, values)
+            k, v = write_kv(keys, values, k, v, ctx.past)
+        y, weights, elo, elo_steps = self._attend(q, k, v, ctx, state.elo if state is not None else None)
         out = self._output(y, v_self)
-        if self.mc is not None:
-            out = out + self.mc(u, ctx, slot)
-        return out, depth_entry, weights
-
-    def decode(self, u, positions, attn_mask, fin_mask, start: int, keys, values, mc_state, depth_sources: tuple):
-        """`forward` for one new token per row with the slot's state passed in: K/V are written into the slot's
-        static buffers at `start` and the Memory-Cache state tuple comes back updated (see `DecodeStep`)."""
-        fused = self._fused_projections(u)
-        q, k, v = self._project(u, positions, fused[:3] if fused is not None else None)
-        v, depth_entry = self._mix_depth(q, k, v, depth_sources)
-        keys, values = write_kv(keys, values, k, v, start)
-        if self.attn_kind == "softmax":
-            y = decode_attention(q, keys, values, attn_mask)
-        else:
-            y = self._attend_stateless(q, keys, values, attn_mask, False)[0]
-        out = self._output(y, v)
+        mc = mc_steps = None
         if self.mc is not None:
             mc_proj = fused[3:] if fused is not None and len(fused) == 5 else None
-            mc_out, mc_state = self.mc.decode(u, mc_state, fin_mask, mc_proj)
+            mc_out, mc, mc_steps = self.mc(u, ctx, state.mc if state is not None else None, mc_proj)
             out = out + mc_out
-        return out, depth_entry, mc_state
+        update = SlotUpdate(new_kv, mc, mc_steps, elo, elo_steps) if state is not None else None
+        return out, depth_entry, weights, update
 
     def remove_self_echo(self, y: torch.Tensor, v_self: torch.Tensor) -> torch.Tensor:
         """XSA: y ← y − ⟨y, v̂⟩v̂ with v̂ = v_t/(‖v_t‖ + 1e-8), the query token's own (GQA-shared) value."""
@@ -1157,18 +1147,20 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
 
     @force_accelerate_hooks(["hc_attn", "hc_ffn"])
     def forward(self, X: torch.Tensor, token_embed=None, engram_r=None, *depth_flat, ctx: ForwardContext = None,
-                slot: int = 0):
+                state: SlotState | None = None):
         """X: the residual stream(s); token_embed / engram_r: the raw token embeddings and Engram lookup (used by
-        the value embedding and Engram fusion); depth_flat: k₀, v₀, k₁, v₁, ... of this pass's depth checkpoints.
+        the value embedding and Engram fusion); depth_flat: k₀, v₀, k₁, v₁, ... of this pass's depth checkpoints;
+        state: what this loop-plan slot carries in the cache (None without one).
 
         Tensors that need gradients are positional, so re-entrant activation checkpointing sees them too.
-        Returns (X, MoE load-balance loss or None, depth k or None, depth v or None, attention weights or None)."""
+        Returns (X, MoE load-balance loss or None, depth k or None, depth v or None, attention weights or None,
+        the slot's `SlotUpdate` or None)."""
         depth_sources = tuple(zip(depth_flat[0::2], depth_flat[1::2]))
-        X, aux, (depth_entry, weights) = self.block(
-            X, token_embed, engram_r, lambda u: self.attn(u, ctx, slot, depth_sources), ctx
+        X, aux, (depth_entry, weights, update) = self.block(
+            X, token_embed, engram_r, lambda u: self.attn(u, ctx, state, depth_sources), ctx
         )
         dk, dv = depth_entry if depth_entry is not None else (None, None)
-        return X, aux, dk, dv, weights
+        return X, aux, dk, dv, weights, update
 
     def block(self, X, token_embed, engram_r, attention, ctx: ForwardContext | None):
         """The block around an attention callable u -> (output, *extras): Engram fusion, HC pre/post (or the
@@ -1195,131 +1187,45 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
         return X, aux, extras
 
 
-def decode_block(layer: SpikeWhaleDecoderLayer, X, token_embed, engram_r, depth_sources: tuple, positions, attn_mask,
-                 fin_mask, start: int, keys, values, mc_state):
-    """One block of a one-token decode step, reading and writing its slot's state passed in as tensors (see
-    `decode_run`). Returns (X, the layer's depth entry or None, the new Memory-Cache state tuple or None)."""
-
-    def attention(u):
-        return layer.attn.decode(u, positions, attn_mask, fin_mask, start, keys, values, mc_state, depth_sources)
-
-    X, _, (depth_entry, mc_state) = layer.block(X, token_embed, engram_r, attention, None)
-    return X, depth_entry, mc_state
-
-
-def walk_run(layers: tuple, X, pass_embed, step):
+def walk_run(layers: tuple, X, pass_embed, token_embed, engram_r, ctx: ForwardContext, states: tuple):
     """One run of the loop plan (a loop pass, or the layers before the loop): X plus the pass embedding, then each
-    layer through `step(i, layer, X, depth_sources) -> (X, depth entry or None, extra)`, reading this run's depth
-    checkpoints. The one walk of the plan: the chunk path and the one-token decode step both go through it.
-    Returns (X, the layers' extras)."""
+    layer with its slot's state (`SlotState`, or None without a cache), reading this run's depth checkpoints. The one
+    walk of the plan, for every chunk size (`SpikeWhaleModel._run_slots`); `compile_decode` compiles it for decode
+    steps, so it touches no cache object: the slots' updates come back. Returns (X, per slot: (its residual streams
+    if `ctx.keep_streams` else None, MoE load-balance loss or None, attention weights or None, `SlotUpdate` or None))."""
     if pass_embed is not None:
         X = X + pass_embed
-    depth, extras = (), []
-    for i, layer in enumerate(layers):
-        X, entry, extra = step(i, layer, X, depth)
-        depth = depth + (entry,) if entry is not None else depth
-        extras.append(extra)
-    return X, tuple(extras)
+    depth, outs = [], []
+    for layer, state in zip(layers, states):
+        X, aux, dk, dv, weights, update = layer(X, token_embed, engram_r, *depth, ctx=ctx, state=state)
+        if dk is not None:
+            depth += [dk, dv]
+        outs.append((X if ctx.keep_streams else None, aux, weights, update))
+    return X, tuple(outs)
 
 
-def decode_run(layers: tuple, X, pass_embed, token_embed, engram_r, positions, attn_mask, fin_mask, start: int,
-               kv: tuple, mc: tuple):
-    """`walk_run` for a one-token decode step, as a function of tensors and the write offset only, so that
-    `torch.compile` traces it once and reuses it for every pass. kv / mc: per slot of the run, its (K, V) buffers and
-    Memory-Cache state tuple (or None). Returns (X, the run's new Memory-Cache state tuples)."""
-
-    def step(i, layer, X, depth):
-        keys, values = kv[i]
-        return decode_block(layer, X, token_embed, engram_r, depth, positions, attn_mask, fin_mask, start, keys,
-                            values, mc[i])
-
-    return walk_run(layers, X, pass_embed, step)
+def compile_blocker(model: "SpikeWhaleModel") -> str | None:
+    """Why `compile_decode` cannot compile this model's decode steps, or None."""
+    if model.config.use_elo:
+        return "Elo attention keeps per-key ratings"
+    if model.config.use_moe:
+        return "MoE layers route by token id"
+    if any(hasattr(layer, "_hf_hook") for layer in model.layers):
+        return "accelerate hooks move tensors between devices"
+    if any("forward" in vars(layer.attn) for layer in model.layers):
+        return "a wrapper of the attention's forward (a tensor-parallel style) must run outside the compiled graph"
+    return None
 
 
 def compiled_decode_guards(entries) -> list[bool]:
     """The dynamo guards `compile_decode` keeps: all but those on built-in modules (`nn.Linear`, ...) and the tensor
-    checks of module parameters, which only change when the model is re-typed or moved (`DecodeStep.run` checks
-    that itself) or its weights are replaced; guards on structure, the cache and the inputs all stay."""
+    checks of module parameters, which only change when the model is re-typed or moved (`SpikeWhaleModel._run_slots`
+    checks that itself) or its weights are replaced; guards on structure, the slot states and the inputs all stay."""
     return [
         not (e.orig_guard.source.is_unspecialized_builtin_nn_module()
              or (e.guard_type == "TENSOR_MATCH" and "._parameters[" in e.name))
         for e in entries
     ]
-
-
-class DecodeStep:
-    """Drives a one-token decode step run by run (`decode_run`, or its `torch.compile`d twin): hands the blocks
-    their slots' static K/V buffers and Memory-Cache state as plain tensors and stores what comes back.
-
-    It runs when every row adds one real token that stays in its current Memory-Cache segment, the cache is warm,
-    no layer keeps state it cannot carry (Elo ratings, MoE routing by token id) and no accelerate hooks move
-    tensors between devices. Anything else takes the general chunk path, which computes the same function.
-    """
-
-    def __init__(self, ctx: ForwardContext, run_fn):
-        self.cache = ctx.cache
-        self.start = ctx.cache.seq_len
-        self.positions, self.attn_mask = ctx.positions, ctx.attn_mask
-        self.fin_mask = ctx.segments.fin_mask if ctx.segments is not None else None
-        self.run_fn = run_fn
-
-    @staticmethod
-    def unsupported(model: "SpikeWhaleModel") -> str | None:
-        """Why this model's decode steps always take the general path, or None."""
-        if model.config.use_elo:
-            return "Elo attention keeps per-key ratings"
-        if model.config.use_moe:
-            return "MoE layers route by token id"
-        if any(hasattr(layer, "_hf_hook") for layer in model.layers):
-            return "accelerate hooks move tensors between devices"
-        if any("forward" in vars(layer.attn) for layer in model.layers):
-            return "a wrapper of the attention's forward (a tensor-parallel style) must run, and decode skips it"
-        return None
-
-    @staticmethod
-    def applies(model: "SpikeWhaleModel", ctx: ForwardContext) -> bool:
-        cache, seg = ctx.cache, ctx.segments
-        if cache is None or cache.seq_len == 0 or ctx.positions.shape[1] != 1 or model.training:
-            return False
-        if DecodeStep.unsupported(model) is not None:
-            return False
-        if model.config._attn_implementation not in ("sdpa", "eager", None):
-            return False
-        if seg is not None and (seg.padded or seg.n_rel != 1):
-            return False
-        if seg is None and not bool(ctx.valid.all()):
-            return False
-        return all(
-            layer.is_initialized and (seg is None or cache.slot_state(slot, "mc") is not None)
-            for slot, layer in enumerate(cache.layers)
-        )
-
-    def run(self, model: "SpikeWhaleModel", X, token_embed, engram_r):
-        """X after every slot of the loop plan."""
-        plan, cache = model.loop_plan, self.cache
-        if model._compiled_for not in (None, (X.dtype, X.device)):
-            raise ValueError(
-                f"compile_decode() traced this model for {model._compiled_for[0]} on {model._compiled_for[1]}, but it "
-                f"now runs in {X.dtype} on {X.device}; call model.compile_decode() again after moving or re-typing it."
-            )
-        for layer in model.layers:
-            if layer.attn.fused_input is not None and not layer.attn.fused_input.intact():
-                layer.attn.fuse_input_projections()
-        X = X.contiguous()  # the streams start as an expanded view; one memory layout means one compiled graph
-        record, end = cache.record_past, self.start + 1
-        for lo, hi, loop_pass in plan.runs:
-            slots = cache.layers[lo:hi]
-            X, mc_out = self.run_fn(
-                model.run_layers(lo, hi), X, model.run_pass_embedding(loop_pass, X), token_embed, engram_r,
-                self.positions, self.attn_mask, self.fin_mask, self.start, tuple((s.keys, s.values) for s in slots),
-                tuple(s.mc for s in slots),
-            )
-            for slot, slot_cache, state in zip(range(lo, hi), slots, mc_out):
-                slot_cache.mark_written(end)
-                if state is not None:
-                    state = MemoryCacheState._make(state)
-                    cache.set_slot_state(slot, "mc", state, [state] if record else None)
-        return X
 
 
 class HRMRefinement(nn.Module):
@@ -1466,8 +1372,8 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         self.hrm_refine = HRMRefinement(config) if config.use_hrm_refine else None
         self.norm = SpikeWhaleRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.gradient_checkpointing = False
-        self._decode_run = decode_run
-        self._compiled_for: tuple[torch.dtype, torch.device] | None = None  # set by compile_decode()
+        self._compiled_run = None  # `walk_run` compiled for decode steps, set by compile_decode()
+        self._compiled_for: tuple[torch.dtype, torch.device] | None = None
         if self.engram is not None:
             for table in self.engram.lookup.tables:
                 table._spike_init_std = 0.01
@@ -1580,7 +1486,11 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             else:
                 base, n_fin = torch.zeros(B, dtype=torch.long, device=device), 0
             segments = SegmentLayout.build(positions, valid, base, L, n_fin)
-        return ForwardContext(positions, valid, attn_mask, is_causal, cache, segments)
+        if cache is None:
+            return ForwardContext(positions, valid, attn_mask, is_causal, segments)
+        return ForwardContext(positions, valid, attn_mask, is_causal, segments, past=past,
+                              max_cache_len=cache.max_cache_len, n_mc_segments=cache.n_mc_segments,
+                              record=cache.record_past)
 
     def run_layers(self, lo: int, hi: int) -> tuple:
         """The layers of loop-plan slots lo..hi-1."""
@@ -1594,27 +1504,54 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         index = torch.full((1,), loop_pass, dtype=torch.long, device=X.device)
         return _as(_on(self.loop_pass_embed(index), X.device), X.dtype)
 
-    def _run_slots(self, X, token_embed, engram_r, ctx: ForwardContext, hidden_states: list | None,
-                   attentions: list | None):
-        """The general chunk path: `walk_run` over every run of the loop plan. Returns (X, the MoE load-balance
-        losses); appends each slot's output (streams read out like the final one) and attention weights to the
-        lists given."""
+    def _run_slots(self, X, token_embed, engram_r, ctx: ForwardContext, cache: SpikeWhaleCache | None,
+                   hidden_states: list | None, attentions: list | None):
+        """Every run of the loop plan through `walk_run` (compiled for decode steps after `compile_decode`), each slot
+        reading its state from the cache and storing its update back. Returns (X, the MoE load-balance losses);
+        appends each slot's output (streams read out like the final one) and attention weights to the lists given."""
         aux_terms = []
+        end = ctx.past + X.shape[-2]
+        compiled = self._compiled_run is not None and self._decode_step_compiles(ctx, cache)
+        if compiled:
+            X = X.contiguous()  # the streams start as an expanded view; one memory layout means one compiled graph
         for lo, hi, loop_pass in self.loop_plan.runs:
-
-            def step(i, layer, X, depth, slot0=lo):
-                depth_flat = [t for entry in depth for t in entry]
-                X, aux, dk, dv, weights = layer(X, token_embed, engram_r, *depth_flat, ctx=ctx, slot=slot0 + i)
+            states = tuple(cache.slot(s) for s in range(lo, hi)) if cache is not None else (None,) * (hi - lo)
+            run = walk_run
+            if compiled and all(s.keys is not None and (s.mc is not None) == self.config.use_memory_cache
+                                for s in states):
+                run = self._compiled_run
+            X, outs = run(self.run_layers(lo, hi), X, self.run_pass_embedding(loop_pass, X), token_embed, engram_r,
+                          ctx, states)
+            for slot, (streams, aux, weights, update) in zip(range(lo, hi), outs):
                 if aux is not None:
                     aux_terms.append(aux.to(ctx.positions.device))
                 if hidden_states is not None:
-                    hidden_states.append(self.hc_out_mix(X) if self.hc_out_mix is not None else X)
+                    hidden_states.append(self.hc_out_mix(streams) if self.hc_out_mix is not None else streams)
                 if attentions is not None:
                     attentions.append(weights)
-                return X, ((dk, dv) if dk is not None else None), None
-
-            X, _ = walk_run(self.run_layers(lo, hi), X, self.run_pass_embedding(loop_pass, X), step)
+                if update is not None:
+                    cache.store_slot(slot, update, end)
         return X, aux_terms
+
+    def _decode_step_compiles(self, ctx: ForwardContext, cache: SpikeWhaleCache | None) -> bool:
+        """Whether this chunk runs through the compiled `walk_run`: one token per row staying in its current
+        Memory-Cache segment, on a warm cache, in eval, returning no per-slot outputs. Everything else runs eagerly
+        through the same walk (the compiled graph is traced for these shapes only)."""
+        seg = ctx.segments
+        if cache is None or ctx.past == 0 or ctx.positions.shape[1] != 1 or self.training:
+            return False
+        if ctx.need_weights or ctx.keep_streams or (seg is not None and seg.n_rel != 1):
+            return False
+        X = self.embed_tokens.weight
+        if self._compiled_for != (X.dtype, X.device):
+            raise ValueError(
+                f"compile_decode() traced this model for {self._compiled_for[0]} on {self._compiled_for[1]}, but it "
+                f"now runs in {X.dtype} on {X.device}; call model.compile_decode() again after moving or re-typing it."
+            )
+        for layer in self.layers:
+            if layer.attn.fused_input is not None and not layer.attn.fused_input.intact():
+                layer.attn.fuse_input_projections()
+        return True
 
     @staticmethod
     def packed_sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:
@@ -1720,7 +1657,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         if not use_cache:
             cache = None
         ctx = self._context(B, S, device, attention_mask, position_ids, cache)
-        ctx.token_ids = input_ids
+        ctx.token_ids, ctx.need_weights, ctx.keep_streams = input_ids, bool(output_attentions), bool(output_hidden_states)
 
         x = inputs_embeds
         engram_c = engram_r = None
@@ -1732,10 +1669,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         hidden_states = [x] if output_hidden_states else None
         attentions = [] if output_attentions else None
         X = x[:, None].expand(B, cfg.hc_mult, S, x.shape[-1]) if self.hc_out_mix is not None else x
-        if not (output_hidden_states or output_attentions) and DecodeStep.applies(self, ctx):
-            X, aux_terms = DecodeStep(ctx, self._decode_run).run(self, X, token_embed, engram_r), []
-        else:
-            X, aux_terms = self._run_slots(X, token_embed, engram_r, ctx, hidden_states, attentions)
+        X, aux_terms = self._run_slots(X, token_embed, engram_r, ctx, cache, hidden_states, attentions)
         x = self.hc_out_mix(X) if self.hc_out_mix is not None else X
         steps = self.hrm_refine(x) if self.hrm_refine is not None else [x]
         steps = [self.norm(h) for h in steps]
@@ -1844,13 +1778,13 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         """When generate compiles the decode step. A `compile_config` given explicitly compiles on any device (the
         decode step's compile was built and measured on CPU, where transformers would skip it); without one, as for
         in-library models, only a static cache (`cache_implementation="static"`) on an accelerator does. Never where
-        every decode step takes the general path (`DecodeStep.unsupported`)."""
+        decode steps cannot compile (`compile_blocker`)."""
         if generation_config.disable_compile or not isinstance(model_kwargs.get(CACHE_FIELD), SpikeWhaleCache):
             return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
-        reason = DecodeStep.unsupported(self.model)
+        reason = compile_blocker(self.model)
         if reason is not None:
             if generation_config.compile_config is not None:
-                logger.warning_once(f"compile_config is ignored: every decode step takes the general path because {reason}.")
+                logger.warning_once(f"compile_config is ignored: decode steps run eagerly because {reason}.")
             return False
         if generation_config.compile_config is not None:
             return True
@@ -1867,7 +1801,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         """transformers' compile switch (`generate(..., compile_config=CompileConfig(...))`, or the same in
         `generation_config`): compiles the one-token decode step, one graph per loop-plan run (`compile_decode`,
         traced once per config), and returns the model's call; prefill and multi-token chunks stay eager."""
-        if DecodeStep.unsupported(self.model) is not None:
+        if compile_blocker(self.model) is not None:
             return self.__call__
         config = compile_config.to_dict() if compile_config is not None else {}
         if config != getattr(self, "_decode_compile_config", None) or self.model._compiled_for is None:
@@ -1902,9 +1836,9 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         what transformers' standard switch, `generate(..., compile_config=CompileConfig(...))`, calls
         (`get_compiled_call`); calling it directly is a convenience for forwards outside generate.
 
-        Each run of the loop plan (a loop pass) becomes one graph with dynamic shapes, traced on the first
-        eligible step and reused by every pass and step after it; prefill, multi-token chunks and the other
-        cases `DecodeStep` leaves to the general path stay eager. The first compiled step takes about a minute
+        The walk of one run of the loop plan (`walk_run`, a loop pass) becomes one graph with dynamic shapes, traced
+        on the first decode step and reused by every pass and step after it; prefill, multi-token chunks and the
+        steps `SpikeWhaleModel._decode_step_compiles` leaves out run the same walk eagerly. The first compiled step takes about a minute
         for the 114M preset on 2 CPU cores (inductor caches the result on disk for later processes).
         `compile_kwargs` go to `torch.compile` (e.g. `mode=...`, `options={"cpp_wrapper": True}`). To keep the
         per-pass dispatch cheap, the guards on built-in modules and on parameter tensors are skipped
@@ -1920,15 +1854,15 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         benchmark runs) for about twice the compile time.
         """
         if not enable:
-            self.model._decode_run, self.model._compiled_for = decode_run, None
+            self.model._compiled_run, self.model._compiled_for = None, None
             for layer in self.model.layers:
                 layer.attn.fuse_input_projections(enable=False)
             return
-        reason = DecodeStep.unsupported(self.model)
+        reason = compile_blocker(self.model)
         if reason is not None:
             raise ValueError(
-                f"compile_decode() would have no effect: every decode step of this model takes the general chunk "
-                f"path because {reason}. Generate without it."
+                f"compile_decode() cannot compile this model's decode steps because {reason}; they run eagerly. "
+                "Generate without it."
             )
         # Dynamo's guards already pin every input's size and stride, so inductor's own per-call asserts only add
         # latency.
@@ -1948,15 +1882,15 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             layer.attn.fuse_input_projections()
         options.update(compile_kwargs.pop("options", None) or {})
         compile_kwargs.setdefault("dynamic", True)
-        compiled = torch.compile(decode_run, options=options, **compile_kwargs)
+        compiled = torch.compile(walk_run, options=options, **compile_kwargs)
 
-        def compiled_decode_run(*args):
+        def compiled_run(*args):
             # The blocks' Python floats (RMSNorm eps, ...) are constants of the model: traced as constants, they are
             # guarded in C++ rather than by per-call Python shape guards.
             with torch._dynamo.config.patch(specialize_float=True):
                 return compiled(*args)
 
-        self.model._decode_run = compiled_decode_run
+        self.model._compiled_run = compiled_run
         self.model._compiled_for = (self.model.embed_tokens.weight.dtype, self.model.embed_tokens.weight.device)
 
     def _column_major_linears(self) -> list[nn.Linear]:

@@ -1,8 +1,9 @@
-"""The one-token decode path (`DecodeStep` / `decode_run`) and its `torch.compile`d form.
+"""The one-token decode step: the model's one forward (`walk_run` over the loop plan, each attention picking the
+one-query kernel) and its `torch.compile`d form.
 
-Every other generation test already decodes through `DecodeStep` where it applies; these tests pin down where
-it applies, that it computes the same function as the general chunk path (and a full recompute), and that
-`compile_decode()` does too.
+These tests pin down that no second decode driver exists, that a decode step goes through `forward` with the one-query
+kernel, that it equals a full recompute, and that `compile_decode()` (and transformers' `compile_config`) compile
+the same walk without graph breaks and give the same logits.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import transformers
 from packaging import version
 
 from spike_whale import modeling_spike_whale as msw
+from spike_whale.generation_utils import LoopSlotLayer
 
 from conftest import tiny_model
 
@@ -26,14 +28,29 @@ def model():
 
 
 def count_decode_steps(monkeypatch):
+    """The write offsets of the forwards that ran through the compiled walk."""
     calls = []
-    run = msw.DecodeStep.run
+    compiles = msw.SpikeWhaleModel._decode_step_compiles
 
-    def counted(self, *args, **kwargs):
-        calls.append(self.start)
-        return run(self, *args, **kwargs)
+    def counted(self, ctx, cache):
+        out = compiles(self, ctx, cache)
+        if out:
+            calls.append(ctx.past)
+        return out
 
-    monkeypatch.setattr(msw.DecodeStep, "run", counted)
+    monkeypatch.setattr(msw.SpikeWhaleModel, "_decode_step_compiles", counted)
+    return calls
+
+
+def count_one_query_kernels(monkeypatch):
+    calls = []
+    kernel = msw.decode_attention
+
+    def counted(q, k, v, mask):
+        calls.append(k.shape[2])
+        return kernel(q, k, v, mask)
+
+    monkeypatch.setattr(msw, "decode_attention", counted)
     return calls
 
 
@@ -57,21 +74,34 @@ def batch(seed: int = 0):
     return ids, mask
 
 
-def test_decode_step_runs_where_it_applies_and_equals_the_general_path(model, monkeypatch):
+def test_no_second_decode_driver_exists():
+    for name in ("DecodeStep", "decode_run", "decode_block"):
+        assert not hasattr(msw, name), name
+    assert not hasattr(msw.SpikeWhaleAttention, "decode") and not hasattr(msw.MemoryCacheBranch, "decode")
+    assert not hasattr(LoopSlotLayer, "mark_written")
+
+
+def test_decode_step_goes_through_forward_with_the_one_query_kernel(model, monkeypatch):
     ids, mask = batch()
     with torch.no_grad():
         full = model(ids, attention_mask=mask, use_cache=False).logits
-    calls = count_decode_steps(monkeypatch)
-    fast = decode_logits(model, ids, mask, prefill=5)
-    # Every one-token step but those whose token opens a new segment in some row (row 0 at 8, 16, 24; row 1,
-    # three positions behind, at 11, 19, 27).
-    opening = {8, 16, 24, 11, 19, 27}
-    assert calls == [t for t in range(5, 4 * L) if t not in opening]
-    monkeypatch.setattr(msw.DecodeStep, "applies", staticmethod(lambda model, ctx: False))
-    general = decode_logits(model, ids, mask, prefill=5)
-    real = mask.bool()
-    assert float((fast - general)[real].abs().max()) <= TOL
-    assert float((fast - full)[real].abs().max()) <= TOL
+    forwards = []
+    attention_forward = msw.SpikeWhaleAttention.forward
+
+    def counted(self, u, ctx, state, depth_sources):
+        forwards.append(u.shape[1])
+        return attention_forward(self, u, ctx, state, depth_sources)
+
+    monkeypatch.setattr(msw.SpikeWhaleAttention, "forward", counted)
+    kernels = count_one_query_kernels(monkeypatch)
+    got = decode_logits(model, ids, mask, prefill=5)
+    slots = model.config.num_loop_slots
+    steps = 4 * L - 5
+    assert forwards == [5] * slots + [1] * (slots * steps)  # every slot's attention forward, the prefill's and each step's
+    # Each step, segment openings included (row 0 at 8, 16, 24; row 1 at 11, 19, 27), reads the cache with the
+    # one-query kernel, over everything cached so far.
+    assert kernels == [t + 1 for t in range(5, 4 * L) for _ in range(slots)]
+    assert float((got - full)[mask.bool()].abs().max()) <= TOL
 
 
 @pytest.mark.parametrize("config", [dict(use_memory_cache=False), dict(use_hyper_connections=False, use_derf=True),
@@ -81,20 +111,18 @@ def test_decode_step_on_other_configs(config, monkeypatch):
     ids, mask = batch(seed=1)
     with torch.no_grad():
         full = model(ids, attention_mask=mask, use_cache=False).logits
-    calls = count_decode_steps(monkeypatch)
     fast = decode_logits(model, ids, mask, prefill=3)
-    assert calls, "the one-token path never ran"
     assert float((fast - full)[mask.bool()].abs().max()) <= TOL
 
 
-def test_general_path_where_decode_step_does_not_apply(monkeypatch):
+def test_elo_decodes_through_forward_and_refuses_compile_decode(monkeypatch):
     model = tiny_model(seed=5, use_elo=True)
-    calls = count_decode_steps(monkeypatch)
+    kernels = count_one_query_kernels(monkeypatch)
     ids, mask = batch(seed=2)
     with torch.no_grad():
         full = model(ids, attention_mask=mask, use_cache=False).logits
     got = decode_logits(model, ids, mask, prefill=4)
-    assert calls == []
+    assert kernels == []  # Elo attention is its own kernel, with the cached ratings
     assert float((got - full)[mask.bool()].abs().max()) <= TOL
     with pytest.raises(ValueError, match="Elo attention"):
         model.compile_decode()
@@ -120,14 +148,14 @@ def test_compile_decode_equals_eager(model, monkeypatch, tmp_path):
         reloaded = type(model).from_pretrained(tmp_path).eval()
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
         try:
-            assert model.model._decode_run is not msw.decode_run
+            assert model.model._compiled_run is not None
             compiled = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
                                       return_dict_in_generate=True)
         finally:
             model.compile_decode(enable=False)
-    assert model.model._decode_run is msw.decode_run
+    assert model.model._compiled_run is None
     assert all(layer.attn.fused_input is None for layer in model.model.layers)
-    assert len(calls) == 10  # 5 decode steps in each generate, all inside segment 1 (one compiled graph)
+    assert calls == [10, 11, 12, 13, 14]  # the compiled generate's 5 decode steps, all inside segment 1
     assert torch.equal(eager.sequences, compiled.sequences)
     assert max(float((a - b).abs().max()) for a, b in zip(eager.logits, compiled.logits)) <= TOL
 
@@ -146,12 +174,10 @@ def test_fused_input_projections_share_storage_and_refuse_after_rebinding(monkey
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
-    calls = count_decode_steps(monkeypatch)
     ids, mask = batch(seed=3)
     with torch.no_grad():
         full = model(ids, attention_mask=mask, use_cache=False).logits
         got = decode_logits(model, ids, mask, prefill=3)
-        assert calls
         assert float((got - full)[mask.bool()].abs().max()) <= TOL
         # New storage for one weight (what .to() / .half() / assignment do): the next decode step fuses again.
         attn.k_proj.weight.data = attn.k_proj.weight.data * 1.5
@@ -171,9 +197,11 @@ def test_fused_input_projections_keep_the_memory_cache_in_float32():
     attn = model.model.layers[0].attn
     attn.fuse_input_projections()
     u = torch.randn(1, 1, model.config.hidden_size)
-    assert attn._fused_projections(u) is not None
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert attn._fused_projections(u) is None  # autocast would run the fp32 MC projections in bf16
+    assert attn._fused_projections(u) is None  # with gradients on: the fused copy does not train
+    with torch.no_grad():
+        assert attn._fused_projections(u) is not None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert attn._fused_projections(u) is None  # autocast would run the fp32 MC projections in bf16
     attn.fuse_input_projections(enable=False)
     assert attn.fused_input is None
 
@@ -217,8 +245,23 @@ def test_generate_compile_config_compiles_the_decode_step_through_the_standard_s
     model = tiny_model(seed=3)
     ids = torch.randint(5, 200, (2, 9), generator=torch.Generator().manual_seed(3))
     eager = model.generate(ids, max_new_tokens=4, do_sample=False)
-    assert model.model._decode_run is msw.decode_run
+    assert model.model._compiled_run is None
     compiled = model.generate(ids, max_new_tokens=4, do_sample=False, compile_config=CompileConfig(backend="eager"))
-    assert model.model._decode_run is not msw.decode_run  # compile_decode ran through get_compiled_call
+    assert model.model._compiled_run is not None  # compile_decode ran through get_compiled_call
     assert torch.equal(compiled, eager)
     assert msw.SpikeWhaleCache(model.config).is_compileable
+
+
+def test_the_walk_compiles_without_graph_breaks():
+    """`compile_decode(fullgraph=True)`: a decode step's walk of each loop-plan run is one graph (a graph break
+    raises), and its logits equal the eager step's."""
+    torch._dynamo.reset()
+    model = tiny_model(seed=3)
+    ids, mask = batch(seed=4)
+    eager = decode_logits(model, ids, mask, prefill=L + 1)
+    model.compile_decode(fullgraph=True, backend="eager")
+    try:
+        compiled = decode_logits(model, ids, mask, prefill=L + 1)
+    finally:
+        model.compile_decode(enable=False)
+    assert float((compiled - eager)[mask.bool()].abs().max()) <= TOL
