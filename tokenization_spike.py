@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 import re
 import threading
@@ -267,7 +268,7 @@ def _latin1_to_bytes(text: str) -> bytes:
 # --------------------------------------------------------------------------------------------------
 
 
-def greedy_trie_pattern(tokens: Iterable[str], escape=re.escape) -> str:
+def greedy_trie_pattern(tokens: Iterable[str], escape=re.escape, dispatch: int = 0) -> str:
     """An ordered-alternation regex whose successive matches are the greedy longest-match segmentation.
 
     Each trie node becomes ``(?:child_1...|child_2...|...|)``: children are tried first and the empty
@@ -277,7 +278,15 @@ def greedy_trie_pattern(tokens: Iterable[str], escape=re.escape) -> str:
     start with distinct characters, so their order only affects speed (larger subtrees first).  All 256
     single bytes must be in `tokens` for the matches to cover every input without gaps.  Built without
     recursion; the nesting depth is at most the longest token's length (see `MAX_TOKEN_LEN_LIMIT`).
+
+    ``dispatch=k`` (k >= 2) groups a node's children, when it has more than k, behind lookaheads on their first
+    characters, ``(?=[abc])(?:a...|b...|c...)|(?=[def])(?:...)``, recursively, so the engine skips a whole group
+    with one class test instead of trying its alternatives one by one.  The groups start with disjoint
+    characters and stay in the same order, so the matches are the same; Oniguruma runs about 1.4x faster with
+    ``dispatch=4``, Python's ``re`` (which already skips a literal alternative cheaply) does not gain.
     """
+    if dispatch == 1 or dispatch < 0:
+        raise ValueError(f"dispatch must be 0 (off) or at least 2, got {dispatch}")
     root: dict = {}
     end = ""  # key marking "a token ends here" ("" is never a character key)
     for tok in tokens:
@@ -309,6 +318,8 @@ def greedy_trie_pattern(tokens: Iterable[str], escape=re.escape) -> str:
         alts = [escape(ch) + patterns.pop(id(child)) for ch, child in inner]
         for ch, child in children:
             patterns.pop(id(child), None)
+        if dispatch and len(alts) > dispatch:
+            alts = _dispatch_groups([ch for ch, _ in inner], alts, dispatch, escape)
         if len(leaves) == 1:
             alts.append(escape(leaves[0]))
         elif leaves:
@@ -317,6 +328,21 @@ def greedy_trie_pattern(tokens: Iterable[str], escape=re.escape) -> str:
             alts.append("")
         patterns[id(node)] = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
     return patterns[id(root)]
+
+
+def _dispatch_groups(first_chars: list[str], alts: list[str], size: int, escape) -> list[str]:
+    """`alts` (each starting with its character in `first_chars`) as about sqrt(n) lookahead-guarded groups,
+    split again until no alternation holds more than `size` alternatives."""
+    if len(alts) <= size:
+        return alts
+    step = -(-len(alts) // max(2, math.isqrt(len(alts) - 1) + 1))
+    groups = []
+    for start in range(0, len(alts), step):
+        chars, inner = first_chars[start:start + step], alts[start:start + step]
+        inner = _dispatch_groups(chars, inner, size, escape)
+        body = inner[0] if len(inner) == 1 else "(?:" + "|".join(inner) + ")"
+        groups.append("(?=[" + "".join(escape(ch) for ch in chars) + "])" + body)
+    return groups
 
 
 def compile_greedy_regex(tokens: Iterable[str]) -> re.Pattern:

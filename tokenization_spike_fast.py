@@ -7,7 +7,8 @@ that ``tokenizers.Tokenizer.from_file`` loads alone::
     pre_tokenizer  ByteLevel(use_regex=False)        text -> one character per UTF-8 byte (GPT-2 byte alphabet)
                    Split(TRIE, "isolated")            the greedy segmentation: TRIE is `greedy_trie_pattern`
                                                       over the regular tokens (Oniguruma's ordered alternation
-                                                      backs off to the longest token, as Python's `re` does)
+                                                      backs off to the longest token, as Python's `re` does),
+                                                      children grouped behind first-character lookaheads
     model          WordLevel                          each piece is a vocab key: one hash lookup
     decoder        ByteLevel                          bytes -> UTF-8 with U+FFFD for broken sequences
     post_processor TemplateProcessing                 "<bos> $A" (add_bos_token=True)
@@ -59,6 +60,8 @@ from .tokenization_spike import (
 )
 
 TOKENIZER_FILE_NAME = "tokenizer.json"
+# Oniguruma tries ordered alternatives one by one: lookahead-guarded groups of at most 4 (`greedy_trie_pattern`).
+TRIE_DISPATCH = 4
 _ALL_SPECIALS = BASE_SPECIAL_TOKENS + SPECIAL_TOKENS + RESERVED_TOKENS
 _SPECIAL_IDS = {
     **{tok: i for i, tok in enumerate(BASE_SPECIAL_TOKENS)},
@@ -116,7 +119,8 @@ def build_backend(data: Mapping) -> Tokenizer:
     backend = Tokenizer(models.WordLevel(vocab, unk_token=UNK_TOKEN))
     backend.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-        pre_tokenizers.Split(Regex(greedy_trie_pattern(greedy, escape=_onig_escape)), behavior="isolated"),
+        pre_tokenizers.Split(Regex(greedy_trie_pattern(greedy, escape=_onig_escape, dispatch=TRIE_DISPATCH)),
+                             behavior="isolated"),
     ])
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([
