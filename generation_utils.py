@@ -95,7 +95,9 @@ def write_kv(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch
 
 
 class LoopSlotLayer(CacheLayerMixin):
-    """One loop-plan slot: static K (after QK-norm and RoPE) / V (after depth mixing) and Memory-Cache state."""
+    """One loop-plan slot and everything it carries: static K (after QK-norm and RoPE) / V (after depth mixing), the
+    Memory-Cache state, the Elo ratings, and the rollback history of those two (`history[kind]`: [(length, state)]
+    recorded by `SpikeWhaleCache.set_slot_state`, read by `crop`)."""
 
     # Blocks write these buffers in place at static shapes (see `compile_decode`).
     # Declared only from transformers 5.24: earlier 5.x refuse assisted decoding with any compileable cache layer.
@@ -111,6 +113,7 @@ class LoopSlotLayer(CacheLayerMixin):
         self.mc: MemoryCacheState | None = None
         self.elo: torch.Tensor | None = None  # Elo attention: [B, heads, length] ratings of the cached keys
         self.record_past = False  # set on every slot by `SpikeWhaleCache.activate_past_recording`
+        self.history: dict[str, list] = {}
         self._length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -149,9 +152,11 @@ class LoopSlotLayer(CacheLayerMixin):
         super().reset()
         self.mc = None
         self.elo = None
+        self.history = {}
         self._length = 0
 
     def _select(self, fn, kv_fn=None) -> None:
+        self.history = {}  # recorded states are of the old batch
         if self.is_initialized:
             kv_fn = kv_fn or fn
             self.keys, self.values = kv_fn(self.keys), kv_fn(self.values)
@@ -205,7 +210,7 @@ class SpikeWhaleCache(Cache):
         self.mc_segment: torch.Tensor | None = None  # [B] long
         self.engram_c: torch.Tensor | None = None  # [B, max_cache_len, cd]
         self.record_past = False
-        self._history: dict[tuple | str, list] = {}  # (kind, slot) or "segment" -> [(length, state)]
+        self._history: dict[str, list] = {}  # "segment" -> [(length, each row's segment)]; slots keep their own
         self._chunk_start = 0
 
     @property
@@ -280,7 +285,7 @@ class SpikeWhaleCache(Cache):
         from the snapshots kept here: the chunk start always, every position while recording."""
         layer = self.layers[slot]
         start = self.seq_len
-        hist = self._history.setdefault((kind, slot), [])
+        hist = layer.history.setdefault(kind, [])
         if self.record_past:
             hist.append((start, getattr(layer, kind)))
             for j, st in enumerate(per_position or []):
@@ -335,7 +340,14 @@ class SpikeWhaleCache(Cache):
     def deactivate_past_recording(self) -> None:
         """Stop recording and drop the recorded states (a crop back to the last chunk start stays possible)."""
         self.record_past = False
-        self._history = {k: [(p, s) for p, s in v if p == self._chunk_start][-1:] for k, v in self._history.items()}
+        self._trim_history(lambda v: [(p, s) for p, s in v if p == self._chunk_start][-1:])
+
+    def _trim_history(self, keep) -> None:
+        """Apply `keep` ([(length, state)] -> the entries to keep) to every recorded history: the segment index's and
+        each slot's."""
+        for hist in (self._history, *(layer.history for layer in self.layers)):
+            for key, entries in hist.items():
+                hist[key] = keep(entries)
 
     def crop(self, max_length: int) -> None:
         """Roll the cache back, with the `transformers` 5.x convention: `crop(-k)` removes the last `k`
@@ -356,7 +368,7 @@ class SpikeWhaleCache(Cache):
         if new_len == self.seq_len:
             if self.record_past:  # keep the states at the last chunk's start and at the current length
                 keep = (self._chunk_start, self.seq_len)
-                self._history = {k: [(p, s) for p, s in v if p in keep][-2:] for k, v in self._history.items()}
+                self._trim_history(lambda v: [(p, s) for p, s in v if p in keep][-2:])
             else:  # keep what an unrecorded forward keeps: the last chunk's start
                 self.deactivate_past_recording()
             return
@@ -364,10 +376,10 @@ class SpikeWhaleCache(Cache):
         restored = {}  # look every state up before touching anything, so a failed crop leaves the cache intact
         for slot, layer in enumerate(self.layers):
             for kind in LoopSlotLayer.STATES:
-                if (kind, slot) in self._history or getattr(layer, kind) is not None:
-                    restored[(kind, slot)] = self._recorded((kind, slot), new_len)
+                if kind in layer.history or getattr(layer, kind) is not None:
+                    restored[(kind, slot)] = self._recorded(layer.history.get(kind, []), new_len)
         if "segment" in self._history:
-            restored["segment"] = self._recorded("segment", new_len)
+            restored["segment"] = self._recorded(self._history["segment"], new_len)
         for slot, layer in enumerate(self.layers):
             for kind in LoopSlotLayer.STATES:
                 if (kind, slot) in restored:
@@ -385,10 +397,11 @@ class SpikeWhaleCache(Cache):
             self.engram_c[:, new_len:old_len] = 0
         self.seq_len = new_len
         self._chunk_start = new_len
-        self._history = {k: [(p, s) for p, s in v if p <= new_len][-1:] for k, v in self._history.items()}
+        self._trim_history(lambda v: [(p, s) for p, s in v if p <= new_len][-1:])
 
-    def _recorded(self, key, length: int):
-        for pos, state in reversed(self._history.get(key, [])):
+    @staticmethod
+    def _recorded(history: list, length: int):
+        for pos, state in reversed(history):
             if pos == length:
                 return state
         raise ValueError(

@@ -265,3 +265,22 @@ def test_the_walk_compiles_without_graph_breaks():
     finally:
         model.compile_decode(enable=False)
     assert float((compiled - eager)[mask.bool()].abs().max()) <= TOL
+
+
+def test_each_slot_owns_its_state_and_rollback_history(model):
+    """K/V, Memory-Cache state and its rollback history live on the slot's cache layer (`LoopSlotLayer`); the cache
+    keeps only what all slots share; `crop` restores every slot from its own history."""
+    ids, mask = batch(seed=5)
+    with torch.no_grad():
+        cache = model(ids[:, :6], attention_mask=mask[:, :6], use_cache=True).cache
+        before = [layer.mc for layer in cache.layers]
+        cache.activate_past_recording()
+        model(ids[:, 6:9], attention_mask=mask[:, :9], cache=cache, use_cache=True)
+    assert set(cache._history) == {"segment"}
+    for layer, state in zip(cache.layers, before):
+        assert isinstance(layer, LoopSlotLayer) and layer.is_initialized
+        assert [p for p, _ in layer.history["mc"]] == [0, 6, 7, 8, 9]  # the chunk starts, then every recorded position
+        assert cache.slot(cache.layers.index(layer)).mc is layer.mc
+    cache.crop(-3)
+    assert all(layer.mc is state for layer, state in zip(cache.layers, before))
+    assert all([p for p, _ in layer.history["mc"]] == [6] for layer in cache.layers)
