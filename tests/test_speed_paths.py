@@ -1,0 +1,94 @@
+"""The fast paths of issue 12 produce the same tokens as their references (speed is measured by
+benchmarks/bench_speed.py, never here): bf16 cached decode equals a bf16 full recompute, and an int8 weight-only
+model loads through transformers' `TorchAoConfig` and generates, its cached decode equal to its own recompute."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from spike_whale import SpikeWhaleForCausalLM
+
+from conftest import tiny_model
+
+L = 8  # Memory-Cache segment length of the tiny config: 21 prompt + 12 new tokens cross several segments
+
+
+def prompt(batch: int = 1, length: int = 21) -> torch.Tensor:
+    ids = torch.randint(10, 200, (batch, length), generator=torch.Generator().manual_seed(length))
+    ids[:, 0] = 2
+    return ids
+
+
+def greedy(model, ids, use_cache: bool, new: int = 12) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False, use_cache=use_cache, pad_token_id=0)
+
+
+def stepwise_logits(model, ids: torch.Tensor, prefill: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits of a prefill then one-token cached steps over the rest of ids, logits of one full forward)."""
+    with torch.no_grad():
+        out = model(ids[:, :prefill], use_cache=True)
+        cache, steps = out.cache, [out.logits]
+        for t in range(prefill, ids.shape[1]):
+            steps.append(model(ids[:, t:t + 1], cache=cache, use_cache=True).logits)
+        full = model(ids, use_cache=False).logits
+    return torch.cat(steps, 1), full
+
+
+def bf16_twin(model: SpikeWhaleForCausalLM) -> SpikeWhaleForCausalLM:
+    """The same weights loaded the way `from_pretrained(..., dtype=torch.bfloat16)` builds the model."""
+    twin = SpikeWhaleForCausalLM._from_config(model.config, dtype=torch.bfloat16).eval()
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+def test_bf16_cached_decode_equals_bf16_recompute():
+    model = bf16_twin(tiny_model(seed=4))
+    assert model.model.layers[0].attn.k_proj.weight.dtype == torch.bfloat16
+    ids = prompt()
+    assert torch.equal(greedy(model, ids, True), greedy(model, ids, False))
+    steps, full = stepwise_logits(model, greedy(model, ids, True), prefill=5)
+    # bf16: a few roundings of the largest logit, as `spike-whale verify --dtype bf16` allows
+    assert (steps.float() - full.float()).abs().max() <= 8 * 2**-7 * full.float().abs().max()
+
+
+def test_bf16_padded_batch_cached_equals_recompute():
+    model = bf16_twin(tiny_model(seed=5))
+    ids = prompt(batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    ids[1, :4] = 0
+    with torch.no_grad():
+        kw = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+        assert torch.equal(model.generate(ids, use_cache=True, **kw), model.generate(ids, use_cache=False, **kw))
+
+
+torchao_missing = importlib.util.find_spec("torchao") is None
+
+
+@pytest.mark.skipif(torchao_missing, reason="torchao is not installed (the optional `int8` extra)")
+def test_int8_weight_only_loads_through_torchao_config_and_generates(tmp_path):
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    reference = tiny_model(seed=7)
+    reference.save_pretrained(tmp_path)
+    model = SpikeWhaleForCausalLM.from_pretrained(
+        tmp_path, quantization_config=TorchAoConfig(Int8WeightOnlyConfig())
+    ).eval()
+    ffn = model.model.layers[0].ffn.gate_proj.weight
+    assert getattr(ffn, "qdata", ffn).dtype == torch.int8, type(ffn)
+    lookup = model.model.engram.lookup
+    assert all(buf.dtype == torch.float32 for _, _, buf in lookup.projections())
+    ids = prompt()
+    cached = greedy(model, ids, True)
+    assert torch.equal(cached, greedy(model, ids, False))
+    steps, full = stepwise_logits(model, cached, prefill=5)
+    assert (steps - full).abs().max() <= 1e-4 * full.abs().max()
+    with torch.no_grad():
+        ref, q = reference(ids, use_cache=False).logits, model(ids, use_cache=False).logits
+    assert (ref - q).abs().max() <= 0.1 * ref.abs().max()  # weight-only int8, per-row scales: close to float32
