@@ -46,12 +46,23 @@ def modules_named(model, class_name: str):
 
 @contextlib.contextmanager
 def silenced_memory_cache(model, slots: set[int] | None):
-    """Zero the Memory-Cache branch output in the given loop-plan slots (None: every slot)."""
-    def hook(module, args, kwargs, output):
-        slot = kwargs["slot"] if "slot" in kwargs else args[2]
-        return output * 0 if slots is None or slot in slots else output
+    """Zero the Memory-Cache branch output in the given loop-plan slots (None: every slot). A forward walks the loop
+    plan slot by slot, so the n-th branch call of a backbone forward is slot n."""
+    calls = [0]
 
-    handles = [m.register_forward_hook(hook, with_kwargs=True) for _, m in modules_named(model, "MemoryCacheBranch")]
+    def reset(module, args, kwargs):
+        calls[0] = 0
+
+    def hook(module, args, output):
+        slot, calls[0] = calls[0], calls[0] + 1
+        if slots is not None and slot not in slots:
+            return output
+        if isinstance(output, tuple):  # (output, the slot's state after the chunk, per-position states)
+            return (output[0] * 0, *output[1:])
+        return output * 0
+
+    handles = [model.model.register_forward_pre_hook(reset, with_kwargs=True)]
+    handles += [m.register_forward_hook(hook) for _, m in modules_named(model, "MemoryCacheBranch")]
     try:
         yield
     finally:

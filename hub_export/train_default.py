@@ -8,9 +8,10 @@ line pair and drops the box-drawing tables; the last 5% of paragraphs are held o
 OUT_DIR/heldout.txt) and never trained on. The vocabulary is trained on the rest by the project's Length-MAX
 trainer (`train_tokenizer.train_from_files`, as `spike-whale train-tokenizer` runs it). The objective is the model's own (`model(x, labels=x).loss`: CE +
 z-loss + MTP + HRM deep supervision) with its three-tier optimizer groups; the schedule is linear warm-up then
-cosine, where the progress of the cosine is the larger of steps done / `--max-steps` and wall time /
-`--time-budget-min`, so a run on a shared CPU still anneals before its budget ends. A checkpoint (model +
-optimizer + step) is written every `--checkpoint-every` steps and `--resume` continues from it.
+cosine over `--max-steps`, so the same command and seed give the same model. `--time-budget-min` only stops a run
+that is slower than planned (the record then says so). Every `--eval-every` steps the loss on a fixed held-out batch
+is logged next to the training loss (OUT_DIR/training_log.txt). A checkpoint (model + optimizer + step) is written
+every `--checkpoint-every` steps and `--resume` continues from it.
 """
 
 from __future__ import annotations
@@ -70,11 +71,25 @@ def split_held_out(text: str, fraction: float = HELD_OUT_FRACTION) -> tuple[str,
     return "\n\n".join(paragraphs[:cut]) + "\n", "\n\n".join(paragraphs[cut:]) + "\n"
 
 
-def lr_at(step: int, elapsed: float, args) -> float:
+def lr_at(step: int, args) -> float:
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
-    progress = min(1.0, max(step / args.max_steps, elapsed / (60 * args.time_budget_min)))
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
     return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def batch_of(ids: torch.Tensor, starts: torch.Tensor, seq_len: int, bos: int) -> torch.Tensor:
+    """Rows of `<bos>` + the seq_len - 1 tokens from each start."""
+    return torch.stack([torch.cat([torch.tensor([bos]), ids[s:s + seq_len - 1]]) for s in starts.tolist()])
+
+
+@torch.no_grad()
+def held_out_loss(model, batch: torch.Tensor) -> float:
+    """Mean next-token cross-entropy (nats) of the LM head on a fixed held-out batch."""
+    model.eval()
+    logits = model(batch, use_cache=False).logits[:, :-1].float()
+    model.train()
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
 
 
 def train(args) -> int:
@@ -99,17 +114,23 @@ def train(args) -> int:
         print(f"Length-MAX vocab (vocab_size {args.vocab_size}) trained in {time.time() - t0:.0f}s", flush=True)
     tokenizer = SpikeTokenizerFast(load_vocab_file(vocab_path))
     ids = torch.tensor(tokenizer(train_text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    print(f"train: {len(train_text.encode()):,} bytes -> {len(ids):,} tokens; held out: "
-          f"{len(held_text.encode()):,} bytes", flush=True)
+    held_ids = torch.tensor(tokenizer(held_text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    log_path = os.path.join(args.out_dir, "training_log.txt")
+    log_file = open(log_path, "a" if args.resume else "w", encoding="utf-8")
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        log_file.write(line + "\n")
+        log_file.flush()
+
+    log(f"train: {len(train_text.encode()):,} bytes -> {len(ids):,} tokens; held out: "
+        f"{len(held_text.encode()):,} bytes -> {len(held_ids):,} tokens")
 
     torch.manual_seed(args.seed)
     config = SpikeWhaleConfig.from_preset("tiny", **DEFAULT_CONFIG)
     model = SpikeWhaleForCausalLM(config)
-    if args.embedding_init_std:
-        # At hidden 128 the config's std (0.02) leaves the token signal ~0.2 in norm; the looped blocks' outputs soon
-        # outgrow it with a position-independent (unigram) component and the model stalls at unigram loss.
-        with torch.no_grad():
-            model.get_input_embeddings().weight.normal_(0.0, args.embedding_init_std)
+    eval_rows = min(8, (len(held_ids) - 1) // args.seq_len)
+    eval_batch = batch_of(held_ids, torch.arange(eval_rows) * args.seq_len, args.seq_len, config.bos_token_id)
     opt = torch.optim.AdamW(model.optimizer_param_groups(args.lr, embedding_lr_scale=args.embedding_lr_scale,
                                                          weight_decay=args.weight_decay), betas=(0.9, 0.95))
     base_lrs = [group["lr"] / args.lr for group in opt.param_groups]
@@ -120,18 +141,17 @@ def train(args) -> int:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step, spent = state["step"], state["elapsed"]
-        print(f"resumed at step {step} ({spent / 60:.1f} min spent)", flush=True)
+        log(f"resumed at step {step} ({spent / 60:.1f} min spent)")
     g = torch.Generator().manual_seed(args.seed + step)
     model.train()
     start = time.time() - spent
     ema = None
     while step < args.max_steps and time.time() - start < 60 * args.time_budget_min:
-        lr = lr_at(step, time.time() - start, args)
+        lr = lr_at(step, args)
         for group, scale in zip(opt.param_groups, base_lrs):
             group["lr"] = lr * scale
         starts = torch.randint(0, len(ids) - args.seq_len - 1, (args.batch_size,), generator=g)
-        x = torch.stack([torch.cat([torch.tensor([config.bos_token_id]), ids[s:s + args.seq_len - 1]])
-                         for s in starts])
+        x = batch_of(ids, starts, args.seq_len, config.bos_token_id)
         out = model(x, labels=x)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -140,14 +160,20 @@ def train(args) -> int:
         step += 1
         lm = out.lm_loss.item() if getattr(out, "lm_loss", None) is not None else out.loss.item()
         ema = lm if ema is None else 0.95 * ema + 0.05 * lm
-        if step % args.log_every == 0 or step == 1:
-            elapsed = time.time() - start
-            print(f"step {step:5d}  lr {lr:.2e}  loss {out.loss.item():.3f}  lm {lm:.3f} (ema {ema:.3f})  "
-                  f"{elapsed / 60:.1f} min", flush=True)
+        if step % args.log_every == 0 or step % args.eval_every == 0 or step == 1:
+            held = f"  held-out {held_out_loss(model, eval_batch):.3f}" if step % args.eval_every == 0 else ""
+            mtp = getattr(out, "mtp_loss", None)
+            mtp = f"  mtp {mtp.item():.3f}" if mtp is not None else ""
+            log(f"step {step:5d}  lr {lr:.2e}  loss {out.loss.item():.3f}  lm {lm:.3f} (ema {ema:.3f}){mtp}{held}  "
+                f"{(time.time() - start) / 60:.1f} min")
         if step % args.checkpoint_every == 0:
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
                         "elapsed": time.time() - start}, ckpt_path + ".tmp")
             os.replace(ckpt_path + ".tmp", ckpt_path)
+    stopped = "max_steps" if step >= args.max_steps else "time budget (schedule not finished: not reproducible)"
+    final_held = held_out_loss(model, eval_batch)
+    log(f"stopped by {stopped} at step {step}; held-out loss {final_held:.4f}")
+    log_file.close()
     model.eval()
     save_hub_folder(model, tokenizer, args.out_dir)
     record = {
@@ -158,7 +184,9 @@ def train(args) -> int:
         "heldout_sha256": hashlib.sha256(held_text.encode()).hexdigest(),
         "train_bytes": len(train_text.encode()), "train_tokens": len(ids), "steps": step,
         "tokens_seen": step * args.batch_size * args.seq_len, "minutes": round((time.time() - start) / 60, 1),
+        "stopped_by": stopped, "seed": args.seed,
         "final_lm_loss_ema": round(ema, 4) if ema is not None else None,
+        "final_held_out_loss": round(final_held, 4),
         "parameters": sum(p.numel() for p in model.parameters()),
     }
     with open(os.path.join(args.out_dir, "training_record.json"), "w") as handle:
@@ -180,11 +208,11 @@ def main(argv=None) -> int:
     p.add_argument("--min-lr", type=float, default=1e-4)
     p.add_argument("--embedding-lr-scale", type=float, default=1.0)
     p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--embedding-init-std", type=float, default=0.2,
-                   help="re-initialise the (tied) token embedding with this std (0: keep the config's)")
     p.add_argument("--warmup-steps", type=int, default=30)
     p.add_argument("--max-steps", type=int, default=4000)
-    p.add_argument("--time-budget-min", type=float, default=80.0)
+    p.add_argument("--time-budget-min", type=float, default=80.0,
+                   help="stop a run that is slower than planned (the schedule follows --max-steps only)")
+    p.add_argument("--eval-every", type=int, default=50, help="log the held-out loss every N steps")
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)

@@ -50,6 +50,20 @@ def test_silencing_every_slot_equals_zero_mc_gates(loaded):
     assert not torch.allclose(one, logits(reference, IDS), atol=1e-4)  # ...and is not all of them
 
 
+def test_silenced_slots_are_the_loop_plan_slots_of_their_layer(loaded):
+    """Silencing every pass's slot of one layer equals zeroing that layer's (shared) Memory-Cache gate."""
+    _, model = loaded
+    layer = 1
+    slots = {s for s, (lay, _) in enumerate(model.model.loop_plan.entries) if lay == layer}
+    reference = tiny_model()
+    with torch.no_grad():
+        reference.model.layers[layer].attn.mc.mc_gate.zero_()
+    with silenced_memory_cache(model, slots):
+        assert torch.allclose(logits(model, IDS), logits(reference, IDS), atol=1e-5)
+    with silenced_memory_cache(model, {min(slots)}):
+        assert not torch.allclose(logits(model, IDS), logits(reference, IDS), atol=1e-4)
+
+
 def test_loop_passes_equal_a_model_built_with_fewer_loops(loaded):
     _, model = loaded
     fewer = tiny_model(loop_count=1)
