@@ -248,14 +248,18 @@ class SegmentLayout:
     def build(cls, positions, valid, base, seg_len: int, n_fin: int) -> "SegmentLayout":
         seg = torch.div(positions, seg_len, rounding_mode="floor")
         rel = torch.where(valid, seg - base[:, None], torch.zeros_like(seg)).clamp(min=0)
-        n_rel = int(rel.max()) + 1 if rel.numel() else 1
+        S = positions.shape[1]
+        if torch.compiler.is_compiling():  # no host sync: the most segments S positions after `base` can touch
+            n_rel = (S - 1) // seg_len + 2 if S else 1
+            torch._assert_async((rel < n_rel).all(), "positions do not continue the cache's Memory-Cache segment")
+        else:
+            n_rel = int(rel.max()) + 1 if rel.numel() else 1
         valid_f = valid.float()
         onehot = F.one_hot(rel, n_rel).float() * valid_f[..., None]
         new_segment = base + rel.amax(dim=1) if rel.shape[1] else base
         first = (rel == 0).float() * valid_f
         fin_mask = torch.arange(n_fin, device=positions.device)[None, :] < base[:, None]
         chunk_mask = torch.arange(n_rel, device=positions.device)[None, None, :] < rel[..., None]
-        S = positions.shape[1]
         own_mask = own_count = block_idx = None
         if S <= seg_len:
             causal = torch.ones(S, S, dtype=torch.bool, device=positions.device).tril()
@@ -1270,6 +1274,9 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True  # softmax attention goes through ALL_ATTENTION_FUNCTIONS
+    # torch.compile(model, fullgraph=True) holds for prefill and decode steps on the loop-slot cache (no host syncs
+    # under compile); configs with MoE layers still sync (their expert dispatch groups tokens on the host).
+    _can_compile_fullgraph = True
     # The loop-slot cache rolls back exactly (`crop` restores the Memory-Cache state), so assisted decoding and
     # prompt lookup are allowed.
     _is_stateful = False
@@ -1466,10 +1473,13 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                 f"The cache holds {cache.max_cache_len} positions but {past + S} are needed; use a larger cache."
             )
 
-        padded = not bool(valid.all())
-        history_padded = cache is not None and past > 0 and not bool(cache.key_valid[:, :past].all())
+        if torch.compiler.is_compiling():  # no host sync: a mask whenever one may be needed
+            needs_mask = past > 0 or attention_mask is not None
+        else:
+            needs_mask = (not bool(valid.all()) or (past > 0 and S > 1)
+                          or (past > 0 and not bool(cache.key_valid[:, :past].all())))
         attn_mask, is_causal = None, False
-        if padded or history_padded or (past > 0 and S > 1):
+        if needs_mask:
             key_valid = valid if cache is None or past == 0 else torch.cat([cache.key_valid[:, :past].to(device), valid], 1)
             q_idx = torch.arange(past, past + S, device=device)[:, None]
             k_idx = torch.arange(past + S, device=device)[None, :]

@@ -284,3 +284,25 @@ def test_each_slot_owns_its_state_and_rollback_history(model):
     cache.crop(-3)
     assert all(layer.mc is state for layer, state in zip(cache.layers, before))
     assert all([p for p, _ in layer.history["mc"]] == [6] for layer in cache.layers)
+
+
+def test_the_whole_forward_compiles_without_graph_breaks():
+    """`torch.compile(model.forward, fullgraph=True)` holds (no host syncs under compile, hence
+    `_can_compile_fullgraph`): one-token steps on the model's own cache with left padding, one of them opening a
+    Memory-Cache segment (row 1 at t = 11), equal the eager full recompute. One graph: n_fin stays 1."""
+    torch._dynamo.reset()
+    model = tiny_model(seed=3)
+    ids, mask = batch(seed=6)
+    assert type(model)._can_compile_fullgraph
+    forward = torch.compile(model.forward, fullgraph=True, backend="eager", dynamic=True)
+    end = L + 6
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+        out = model(ids[:, :L + 1], attention_mask=mask[:, :L + 1], use_cache=True)
+        cache, got = out.cache, [out.logits]
+        for t in range(L + 1, end):
+            got.append(forward(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache,
+                               use_cache=True).logits)
+    got = torch.cat(got, 1)
+    real = mask[:, :end].bool()
+    assert float((got - full[:, :end])[real].abs().max()) <= TOL
