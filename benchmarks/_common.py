@@ -58,8 +58,8 @@ class _Clock:
 
 def time_generate(model, ids: torch.Tensor, new_tokens: int, use_cache: bool = True, **kw) -> dict:
     """Greedy `generate` of exactly `new_tokens`; decode tok/s over the steps after the first logits (prefill
-    excluded, generate's per-step overhead included). `first_step_s`: the first decode step alone (where a
-    compiled step is traced and compiled)."""
+    excluded, generate's per-step overhead included). `step_s`: each decode step's seconds (a compiled twin's
+    slowest first step is where it is traced and compiled)."""
     from transformers import LogitsProcessorList
 
     clock = _Clock()
@@ -74,7 +74,7 @@ def time_generate(model, ids: torch.Tensor, new_tokens: int, use_cache: bool = T
     decode_s = clock.times[-1] - clock.times[0]
     return {
         "prefill_s": clock.times[0] - t0,
-        "first_step_s": clock.times[1] - clock.times[0] if steps else float("nan"),
+        "step_s": [b - a for a, b in zip(clock.times, clock.times[1:])],
         "decode_s": decode_s,
         "decode_steps": steps,
         "decode_tok_s": steps * ids.shape[0] / decode_s if steps else float("nan"),
@@ -84,7 +84,7 @@ def time_generate(model, ids: torch.Tensor, new_tokens: int, use_cache: bool = T
 
 
 def median_rows(rows: list[dict]) -> dict:
-    out = {k: v for k, v in rows[0].items() if k != "ids"}
+    out = {k: v for k, v in rows[0].items() if k not in ("ids", "step_s")}
     for key in ("prefill_s", "decode_s", "decode_tok_s", "ms_per_step"):
         out[key] = statistics.median(r[key] for r in rows)
     out["runs"] = len(rows)

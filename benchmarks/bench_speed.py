@@ -176,8 +176,8 @@ def int8_model(folder: str):
 
 
 def first_compiled_step_in_fresh_process(folder: str, prompt: int, threads: int) -> dict:
-    """A new interpreter loads the saved model and generates through compile_config: its first decode step is
-    where the step is traced and compiled, served from the persistent caches this process filled."""
+    """A new interpreter loads the saved model and generates through compile_config: its slowest decode step is
+    where the step is traced and compiled, from the persistent caches this process filled."""
     code = textwrap.dedent(f"""
         import json, sys, time
         t0 = time.perf_counter()
@@ -191,9 +191,10 @@ def first_compiled_step_in_fresh_process(folder: str, prompt: int, threads: int)
         ids = torch.randint(10, 16000, (1, {prompt}), generator=torch.Generator().manual_seed(1))
         ids[:, 0] = 2
         ready = time.perf_counter()
-        row = time_generate(model, ids, 3, compile_config=CompileConfig())
-        print(json.dumps({{"first_step_s": row["first_step_s"], "step_after_s": row["decode_s"] - row["first_step_s"],
-                          "load_s": ready - t0}}))
+        first = time_generate(model, ids, 4, compile_config=CompileConfig())["step_s"]
+        after = time_generate(model, ids, 4, compile_config=CompileConfig())["step_s"]
+        print(json.dumps({{"first_compiled_step_s": max(first), "steps_first_generate_s": first,
+                          "steps_second_generate_s": after, "load_s": ready - t0}}))
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
@@ -384,9 +385,9 @@ def main(argv=None) -> int:
         print(f"compile (first generate of a compiled twin, this process): {key} {s:.0f} s")
     if "compile_cost_fresh_process" in notes:
         res = notes["compile_cost_fresh_process"]
-        if "first_step_s" in res:
-            print(f"compile cost: first compiled decode step in a fresh process {res['first_step_s']:.1f} s "
-                  f"(a compiled step after it {1000 * res['step_after_s']:.0f} ms; target ≤ 10 s)")
+        if "first_compiled_step_s" in res:
+            print(f"compile cost: first compiled decode step in a fresh process {res['first_compiled_step_s']:.1f} s "
+                  f"(a compiled step after it {1000 * min(res['steps_second_generate_s']):.0f} ms; target ≤ 10 s)")
         else:
             print(f"compile cost: fresh process failed: {res.get('error')}")
     if bandwidth:
