@@ -11,7 +11,8 @@ z-loss + MTP + HRM deep supervision) with its three-tier optimizer groups; the s
 cosine over `--max-steps`, so the same command and seed give the same model. `--time-budget-min` only stops a run
 that is slower than planned (the record then says so). Every `--eval-every` steps the loss on a fixed held-out batch
 is logged next to the training loss (OUT_DIR/training_log.txt). A checkpoint (model + optimizer + step) is written
-every `--checkpoint-every` steps and `--resume` continues from it.
+every `--checkpoint-every` steps (and at `--stop-at-step`) and `--resume` continues from it; the resumed run draws
+its batches from a generator seeded with seed + step, so it is deterministic too, but not the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -135,6 +136,11 @@ def train(args) -> int:
                                                          weight_decay=args.weight_decay), betas=(0.9, 0.95))
     base_lrs = [group["lr"] / args.lr for group in opt.param_groups]
     ckpt_path = os.path.join(work, "checkpoint.pt")
+    commands_path = os.path.join(work, "commands.json")
+    commands = json.load(open(commands_path)) if args.resume and os.path.exists(commands_path) else []
+    commands.append(" ".join(["python -m spike_whale.hub_export.train_default"] + sys.argv[1:]))
+    with open(commands_path, "w") as handle:
+        json.dump(commands, handle)
     step, spent = 0, 0.0
     if args.resume and os.path.exists(ckpt_path):
         state = torch.load(ckpt_path, weights_only=False)
@@ -146,7 +152,8 @@ def train(args) -> int:
     model.train()
     start = time.time() - spent
     ema = None
-    while step < args.max_steps and time.time() - start < 60 * args.time_budget_min:
+    last = min(args.max_steps, args.stop_at_step or args.max_steps)
+    while step < last and time.time() - start < 60 * args.time_budget_min:
         lr = lr_at(step, args)
         for group, scale in zip(opt.param_groups, base_lrs):
             group["lr"] = lr * scale
@@ -166,18 +173,23 @@ def train(args) -> int:
             mtp = f"  mtp {mtp.item():.3f}" if mtp is not None else ""
             log(f"step {step:5d}  lr {lr:.2e}  loss {out.loss.item():.3f}  lm {lm:.3f} (ema {ema:.3f}){mtp}{held}  "
                 f"{(time.time() - start) / 60:.1f} min")
-        if step % args.checkpoint_every == 0:
+        if step % args.checkpoint_every == 0 or step == args.stop_at_step:
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
                         "elapsed": time.time() - start}, ckpt_path + ".tmp")
             os.replace(ckpt_path + ".tmp", ckpt_path)
-    stopped = "max_steps" if step >= args.max_steps else "time budget (schedule not finished: not reproducible)"
+    if step >= args.max_steps:
+        stopped = "max_steps"
+    elif step == args.stop_at_step:
+        stopped = "stop_at_step (continue with --resume)"
+    else:
+        stopped = "time budget (schedule not finished: not reproducible)"
     final_held = held_out_loss(model, eval_batch)
     log(f"stopped by {stopped} at step {step}; held-out loss {final_held:.4f}")
     log_file.close()
     model.eval()
     save_hub_folder(model, tokenizer, args.out_dir)
     record = {
-        "command": " ".join(["python -m spike_whale.hub_export.train_default"] + sys.argv[1:]),
+        "commands": commands,
         "corpus": os.path.basename(args.corpus),
         "corpus_sha256": hashlib.sha256(open(args.corpus, "rb").read()).hexdigest(),
         "prepared_sha256": hashlib.sha256(text.encode()).hexdigest(),
@@ -217,7 +229,10 @@ def main(argv=None) -> int:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resume", action="store_true", help="continue from OUT_DIR/training/checkpoint.pt")
+    p.add_argument("--stop-at-step", type=int, default=None,
+                   help="end after this step (checkpoint written), e.g. to continue with --resume and a longer --max-steps")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT_DIR/training/checkpoint.pt (the record lists every command of the run)")
     args = p.parse_args(argv)
     if not os.path.isfile(args.corpus):
         p.error(f"corpus {args.corpus!r} not found (apt-get download jargon-text; dpkg-deb -x it)")

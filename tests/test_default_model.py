@@ -92,3 +92,32 @@ def test_code_files_are_the_repository_files():
     assert "modeling_spike_whale.py" in code and "configuration_spike_whale.py" in code
     for f in code:
         assert os.path.realpath(os.path.join(FOLDER, f)) == os.path.realpath(os.path.join(root, f)), f
+
+
+def test_training_is_deterministic_and_resumable(tmp_path):
+    """train_default: the same command and seed give the same weights (the schedule follows steps, never wall time),
+    and a run stopped at a step continues with --resume to the end of its schedule, listing both commands."""
+    from spike_whale.hub_export import train_default
+    from spike_whale.hub_export.train_tokenizer import DEMO_CORPUS
+    from safetensors.torch import load_file
+
+    sentences = [s.strip() for s in " ".join(DEMO_CORPUS.split()).split(". ") if len(s.split()) >= 8]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(sentences * 3) + "\n", encoding="utf-8")
+    common = ["--corpus", str(corpus), "--vocab-size", "420", "--seq-len", "16", "--batch-size", "2",
+              "--max-steps", "3", "--warmup-steps", "1", "--eval-every", "2", "--log-every", "1"]
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for out in runs:
+        assert train_default.main([str(out)] + common) == 0
+    a, b = (load_file(out / "model.safetensors") for out in runs)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    resumed = tmp_path / "resumed"
+    assert train_default.main([str(resumed)] + common + ["--stop-at-step", "2"]) == 0
+    first = json.load(open(resumed / "training_record.json"))
+    assert first["steps"] == 2 and first["stopped_by"].startswith("stop_at_step")
+    assert train_default.main([str(resumed)] + common + ["--resume"]) == 0
+    record = json.load(open(resumed / "training_record.json"))
+    assert record["steps"] == 3 and record["stopped_by"] == "max_steps" and len(record["commands"]) == 2
+    log = (resumed / "training_log.txt").read_text()
+    assert "held-out" in log and "resumed at step 2" in log
