@@ -3,6 +3,7 @@ anchor with the same per-token shape (48 layers), interleaved round by round, me
 
     python benchmarks/bench_speed.py            # prompt 256, 128 new tokens, batch 1 and 8, 2 rounds, every row
     python benchmarks/bench_speed.py --quick    # 32 new tokens, 1 round, batch 1 compiles, no 4096 prefill
+    python benchmarks/bench_speed.py --new-tokens 64 --compile-batch-sizes 1   # every row, ~15 min on 2 idle cores
 
 Rows (`--rows` picks a subset):
   eager          float32 `generate()`, no opt-in (Llama: its DynamicCache), decode tok/s at each batch size
@@ -213,6 +214,7 @@ def main(argv=None) -> int:
     p.add_argument("--compile-batch-sizes", type=int, nargs="+", default=None, help="default: --batch-sizes; quick 1")
     p.add_argument("--prefill", type=int, nargs="+", default=[512], help="prefill lengths of the prefill row")
     p.add_argument("--prefill-long", type=int, default=4096, help="the prefill_long row's length")
+    p.add_argument("--long-repeats", type=int, default=1, help="rounds that include the prefill_long row (default 1)")
     p.add_argument("--rows", nargs="+", choices=ALL_ROWS, default=None, help=f"default all; quick {' '.join(QUICK_ROWS)}")
     p.add_argument("--also", nargs="+", choices=ALL_ROWS, default=[], help="rows added to the defaults")
     p.add_argument("--out", default=None)
@@ -315,6 +317,8 @@ def main(argv=None) -> int:
                 print(f"  round {r + 1}: {row:14s} b{batch} {name:17s} {res['decode_tok_s']:8.2f} tok/s "
                       f"({res['ms_per_step']:.0f} ms/step)", flush=True)
         for length in prefill_lengths:
+            if "prefill_long" in rows_on and length == args.prefill_long and r >= args.long_repeats:
+                continue
             ids = prompt_ids(1, length)
             for dtype, sw, ll in (("float32", spike, llama), ("bfloat16", spike_bf, llama_bf)):
                 for name, m in (("spike_whale", sw), ("llama", ll)):
