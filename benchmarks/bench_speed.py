@@ -13,6 +13,7 @@ Rows (`--rows` picks a subset):
   int8           torchao int8 weight-only through `from_pretrained(..., quantization_config=TorchAoConfig(...))`,
                  decode tok/s at batch 1 against spike_whale's own float32 eager row, top-1 agreement and
                  max |Δlogit| of the prompt's logits against float32 (skipped with the reason if torchao is absent)
+  int8_compiled  the same through `compile_config`
   prefill        forward tok/s over a 512-token prompt, float32 and bf16, and the Memory-Cache branch's share
   prefill_long   the same at 4096 tokens (both models get a 4096+ context window; parameters are unchanged)
   compile_cost   the first compiled decode step in a fresh process loading the same model, after this one
@@ -47,9 +48,11 @@ from _common import build_models, median_rows, n_params, time_generate
 from spike_whale import SpikeWhaleForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
-ALL_ROWS = ("eager", "compiled", "bf16", "bf16_compiled", "int8", "prefill", "prefill_long", "compile_cost", "roofline")
+ALL_ROWS = ("eager", "compiled", "bf16", "bf16_compiled", "int8", "int8_compiled", "prefill", "prefill_long",
+            "compile_cost", "roofline")
 QUICK_ROWS = ("eager", "compiled", "bf16", "int8", "prefill", "compile_cost", "roofline")
-TARGETS = {"eager": 1.0, "compiled": 1.3, "bf16": 1.5, "bf16_compiled": 1.5, "int8": 2.0, "prefill": 0.9,
+TARGETS = {"eager": 1.0, "compiled": 1.3, "bf16": 1.5, "bf16_compiled": 1.5, "int8": 2.0, "int8_compiled": 2.0,
+           "prefill": 0.9,
            "prefill_long": 0.9, "mc_share": 0.15, "compile_cost_s": 10.0}
 
 
@@ -268,7 +271,7 @@ def main(argv=None) -> int:
 
     tmp = tempfile.TemporaryDirectory(prefix="bench_speed_")
     folder = os.path.join(tmp.name, "spike_whale")
-    if rows_on & {"int8", "compile_cost"}:
+    if rows_on & {"int8", "int8_compiled", "compile_cost"}:
         spike.save_pretrained(folder)
 
     if "compiled" in rows_on:
@@ -297,6 +300,20 @@ def main(argv=None) -> int:
             print(f"int8 vs float32 on a {args.prompt}-token prompt: top-1 agreement "
                   f"{notes['int8_top1_agreement']:.4f}, max |Δlogit| {notes['int8_max_abs_dlogit']:.4f} "
                   f"(max |logit| {notes['int8_max_abs_logit_fp32']:.2f})", flush=True)
+    if "int8_compiled" in rows_on:
+        int8_c, reason = int8_model(folder)
+        if int8_c is None:
+            skipped["int8_compiled"] = reason
+        else:
+            t = time.perf_counter()
+            try:  # the row reports why the compiled step refuses a quantized model instead of ending the run
+                time_generate(int8_c, prompt_ids(1), new, **compile_kwargs(int8_c))
+            except Exception as e:  # noqa: BLE001
+                skipped["int8_compiled"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                print(f"int8_compiled: skipped, {skipped['int8_compiled']}", flush=True)
+            else:
+                compile_s["int8_compiled/spike_whale/b1"] = time.perf_counter() - t
+                pairs[("int8_compiled", 1)] = (int8_c, compile_kwargs(int8_c), "spike_whale_fp32", spike, {})
 
     # warm-up of the eager models (allocator, first-call paths)
     for sw, _, _, ll, _ in pairs.values():
@@ -355,9 +372,10 @@ def main(argv=None) -> int:
     for (row, batch), (_, _, anchor, _, _) in pairs.items():
         sw, ll = medians[(row, batch, "spike_whale")], medians[(row, batch, anchor)]
         label = {"eager": "float32 eager", "compiled": "float32 compile_config", "bf16": "bf16 eager",
-                 "bf16_compiled": "bf16 compile_config", "int8": "int8 weight-only eager"}[row]
+                 "bf16_compiled": "bf16 compile_config", "int8": "int8 weight-only eager",
+                 "int8_compiled": "int8 weight-only compile_config"}[row]
         add(f"{label}, batch {batch}", "decode tok/s", sw["decode_tok_s"], ll["decode_tok_s"], TARGETS[row],
-            "spike_whale float32 eager" if row == "int8" else "Llama")
+            "spike_whale float32 eager" if row.startswith("int8") else "Llama")
     for length in prefill_lengths:
         for dtype in ("float32", "bfloat16"):
             sw = statistics.median(prefill_runs[(length, dtype, "spike_whale")])
