@@ -10,6 +10,7 @@ recompute, a prefill and any mix of multi-token decode steps compute the same fu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import json
@@ -337,7 +338,10 @@ class MemoryCacheBranch(nn.Module):
         """(output [B, S, H], the slot's state after the chunk and after each chunk token while recording; both None
         without a cache). state: the slot's state before the chunk (None: nothing read yet); proj: see `_features`."""
         lay = ctx.segments.on_device(u.device)
-        with torch.autocast(device_type=u.device.type, enabled=False):
+        # Autocast is turned off only where it is on: its enter/exit nodes in a compiled graph keep AOTAutograd from
+        # caching the graph on disk.
+        on = torch.is_autocast_enabled(u.device.type)
+        with torch.autocast(device_type=u.device.type, enabled=False) if on else contextlib.nullcontext():
             y, new_state, per_pos = self._memory_readout(_as(u, torch.float32), lay, state, ctx, proj)
             out = self._output(y) * lay.valid_f[..., None]
         return _as(out, u.dtype), new_state, per_pos
@@ -870,7 +874,9 @@ class SpikeWhaleAttention(nn.Module):
         linears = (self.q_a_proj, self.k_proj, self.v_proj)
         if self.mc is not None and self.q_a_proj.weight.dtype == torch.float32:
             linears += (self.mc.qkv_proj, self.mc.gate_proj)
-        same = len({(linear.weight.dtype, linear.weight.device) for linear in linears}) == 1
+        # Plain tensors of one dtype and device only: a quantized weight (a tensor subclass) does not concatenate.
+        same = len({(linear.weight.dtype, linear.weight.device) for linear in linears}) == 1 and all(
+            type(linear.weight.data) is torch.Tensor for linear in linears)
         self.fused_input = FusedLinears(linears) if enable and same else None
 
     def _fused_projections(self, u: torch.Tensor) -> tuple | None:
@@ -1885,7 +1891,8 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         if self.device.type == "cpu":
             with torch.no_grad():
                 for linear in self._column_major_linears():
-                    linear.weight.data = linear.weight.data.t().contiguous().t()
+                    if type(linear.weight.data) is torch.Tensor:  # a quantized weight keeps its own layout
+                        linear.weight.data = linear.weight.data.t().contiguous().t()
             # Its attention rewrite swaps in a CPU SDPA kernel slower than the two small matmuls of one query.
             options["pattern_matcher"] = False
         for layer in self.model.layers:

@@ -306,3 +306,23 @@ def test_the_whole_forward_compiles_without_graph_breaks():
     got = torch.cat(got, 1)
     real = mask[:, :end].bool()
     assert float((got - full[:, :end])[real].abs().max()) <= TOL
+
+
+def test_memory_cache_turns_autocast_off_only_where_it_is_on(monkeypatch):
+    """Without autocast the Memory-Cache branch enters no autocast context (whose nodes in a compiled graph keep
+    AOTAutograd from caching it on disk); under autocast it still computes in float32."""
+    model = tiny_model(seed=3)
+    ids = torch.randint(10, 500, (1, 6))
+    entered, autocast = [], torch.autocast
+
+    def counted(*args, **kwargs):
+        entered.append(kwargs)
+        return autocast(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "autocast", counted)
+    with torch.no_grad():
+        model(ids)
+        assert entered == []
+        with autocast("cpu", dtype=torch.bfloat16):
+            model(ids)
+    assert entered and all(kw.get("enabled") is False for kw in entered)
