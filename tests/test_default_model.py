@@ -58,7 +58,8 @@ def test_held_out_bits_per_byte_below_gzip_and_xz(loaded):
     bpb = score_ids(model, ids, context=model.config.max_position_embeddings, stride=255) / len(data) / math.log(2)
     gzip_bpb = len(zlib.compress(data, 9)) * 8 / len(data)
     xz_bpb = len(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)) * 8 / len(data)
-    assert bpb < min(gzip_bpb, xz_bpb), (bpb, gzip_bpb, xz_bpb)
+    assert bpb < min(gzip_bpb, xz_bpb) - 0.2, (bpb, gzip_bpb, xz_bpb)  # clearly below, not at the unigram plateau
+    assert bpb < 2.95, bpb  # the card: 2.79 on the whole held-out text
 
 
 def test_generates_words_from_the_corpus(loaded):
@@ -83,6 +84,10 @@ def test_diagnose_tables_on_the_default_model(tmp_path, capsys):
     assert len(r["mc_knockout"]) == 2 + r["loop_passes"][-1]["slots"]
     assert r["loop_passes"][-1]["perplexity"] == pytest.approx(r["mc_knockout"][0]["perplexity"])
     assert all(row["ok"] for row in r["context_readiness"])
+    # The trained model uses its loop passes: the loop table moves (the Memory-Cache effect, +0.5% perplexity on
+    # 2,048 tokens in the card, is within the noise of 300).
+    loops = [row["perplexity"] for row in r["loop_passes"]]
+    assert loops[0] > 1.01 * loops[-1], loops
 
 
 def test_code_files_are_the_repository_files():
