@@ -8,6 +8,8 @@ import importlib.util
 
 import pytest
 import torch
+import transformers
+from packaging import version
 
 from spike_whale import SpikeWhaleForCausalLM
 
@@ -92,3 +94,28 @@ def test_int8_weight_only_loads_through_torchao_config_and_generates(tmp_path):
     with torch.no_grad():
         ref, q = reference(ids, use_cache=False).logits, model(ids, use_cache=False).logits
     assert (ref - q).abs().max() <= 0.1 * ref.abs().max()  # weight-only int8, per-row scales: close to float32
+
+
+@pytest.mark.skipif(torchao_missing, reason="torchao is not installed (the optional `int8` extra)")
+@pytest.mark.skipif(
+    version.parse(transformers.__version__) < version.parse("5.24"),
+    reason="transformers < 5.24 refuses assisted decoding with a compileable cache, so compile_config does not "
+    "apply to the loop-slot cache there",
+)
+def test_int8_weight_only_decodes_through_compile_config(tmp_path):
+    """compile_config with a torchao int8 model: compile_decode leaves the quantized weights' layout alone (re-storing
+    them column-major raised NotImplementedError for `aten.t`) and the compiled step gives the eager int8 ids."""
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import CompileConfig, TorchAoConfig
+
+    tiny_model(seed=7).save_pretrained(tmp_path)
+    model = SpikeWhaleForCausalLM.from_pretrained(
+        tmp_path, quantization_config=TorchAoConfig(Int8WeightOnlyConfig())
+    ).eval()
+    ids = prompt()
+    eager = greedy(model, ids, True, new=6)
+    with torch.no_grad():
+        compiled = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
+                                  do_sample=False, pad_token_id=0, compile_config=CompileConfig(backend="eager"))
+    assert model.model._compiled_run is not None
+    assert torch.equal(compiled, eager)
