@@ -238,6 +238,7 @@ class SegmentLayout:
     n_fin: int
     valid: torch.Tensor
     valid_f: torch.Tensor
+    padded: bool  # some token is padding (always assumed under torch.compile: no host sync)
     first: torch.Tensor
     fin_mask: torch.Tensor
     chunk_mask: torch.Tensor
@@ -269,7 +270,8 @@ class SegmentLayout:
         else:
             idx = positions - base[:, None] * seg_len
             block_idx = torch.where(valid, idx, torch.full_like(idx, n_rel * seg_len))
-        return cls(rel, n_rel, seg_len, onehot, base, new_segment, n_fin, valid, valid_f, first, fin_mask,
+        padded = torch.compiler.is_compiling() or not bool(valid.all())
+        return cls(rel, n_rel, seg_len, onehot, base, new_segment, n_fin, valid, valid_f, padded, first, fin_mask,
                    chunk_mask, own_mask, own_count, block_idx)
 
     def on_device(self, device: torch.device) -> "SegmentLayout":
@@ -343,7 +345,9 @@ class MemoryCacheBranch(nn.Module):
         on = torch.is_autocast_enabled(u.device.type)
         with torch.autocast(device_type=u.device.type, enabled=False) if on else contextlib.nullcontext():
             y, new_state, per_pos = self._memory_readout(_as(u, torch.float32), lay, state, ctx, proj)
-            out = self._output(y) * lay.valid_f[..., None]
+            out = self._output(y)
+            if lay.padded:
+                out = out * lay.valid_f[..., None]
         return _as(out, u.dtype), new_state, per_pos
 
     def _features(self, x: torch.Tensor, proj: tuple | None = None):
@@ -408,8 +412,9 @@ class MemoryCacheBranch(nn.Module):
         B, S, _ = x.shape
         nh, hd = self.nh, self.hd
         fq, fk, v, gu, gk = self._features(x, proj)
-        vf = lay.valid_f  # padding adds nothing (×1 leaves real tokens bit-identical, so no host check for padding)
-        fk, v, gk = fk * vf[..., None, None], v * vf[..., None, None], gk * vf[..., None]
+        if lay.padded:  # padding adds nothing
+            vf = lay.valid_f
+            fk, v, gk = fk * vf[..., None, None], v * vf[..., None, None], gk * vf[..., None]
 
         # Each chunk segment's totals (the cache's running sums carried into relative segment 0).
         if lay.n_rel == 1:
@@ -1528,8 +1533,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         aux_terms = []
         end = ctx.past + X.shape[-2]
         compiled = self._compiled_run is not None and self._decode_step_compiles(ctx, cache)
-        if compiled:
-            X = X.contiguous()  # the streams start as an expanded view; one memory layout means one compiled graph
+        X = X.contiguous()  # the streams start as an expanded view; one memory layout means one compiled graph
         for lo, hi, loop_pass in self.loop_plan.runs:
             states = tuple(cache.slot(s) for s in range(lo, hi)) if cache is not None else (None,) * (hi - lo)
             run = walk_run
