@@ -76,10 +76,11 @@ def export_file_names() -> set[str]:
 
 
 def check_destination(out: str | os.PathLike, sources=(), *, overwrite: bool, kind: str = "folder",
-                      magic: bytes | None = None) -> None:
+                      magic: bytes | None = None, also_ours: frozenset = frozenset()) -> None:
     """Refuse, before any work, an output the command must not write (see the module docstring).
 
-    `kind` is "folder" (an export folder) or "file"; `magic` is the first bytes a replaceable file must have.
+    `kind` is "folder" (an export folder) or "file"; `magic` is the first bytes a replaceable file must have;
+    `also_ours`: names (files or folders) the command writes into a folder besides an export's files.
     """
     path = Path(out)
     check_not_source(path, sources, "OUT_DIR" if kind == "folder" else "OUT")
@@ -101,7 +102,8 @@ def check_destination(out: str | os.PathLike, sources=(), *, overwrite: bool, ki
         if not overwrite:
             raise ValueError(f"{path} exists and is not empty (pass --overwrite to replace it)")
         ours = export_file_names()
-        foreign = sorted(p.name for p in path.iterdir() if p.name not in ours or not p.is_file())
+        foreign = sorted(p.name for p in path.iterdir()
+                         if p.name not in also_ours and (p.name not in ours or not p.is_file()))
         if foreign:
             raise ValueError(f"{path} holds files spike-whale does not write ({', '.join(foreign[:5])}"
                              f"{', ...' if len(foreign) > 5 else ''}); refusing to replace it even with --overwrite: "

@@ -34,6 +34,7 @@ from ..modeling_spike_whale import SpikeWhaleForCausalLM
 from ..tokenization_spike import dump_vocab_data, load_vocab_file
 from ..tokenization_spike_fast import SpikeTokenizerFast
 from .folder import save_hub_folder
+from .output_paths import check_destination
 from .train_tokenizer import train_from_files
 
 # A few million parameters with every Byrne mechanism on (MLA + XSA + QK-norm, fractal RoPE, depth attention,
@@ -45,6 +46,8 @@ DEFAULT_CONFIG = dict(
     mc_head_dim=16, mc_gate_dim=32, depth_attention_stride=2, max_position_embeddings=512,
 )
 HELD_OUT_FRACTION = 0.05
+# What a run writes into OUT_DIR besides the model folder's files (an earlier run's folder may be replaced or resumed).
+RUN_FILES = frozenset({"heldout.txt", "training_log.txt", "training_record.json", "training"})
 
 
 def read_text(path: str) -> str:
@@ -233,9 +236,15 @@ def main(argv=None) -> int:
                    help="end after this step (checkpoint written), e.g. to continue with --resume and a longer --max-steps")
     p.add_argument("--resume", action="store_true",
                    help="continue from OUT_DIR/training/checkpoint.pt (the record lists every command of the run)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier run's folder (never a folder holding files this command does not write)")
     args = p.parse_args(argv)
     if not os.path.isfile(args.corpus):
         p.error(f"corpus {args.corpus!r} not found (apt-get download jargon-text; dpkg-deb -x it)")
+    try:
+        check_destination(args.out_dir, [args.corpus], overwrite=args.overwrite or args.resume, also_ours=RUN_FILES)
+    except ValueError as err:
+        p.error(str(err))
     return train(args)
 
 

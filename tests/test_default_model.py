@@ -126,3 +126,30 @@ def test_training_is_deterministic_and_resumable(tmp_path):
     assert record["steps"] == 3 and record["stopped_by"] == "max_steps" and len(record["commands"]) == 2
     log = (resumed / "training_log.txt").read_text()
     assert "held-out" in log and "resumed at step 2" in log
+
+
+def test_train_default_never_writes_over_a_users_files(tmp_path, capsys):
+    """train_default refuses, before any work, an OUT_DIR holding the corpus, an earlier run's folder without
+    --overwrite or --resume, and a folder with files it does not write even with --overwrite."""
+    from spike_whale.hub_export import train_default
+
+    corpus = tmp_path / "mine" / "corpus.txt"
+    corpus.parent.mkdir()
+    corpus.write_text("some text\n", encoding="utf-8")
+    earlier = tmp_path / "run"
+    (earlier / "training").mkdir(parents=True)
+    (earlier / "training_log.txt").write_text("step 1\n")
+    cases = [
+        ([str(corpus.parent)], "source"),
+        ([str(earlier)], "--overwrite"),
+        ([str(corpus.parent), "--overwrite"], "source"),
+    ]
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me\n")
+    cases.append(([str(tmp_path / "notes"), "--overwrite"], "todo.txt"))
+    for argv, says in cases:
+        with pytest.raises(SystemExit):
+            train_default.main(argv + ["--corpus", str(corpus)])
+        assert says in capsys.readouterr().err
+    assert corpus.read_text() == "some text\n" and (tmp_path / "notes" / "todo.txt").read_text() == "keep me\n"
+    assert (earlier / "training_log.txt").read_text() == "step 1\n"
