@@ -315,7 +315,9 @@ class MemoryCacheBranch(nn.Module):
         γ_{t,i} = softmax_{i≤s} ⟨u_t, ḡ⁽ⁱ⁾⟩,   u_t = W_u x_t + b,   ḡ⁽ⁱ⁾ = mean_{m∈i} W_k x_m (running mean for i = s)
         y_t = Σ_i γ_{t,i} φ(q_t)ᵀM⁽ⁱ⁾ / (Σ_i γ_{t,i} φ(q_t)·z⁽ⁱ⁾ + ε)        (one global normaliser)
 
-    computed in float32 with autocast off. Segments are aligned to each row's positions 0, L, 2L, ...
+    computed in float32 with autocast off, from float32 weights under any load dtype (`_keep_in_fp32_modules_strict`;
+    created float32 for `_from_config(dtype=...)`), so a low-precision model casts no weight of it per step.
+    Segments are aligned to each row's positions 0, L, 2L, ...
     Parameter layout (8 tensors, 492,769 at 114M) is our [U] choice; see GUESSED_KEYS.
     """
 
@@ -325,12 +327,13 @@ class MemoryCacheBranch(nn.Module):
         super().__init__()
         H, nh, hd, gd = config.hidden_size, config.mc_num_heads, config.mc_head_dim, config.mc_gate_dim
         self.nh, self.hd, self.gd = nh, hd, gd
-        self.qkv_proj = nn.Linear(H, 3 * nh * hd, bias=True)
-        self.o_proj = nn.Linear(nh * hd, H, bias=True)
-        self.gate_proj = nn.Linear(H, 2 * gd, bias=False)
-        self.gate_bias = nn.Parameter(torch.zeros(gd))
-        self.feature_scale = nn.Parameter(torch.ones(hd))
-        self.mc_gate = nn.Parameter(torch.zeros(1))
+        f32 = torch.float32
+        self.qkv_proj = nn.Linear(H, 3 * nh * hd, bias=True, dtype=f32)
+        self.o_proj = nn.Linear(nh * hd, H, bias=True, dtype=f32)
+        self.gate_proj = nn.Linear(H, 2 * gd, bias=False, dtype=f32)
+        self.gate_bias = nn.Parameter(torch.zeros(gd, dtype=f32))
+        self.feature_scale = nn.Parameter(torch.ones(hd, dtype=f32))
+        self.mc_gate = nn.Parameter(torch.zeros(1, dtype=f32))
 
     def phi(self, x: torch.Tensor) -> torch.Tensor:
         return F.elu(x * _as(self.feature_scale, torch.float32)) + 1.0
@@ -1291,11 +1294,12 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
     # The loop-slot cache rolls back exactly (`crop` restores the Memory-Cache state), so assisted decoding and
     # prompt lookup are allowed.
     _is_stateful = False
-    # RoPE caches and the Engram hash projections stay float32 under a bf16/fp16 load: rounding the hash
-    # projections would move tokens between n-gram buckets. Entries name whole dotted components (the RoPE module,
-    # each projection buffer), as transformers matches them; the buffers are also created float32, which is what
-    # keeps them so under `_from_config(dtype=...)`.
-    _keep_in_fp32_modules_strict = ["rope", r"hash_proj_n\d+_p\d+"]
+    # RoPE caches, the Engram hash projections and the Memory-Cache branch stay float32 under a bf16/fp16 load:
+    # rounding the hash projections would move tokens between n-gram buckets, and the branch computes in float32
+    # (bf16 weights were cast on every slot of every step). Entries name whole dotted components (the RoPE module,
+    # each projection buffer, each layer's branch), as transformers matches them; these tensors are also created
+    # float32, which is what keeps them so under `_from_config(dtype=...)`.
+    _keep_in_fp32_modules_strict = ["rope", r"hash_proj_n\d+_p\d+", r"attn\.mc"]
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):

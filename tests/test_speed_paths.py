@@ -69,6 +69,32 @@ def test_bf16_padded_batch_cached_equals_recompute():
         assert torch.equal(model.generate(ids, use_cache=True, **kw), model.generate(ids, use_cache=False, **kw))
 
 
+def branch_tensors(model) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict().items() if ".attn.mc." in k}
+
+
+def test_bf16_loads_keep_the_memory_cache_branch_float32(tmp_path):
+    """Both low-precision routes (`_from_config(dtype=...)`, `from_pretrained(dtype=...)`) keep the branch's weights
+    float32 (it computes in float32; bf16 weights were cast on every slot of every step); save_pretrained writes them
+    float32 under their own names, the rest bf16, and the reload is the same model."""
+    built = bf16_twin(tiny_model(seed=4))
+    assert len(branch_tensors(built)) == 8 * built.config.num_hidden_layers
+    assert all(t.dtype == torch.float32 for t in branch_tensors(built).values())
+    built.save_pretrained(tmp_path)
+    from safetensors.torch import load_file
+
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert stored.keys() == built.state_dict().keys() - {"lm_head.weight"}
+    assert {k for k, t in stored.items() if t.dtype == torch.float32 and "rope" not in k and "hash_proj" not in k} \
+        == branch_tensors(built).keys()
+    loaded = SpikeWhaleForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    assert all(t.dtype == torch.float32 for t in branch_tensors(loaded).values())
+    assert loaded.model.layers[0].attn.k_proj.weight.dtype == torch.bfloat16
+    ids = prompt()
+    assert torch.equal(greedy(loaded, ids, True), greedy(built, ids, True))
+    assert torch.equal(greedy(loaded, ids, True), greedy(loaded, ids, False))
+
+
 torchao_missing = importlib.util.find_spec("torchao") is None
 
 
