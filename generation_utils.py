@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import copy
 import math
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.utils import logging
@@ -643,37 +644,114 @@ def _as_assistant_call(generation_config: GenerationConfig, kwargs: dict) -> tup
     return config, kwargs
 
 
-def _heal_prompt(model, ids: torch.Tensor, mask: torch.Tensor | None, tokenizer, bos_id: int | None):
-    """transformers' token healing (`heal_tokens`), run before generate and repaired for this model: heal_tokens
-    re-tokenizes the prompts (so the caller's mask no longer fits), turns <bos> into <pad> and samples the healed token
-    under sampling defaults. The healed rows are
-    re-packed left-padded, each with <bos> back in front where the caller's row started with it, with a new mask."""
-    # heal_tokens' inner one-token generate would inherit the serving defaults (sampling): the best extension is
-    # picked greedily.
-    defaults = model.generation_config
-    model.generation_config = copy.deepcopy(defaults)
-    model.generation_config.do_sample = False
-    for name, neutral in _SAMPLING_NEUTRAL.items():
-        setattr(model.generation_config, name, neutral)
-    try:
-        healed = model.heal_tokens(ids, tokenizer)
-    finally:
-        model.generation_config = defaults
-    pad = tokenizer.pad_token_id
+class GreedyVocabIndex:
+    """Prefix search over the tokens a greedy longest-match tokenizer may emit (`greedy_vocab`: text -> id, one
+    character per byte, so every single character is a token): the longest token a text starts with, and the
+    tokens that start with a text."""
+
+    def __init__(self, vocab: dict[str, int]):
+        self.vocab = vocab
+        self.text_of = {i: t for t, i in vocab.items()}
+        self.sorted_texts = sorted(vocab)
+        self.sorted_ids = [vocab[t] for t in self.sorted_texts]
+        self.max_len = max(map(len, vocab))
+
+    def extending(self, text: str) -> list[int]:
+        """Ids of the tokens that start with `text` (itself included)."""
+        lo = bisect_left(self.sorted_texts, text)
+        return self.sorted_ids[lo:bisect_left(self.sorted_texts, text + "\U0010ffff", lo)]
+
+    def longest_prefix(self, text: str) -> int:
+        """Id of the longest token that `text` starts with (what greedy matching takes at its start)."""
+        return next(self.vocab[text[:n]] for n in range(min(len(text), self.max_len), 0, -1) if text[:n] in self.vocab)
+
+
+def first_unstable_token(pieces: list[str], index: GreedyVocabIndex) -> int:
+    """The first piece of a greedy tokenization that more text could change: the smallest i such that a token
+    strictly extends the text from piece i onward (len(pieces) if none). Greedy matching takes the longest token
+    the text starts with, so piece i changes only if a longer token starts with all of the text from i; the
+    pieces before the first such i stay whatever follows."""
+    text = "".join(pieces)
+    start, first = len(text), len(pieces)
+    for i in range(len(pieces) - 1, -1, -1):
+        start -= len(pieces[i])
+        rest = text[start:]
+        if len(rest) >= index.max_len:
+            break
+        if len(index.extending(rest)) > (rest in index.vocab):
+            first = i
+    return first
+
+
+class HealedTailLogitsProcessor(LogitsProcessor):
+    """Token healing's constraint on the first new tokens: while the generated text has not covered the prompt tail
+    R that healing dropped, the allowed tokens are those greedy matching could take there: the longest token that
+    what is left of R starts with (the prompt's own token), or a token that starts with all of it (one that crosses
+    the prompt's end); after that, generation is free. Stateless: each call re-reads the generated ids."""
+
+    def __init__(self, tails: list[str], prompt_length: int, index: GreedyVocabIndex):
+        self.tails = tails
+        self.prompt_length = prompt_length
+        self.index = index
+        self.longest = max(map(len, tails), default=0)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        new = input_ids[:, self.prompt_length:]
+        if new.shape[1] >= self.longest:  # every token spells at least one character of the tail
+            return scores
+        per_prompt = input_ids.shape[0] // len(self.tails)  # beams and return sequences repeat each prompt
+        allowed = torch.ones_like(scores, dtype=torch.bool)
+        for row, generated in enumerate(new.tolist()):
+            rest = self.tails[row // per_prompt]
+            for token in generated:
+                text = self.index.text_of.get(token)
+                # A token off the tail (a finished row's padding) ends the constraint as covering the tail does.
+                rest = rest[len(text):] if text is not None and rest.startswith(text) else ""
+                if not rest:
+                    break
+            if rest:
+                allowed[row] = False
+                allowed[row, [self.index.longest_prefix(rest), *self.index.extending(rest)]] = True
+        return scores.masked_fill(~allowed, -float("inf"))
+
+
+def _heal_prompt(ids: torch.Tensor, mask: torch.Tensor | None, tokenizer):
+    """transformers' token healing (`token_healing=True`) for a greedy longest-match tokenizer: each prompt loses its
+    tail from the first token that more text could re-tokenize (`first_unstable_token`; never the row's first
+    token, never a special token), and the returned processor makes the first new tokens spell that tail again, so
+    the model picks the tokens that cross the prompt's end (`' wh', 'o'` can become `' who '`). The prompt's text is
+    kept exactly (no strip). Returns the shortened rows left-padded, their mask, and the processor."""
+    if tokenizer is None:
+        raise ValueError("token_healing=True needs the prompt's tokenizer: pass tokenizer=... to generate.")
+    greedy = getattr(tokenizer, "greedy_vocab", None)
+    if greedy is None:
+        raise ValueError(
+            f"token_healing=True re-spells the prompt's tail with the tokens of a greedy longest-match tokenizer "
+            f"(`tokenizer.greedy_vocab`), which {type(tokenizer).__name__} does not have: pass this model's "
+            "SpikeTokenizer/SpikeTokenizerFast, or token_healing=False."
+        )
+    index = GreedyVocabIndex(greedy)
     real = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
-    rows = []
-    for original, keep, row in zip(ids, real, healed):
-        tokens = row[row != pad].tolist()
-        starts_with_bos = bos_id is not None and original[keep][:1].tolist() == [bos_id]
-        rows.append(([bos_id] if starts_with_bos and tokens[:1] != [bos_id] else []) + tokens)
+    rows, tails = [], []
+    for row, keep in zip(ids.tolist(), real.tolist()):
+        tokens = [t for t, k in zip(row, keep) if k]
+        start = len(tokens)
+        while start > 0 and tokens[start - 1] in index.text_of:  # the text after the last special token
+            start -= 1
+        start = max(start, 1)
+        cut = start + first_unstable_token([index.text_of[t] for t in tokens[start:]], index)
+        rows.append(tokens[:cut])
+        tails.append("".join(index.text_of[t] for t in tokens[cut:]))
+    if not any(tails):
+        return ids, mask, HealedTailLogitsProcessor(tails, ids.shape[-1], index)
     width = max(len(r) for r in rows)
-    new_ids = torch.full((len(rows), width), pad, dtype=ids.dtype, device=ids.device)
+    new_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=ids.dtype, device=ids.device)
     new_mask = torch.zeros((len(rows), width), dtype=torch.long, device=ids.device)
     for i, r in enumerate(rows):
         if r:
             new_ids[i, width - len(r):] = torch.tensor(r, dtype=ids.dtype)
             new_mask[i, width - len(r):] = 1
-    return new_ids, new_mask
+    return new_ids, new_mask, HealedTailLogitsProcessor(tails, width, index)
 
 
 def spike_whale_generate(model, parent_generate, inputs=None, generation_config=None, **kwargs):
@@ -705,7 +783,8 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     _check_generate_inputs(ids, embeds, mask, model.config.bos_token_id)
     if ids is not None and (kwargs.get("token_healing") or getattr(eff, "token_healing", False)):
-        ids, mask = _heal_prompt(model, ids, mask, kwargs.get("tokenizer"), model.config.bos_token_id)
+        ids, mask, healing = _heal_prompt(ids, mask, kwargs.get("tokenizer"))
+        kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), healing])
         kwargs["token_healing"] = False
         kwargs["attention_mask"] = mask
         if inputs is not None:

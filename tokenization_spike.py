@@ -468,6 +468,13 @@ def normalize_vocab_data(data, source: str = "vocab") -> dict:
     return out
 
 
+def greedy_tokens(data: Mapping) -> dict[str, int]:
+    """The tokens greedy matching may emit (latin-1 string -> id) of a normalised vocab: bytes and multi-byte tokens
+    up to max_token_len (longer ones stay decodable but the released encoder never tried them)."""
+    return {tok: idx for tok, idx in data["vocab"].items()
+            if BYTE_OFFSET <= idx < SPECIAL_START_ID and len(tok) <= data["max_token_len"]}
+
+
 def load_vocab_file(path: str | os.PathLike) -> dict:
     """Read and validate a Length-MAX vocab file (``spike_vocab.json`` or a released ``tokenizer.json``)."""
     path = os.fspath(path)
@@ -604,13 +611,7 @@ class SpikeTokenizer(PreTrainedTokenizer):
                 self._unused_tokens[placeholder] = idx
         self._id_to_token = id_to_token
         self._token_to_id = {tok: i for i, tok in enumerate(id_to_token)}
-        # Tokens the greedy encoder may emit: bytes and multi-byte tokens up to max_token_len.  Longer
-        # tokens stay decodable but are never produced (the released encoder never tried them).
-        self._greedy = {
-            tok: idx
-            for tok, idx in vocab.items()
-            if BYTE_OFFSET <= idx < SPECIAL_START_ID and len(tok) <= self.max_token_len
-        }
+        self._greedy = greedy_tokens(data)
         self._regex = None
         self._added_split = None
 

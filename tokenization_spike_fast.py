@@ -53,6 +53,7 @@ from .tokenization_spike import (
     SpikeTokenizer,
     apply_chat_template_safely,
     dump_vocab_data,
+    greedy_tokens,
     greedy_trie_pattern,
     load_vocab_file,
     normalize_vocab_data,
@@ -249,6 +250,11 @@ class SpikeTokenizerFast(PreTrainedTokenizerFast):
     @property
     def max_token_len(self) -> int:
         return self._vocab_data["max_token_len"]
+
+    @property
+    def greedy_vocab(self) -> dict[str, int]:
+        """The tokens greedy matching may emit (latin-1 string -> id); a copy."""
+        return greedy_tokens(self._vocab_data)
 
     def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str, ...]:
         if not os.path.isdir(save_directory):
