@@ -22,8 +22,9 @@ from spike_whale.tokenization_spike import (
     IM_END_ID,
     RESERVED_IDS,
     SpikeTokenizer,
+    load_vocab_file,
 )
-from spike_whale.tokenization_spike_fast import SpikeTokenizerFast
+from spike_whale.tokenization_spike_fast import SpikeTokenizerFast, build_backend
 from test_tokenizer import ALL_SPECIAL_STRINGS, TRICKY, random_text
 
 
@@ -324,6 +325,22 @@ def test_demo_tokenizer_is_trained_by_the_trainer():
     t = build_demo_tokenizer()
     assert isinstance(t, SpikeTokenizerFast)
     assert t.vocab_data == build_lengthmax_vocab([DEMO_CORPUS], vocab_size=2176) | {"vocab": t.vocab_data["vocab"]}
+
+
+def test_default_model_tokenizer_json_is_the_current_build():
+    """models/spike-whale-demo ships tokenizer.json next to spike_vocab.json: it is what `build_backend` writes today
+    (the lookahead-grouped trie; transformers adds the <bos> post-processor on save) and gives the slow tokenizer's
+    ids on the text of every id and on the held-out text."""
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "spike-whale-demo")
+    shipped = tokenizers.Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    built = build_backend(load_vocab_file(os.path.join(folder, "spike_vocab.json")))
+    drop = lambda t: {k: v for k, v in json.loads(t.to_str()).items() if k != "post_processor"}  # noqa: E731
+    assert drop(shipped) == drop(built)
+    slow = SpikeTokenizer(os.path.join(folder, "spike_vocab.json"))
+    with open(os.path.join(folder, "heldout.txt"), encoding="utf-8") as handle:
+        texts = [slow.decode([i]) for i in range(len(slow))] + [handle.read()]
+    assert [e.ids for e in shipped.encode_batch(texts, add_special_tokens=False)] == \
+        [slow.encode(t, add_special_tokens=False) for t in texts]
 
 
 def test_slow_plain_call_path_equals_the_base_class_path(pair, monkeypatch):
