@@ -212,7 +212,8 @@ def test_autotokenizer_fast_by_default_slow_by_class(pair, tmp_path, fresh_pytho
 
 
 def test_token_healing_prefix_search(pair):
-    """transformers' heal_tokens looks up the space token and searches extensions of the tail in get_vocab()."""
+    """transformers' own `heal_tokens` (for callers that use it directly; spike_whale's generate heals with
+    `greedy_vocab`) looks up the space token and searches extensions of the tail in get_vocab()."""
     from transformers.tokenization_python import ExtensionsTrie
 
     slow, fast = pair
