@@ -161,7 +161,7 @@ def test_batch_with_left_padding_heals_each_row_as_alone(demo):
         assert text.startswith(prompt), (prompt, text)
 
 
-def test_healing_under_sampling_mtp_and_beams(demo):
+def test_healing_under_sampling_mtp_assisted_and_beams(demo):
     tok, model = demo
     prompts = ["The harbour w", "A hacker is a person who is "]
     for seed in (0, 1, 2):
@@ -171,6 +171,8 @@ def test_healing_under_sampling_mtp_and_beams(demo):
     _, greedy = healed(demo, prompts)
     _, mtp = healed(demo, prompts, use_mtp=True)
     assert torch.equal(mtp, greedy)
+    _, assisted = healed(demo, prompts[:1], assistant_model=load_folder(FOLDER)[1])
+    assert torch.equal(assisted, healed(demo, prompts[:1])[1])
     _, beams = healed(demo, prompts, num_beams=2, num_return_sequences=2)
     assert all(t.startswith(p) for p, t in zip([p for p in prompts for _ in (0, 1)],
                                                tok.batch_decode(beams, skip_special_tokens=True)))
