@@ -85,10 +85,18 @@ class SlotUpdate(NamedTuple):
     elo_steps: list | None
 
 
-def write_kv(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int):
-    """Write a chunk's K/V [B, kvh, S, hd] into a slot's static buffers at `start`, in place; returns views of
-    everything written so far. The one K/V write (`SpikeWhaleAttention.forward`, and `LoopSlotLayer.update` for
-    callers of transformers' cache-layer API)."""
+def write_kv(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int | torch.Tensor):
+    """Write a chunk's K/V [B, kvh, S, hd] into a slot's static buffers at `start`, in place. The one K/V write
+    (`SpikeWhaleAttention.forward`, and `LoopSlotLayer.update` for callers of transformers' cache-layer API).
+
+    start an int (eager): returns views of everything written so far. start a 0-d tensor (under torch.compile, so
+    that the step's graph does not change with the length): returns the whole buffers, whose unwritten keys the
+    attention mask hides, as transformers' `StaticLayer` does."""
+    if isinstance(start, torch.Tensor):
+        at = start + torch.arange(k.shape[2], device=keys.device)
+        keys.index_copy_(2, at, k)
+        values.index_copy_(2, at, v)
+        return keys, values
     end = start + k.shape[2]
     keys[:, :, start:end] = k
     values[:, :, start:end] = v
@@ -115,17 +123,19 @@ class LoopSlotLayer(CacheLayerMixin):
         self.elo: torch.Tensor | None = None  # Elo attention: [B, heads, length] ratings of the cached keys
         self.record_past = False  # set on every slot by `SpikeWhaleCache.activate_past_recording`
         self.history: dict[str, list] = {}
-        self._length = 0
+        # A tensor, as in transformers' `StaticLayer`: a compiled step advances it in place without a recompile.
+        self.cumulative_length = torch.zeros((), dtype=torch.long)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
         self.keys = key_states.new_zeros(b, h, self.max_cache_len, d)
         self.values = value_states.new_zeros(b, value_states.shape[1], self.max_cache_len, value_states.shape[-1])
+        self.cumulative_length = self.cumulative_length.to(key_states.device)
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
         """Write the chunk at the shared write offset (`start`) and return views of everything so far."""
-        start = kwargs.get("start", self._length)
+        start = kwargs.get("start", self.get_seq_length())
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         end = start + key_states.shape[2]
@@ -134,14 +144,14 @@ class LoopSlotLayer(CacheLayerMixin):
                 f"The cache holds {self.max_cache_len} positions but this step needs {end}; create a "
                 f"SpikeWhaleCache with a larger max_cache_len (at most max_position_embeddings)."
             )
-        self._length = end
+        self.cumulative_length.fill_(end)
         return write_kv(self.keys, self.values, key_states, value_states, start)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._length + query_length, 0
+        return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self._length
+        return int(self.cumulative_length)
 
     def get_max_length(self) -> int:
         return self.max_cache_len
@@ -154,7 +164,7 @@ class LoopSlotLayer(CacheLayerMixin):
         self.mc = None
         self.elo = None
         self.history = {}
-        self._length = 0
+        self.cumulative_length.zero_()
 
     def _select(self, fn, kv_fn=None) -> None:
         self.history = {}  # recorded states are of the old batch
@@ -167,10 +177,12 @@ class LoopSlotLayer(CacheLayerMixin):
             self.elo = fn(self.elo)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        n = self.get_seq_length()
+
         def in_place(t):  # beam search: same batch size, only the filled prefix moves (static address kept)
             if beam_idx.shape[0] != t.shape[0]:
                 return t.index_select(0, beam_idx.to(t.device))
-            t[:, :, : self._length] = t[:, :, : self._length].index_select(0, beam_idx.to(t.device))
+            t[:, :, :n] = t[:, :, :n].index_select(0, beam_idx.to(t.device))
             return t
 
         self._select(lambda t: t.index_select(0, beam_idx.to(t.device)), kv_fn=in_place)
@@ -205,7 +217,9 @@ class SpikeWhaleCache(Cache):
         self.config = config
         super().__init__(layers=[LoopSlotLayer(max_cache_len) for _ in range(config.num_loop_slots)])
         self.n_mc_segments = math.ceil(max_cache_len / config.mc_segment_len)
-        self.seq_len = 0
+        # Positions cached, a tensor so that a compiled decode step reads and advances it in its graph (a Python int
+        # would be a constant of the graph: one recompile per step); `seq_len` reads it on the host.
+        self.length = torch.zeros((), dtype=torch.long)
         self.key_valid: torch.Tensor | None = None  # [B, max_cache_len] bool
         self.num_real: torch.Tensor | None = None  # [B] long
         self.mc_segment: torch.Tensor | None = None  # [B] long
@@ -213,6 +227,14 @@ class SpikeWhaleCache(Cache):
         self.record_past = False
         self._history: dict[str, list] = {}  # "segment" -> [(length, each row's segment)]; slots keep their own
         self._chunk_start = 0
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.length)
+
+    def _position(self):
+        """The current length for a history entry: the tensor itself (a copy) inside a compiled graph, else an int."""
+        return self.length.clone() if torch.compiler.is_compiling() else self.seq_len
 
     @property
     def record_past(self) -> bool:
@@ -251,6 +273,7 @@ class SpikeWhaleCache(Cache):
             self.key_valid = torch.zeros(b, self.max_cache_len, dtype=torch.bool, device=valid.device)
             self.num_real = torch.zeros(b, dtype=torch.long, device=valid.device)
             self.mc_segment = torch.zeros(b, dtype=torch.long, device=valid.device)
+            self.length = self.length.to(valid.device)
         elif self.key_valid.shape[0] != b:
             raise ValueError(
                 f"This cache holds a batch of {self.key_valid.shape[0]} rows but the input has {b}; "
@@ -273,8 +296,9 @@ class SpikeWhaleCache(Cache):
         layer = self.layers[slot]
         if update.kv is not None:
             layer.keys, layer.values = update.kv
+            layer.cumulative_length = layer.cumulative_length.to(layer.keys.device)
             layer.is_initialized = True
-        layer._length = end
+        layer.cumulative_length.fill_(end)
         for kind in LoopSlotLayer.STATES:
             value = getattr(update, kind)
             if value is not None:
@@ -285,7 +309,7 @@ class SpikeWhaleCache(Cache):
         after chunk token j. These states are not positional (every token adds to them), so `crop` restores them
         from the snapshots kept here: the chunk start always, every position while recording."""
         layer = self.layers[slot]
-        start = self.seq_len
+        start = self._position()
         hist = layer.history.setdefault(kind, [])
         if self.record_past:
             hist.append((start, getattr(layer, kind)))
@@ -304,33 +328,31 @@ class SpikeWhaleCache(Cache):
     ) -> None:
         """Advance the shared state by one chunk once every slot has been written."""
         s = valid.shape[1]
-        end = self.seq_len + s
-        self.key_valid[:, self.seq_len:end] = valid
+        start = self._position()
+        at = torch.arange(s, device=self.length.device) + self.length  # the chunk's cache positions, no host sync
+        self.key_valid.index_copy_(1, at.to(self.key_valid.device), valid.to(self.key_valid.device))
         self.num_real += valid.sum(-1)
         if engram_c is not None:
             if self.engram_c is None:
                 self.engram_c = engram_c.new_zeros(valid.shape[0], self.max_cache_len, engram_c.shape[-1])
-            self.engram_c[:, self.seq_len:end] = engram_c
+            self.engram_c.index_copy_(1, at.to(self.engram_c.device), engram_c.to(self.engram_c.dtype))
         if mc_segment is not None:
-            entries = [(self.seq_len, self.mc_segment)]
+            entries = [(start, self.mc_segment)]
             if self.record_past and mc_segment_per_position is not None:
-                entries += [(self.seq_len + j + 1, mc_segment_per_position[:, j]) for j in range(s)]
+                entries += [(start + j + 1, mc_segment_per_position[:, j]) for j in range(s)]
                 self._history.setdefault("segment", []).extend(entries)
             else:
                 self._history["segment"] = entries
             self.mc_segment = mc_segment
-        self._chunk_start = self.seq_len
-        self.seq_len = end
+        self._chunk_start = start
+        self.length.add_(s)
 
     def engram_prefix(self, n: int) -> torch.Tensor | None:
         """The last `n` cached compressed vectors (zeros before position 0), or None on an empty cache."""
-        if self.engram_c is None or self.seq_len == 0 or n == 0:
+        if self.engram_c is None or n == 0 or (not torch.compiler.is_compiling() and self.seq_len == 0):
             return None
-        lo = max(0, self.seq_len - n)
-        prefix = self.engram_c[:, lo:self.seq_len]
-        if prefix.shape[1] < n:
-            prefix = torch.cat([prefix.new_zeros(prefix.shape[0], n - prefix.shape[1], prefix.shape[2]), prefix], 1)
-        return prefix
+        at = torch.arange(n, device=self.engram_c.device) + (self.length.to(self.engram_c.device) - n)
+        return self.engram_c[:, at.clamp(min=0)] * (at >= 0)[None, :, None]
 
     def activate_past_recording(self) -> None:
         """Record per-position Memory-Cache (and Elo) states of every following forward, so that `crop` can roll
@@ -341,14 +363,15 @@ class SpikeWhaleCache(Cache):
     def deactivate_past_recording(self) -> None:
         """Stop recording and drop the recorded states (a crop back to the last chunk start stays possible)."""
         self.record_past = False
-        self._trim_history(lambda v: [(p, s) for p, s in v if p == self._chunk_start][-1:])
+        chunk_start = int(self._chunk_start)
+        self._trim_history(lambda v: [(p, s) for p, s in v if p == chunk_start][-1:])
 
     def _trim_history(self, keep) -> None:
         """Apply `keep` ([(length, state)] -> the entries to keep) to every recorded history: the segment index's and
-        each slot's."""
+        each slot's. Lengths recorded inside a compiled graph are tensors; they become ints here."""
         for hist in (self._history, *(layer.history for layer in self.layers)):
             for key, entries in hist.items():
-                hist[key] = keep(entries)
+                hist[key] = keep([(int(p), s) for p, s in entries])
 
     def crop(self, max_length: int) -> None:
         """Roll the cache back, with the `transformers` 5.x convention: `crop(-k)` removes the last `k`
@@ -368,7 +391,7 @@ class SpikeWhaleCache(Cache):
             )
         if new_len == self.seq_len:
             if self.record_past:  # keep the states at the last chunk's start and at the current length
-                keep = (self._chunk_start, self.seq_len)
+                keep = (int(self._chunk_start), self.seq_len)
                 self._trim_history(lambda v: [(p, s) for p, s in v if p in keep][-2:])
             else:  # keep what an unrecorded forward keeps: the last chunk's start
                 self.deactivate_past_recording()
@@ -385,7 +408,7 @@ class SpikeWhaleCache(Cache):
             for kind in LoopSlotLayer.STATES:
                 if (kind, slot) in restored:
                     setattr(layer, kind, restored[(kind, slot)])
-            layer._length = new_len
+            layer.cumulative_length.fill_(new_len)
             if layer.is_initialized:
                 layer.keys[:, :, new_len:old_len] = 0
                 layer.values[:, :, new_len:old_len] = 0
@@ -396,14 +419,14 @@ class SpikeWhaleCache(Cache):
         self.key_valid[:, new_len:old_len] = False
         if self.engram_c is not None:
             self.engram_c[:, new_len:old_len] = 0
-        self.seq_len = new_len
+        self.length.fill_(new_len)
         self._chunk_start = new_len
         self._trim_history(lambda v: [(p, s) for p, s in v if p <= new_len][-1:])
 
     @staticmethod
     def _recorded(history: list, length: int):
         for pos, state in reversed(history):
-            if pos == length:
+            if int(pos) == length:
                 return state
         raise ValueError(
             f"Cannot roll the Memory-Cache state back to length {length}: no state was recorded there. "
@@ -430,7 +453,7 @@ class SpikeWhaleCache(Cache):
 
     def reset(self) -> None:
         super().reset()
-        self.seq_len = 0
+        self.length = torch.zeros((), dtype=torch.long)
         self.key_valid = self.num_real = self.mc_segment = self.engram_c = None
         self._history = {}
         self.record_past = False
@@ -537,8 +560,9 @@ def caller_length_wins(config: GenerationConfig, passed: GenerationConfig | None
 
 
 def prepare_generation_cache(model, generation_config: GenerationConfig, model_kwargs: dict) -> bool:
-    """Build the loop-slot cache before the prefill: for `cache_implementation` "static" sized to this call's
-    `max_length` (or `max_cache_len` if larger), else ("dynamic" or none) to the whole context window;
+    """Build the loop-slot cache before the prefill: for `cache_implementation` "static", or none with a
+    `compile_config` (a compiled step attends over the whole buffers, as with transformers' static cache), sized to
+    this call's `max_length` (or `max_cache_len` if larger), else ("dynamic" or none) to the whole context window;
     `SpikeWhaleCache` is static either way, preallocated per slot. Returns False where transformers' own preparation
     applies (a cache passed in, use_cache=False); other implementations raise, since no generic cache can hold this
     model's state."""
@@ -546,9 +570,10 @@ def prepare_generation_cache(model, generation_config: GenerationConfig, model_k
     if model_kwargs.get(CACHE_FIELD) is not None or generation_config.use_cache is False:
         return False
     limit = model.config.max_position_embeddings
-    if impl is None:
+    compiled = generation_config.compile_config is not None and not generation_config.disable_compile
+    if impl is None and not compiled:
         cache = SpikeWhaleCache(model.config)
-    elif impl == "static":
+    elif impl in ("static", None):
         size = max(generation_config.max_length or 0, getattr(generation_config, "max_cache_len", None) or 0)
         cache = SpikeWhaleCache(model.config, max_cache_len=min(max(size, 1), limit))
     elif impl in ("dynamic", "dynamic_full"):  # "dynamic_full": no sliding layers, which this cache never has
@@ -966,9 +991,9 @@ def mtp_speculative_generate(
         unfinished = unfinished & ~stopping_criteria(input_ids, scores)
         return tok
 
-    # Drafts see the library's own (stateless) processors - repetition penalty, suppressed ids, n-gram bans, ... -
-    # so that they agree with the main head's processed choice more often; user-supplied processors are only run
-    # on the emitted tokens, exactly as in plain greedy decoding (they may keep state or have side effects).
+    # Sampled drafts see the library's own (stateless) processors - temperature, top-k, repetition penalty, ... - so
+    # that q is close to the processed p; user-supplied processors are only run on the emitted tokens, exactly as
+    # in plain decoding (they may keep state or have side effects).
     draft_processor = LogitsProcessorList(
         [p for p in logits_processor if type(p).__module__.startswith("transformers.generation.")]
     )
@@ -978,15 +1003,17 @@ def mtp_speculative_generate(
 
     def draft(h_last: torch.Tensor, k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """k MTP drafts [B, k] from the hidden state [B, H] that produced the pending token, and (sampling) the
-        distribution [B, V] each was drawn from."""
+        distribution [B, V] each was drawn from. A greedy draft is the head's raw argmax: a head trained on the
+        model's own processed greedy text (train_default's MTP self-distillation) has learnt the processors'
+        effect, and a repetition penalty applied again would count it twice."""
         ctx, out, dists = input_ids, [], []
         for i in range(k):
-            draft_scores = draft_processor(ctx, model.lm_head(heads[i](h_last)).float())
+            draft_logits = model.lm_head(heads[i](h_last)).float()
             if do_sample:
-                dists.append(torch.softmax(draft_scores, dim=-1))
+                dists.append(torch.softmax(draft_processor(ctx, draft_logits), dim=-1))
                 d = torch.multinomial(dists[-1], num_samples=1).squeeze(1)
             else:
-                d = torch.argmax(draft_scores, dim=-1)
+                d = torch.argmax(draft_logits, dim=-1)
             if has_eos_stopping_criteria:
                 d = d * unfinished + pad * (1 - unfinished)
             out.append(d)
