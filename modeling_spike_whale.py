@@ -404,11 +404,13 @@ class MemoryCacheBranch(nn.Module):
         diag = (gu * own_g).sum(-1, keepdim=True) / own_n.clamp(min=1)[..., None]
         gamma = torch.softmax(torch.cat([scores, diag], -1), dim=-1)
         g_fin, g_own = gamma[..., :-1], gamma[..., -1:]
-        # Mix the candidate memories per token first (Σ_i γ_i M_i), then read them with φ(q).
-        mixed_M = torch.matmul(g_fin, cand_M.reshape(B, I, -1)).view(B, S, nh, hd, hd)
-        mixed_z = torch.matmul(g_fin, cand_z.reshape(B, I, -1)).view(B, S, nh, hd)
-        num = torch.matmul(fq.unsqueeze(-2), mixed_M).squeeze(-2) + g_own[..., None] * own_num
-        den = (fq * mixed_z).sum(-1) + g_own * own_den
+        # Σ_i γ_{t,i} φ(q_t)ᵀ[M⁽ⁱ⁾ | z⁽ⁱ⁾] as one GEMM per head: the rows [γ_{t,1}φ(q_t), …, γ_{t,I}φ(q_t)] times the
+        # stacked [M⁽ⁱ⁾ | z⁽ⁱ⁾], so no token builds its own mixed hd × hd memory.
+        wq = (g_fin[..., None, None] * fq[:, :, None]).permute(0, 3, 1, 2, 4).reshape(B, nh, S, I * hd)
+        Mz = torch.cat([cand_M, cand_z[..., None]], -1).transpose(1, 2).reshape(B, nh, I * hd, hd + 1)
+        read = torch.matmul(wq, Mz).transpose(1, 2)
+        num = read[..., :hd] + g_own[..., None] * own_num
+        den = read[..., hd] + g_own * own_den
         return num / (den[..., None] + self.eps)
 
     def _memory_readout(self, x, lay: SegmentLayout, state: MemoryCacheState | None, ctx: ForwardContext, proj):
