@@ -560,9 +560,8 @@ def caller_length_wins(config: GenerationConfig, passed: GenerationConfig | None
 
 
 def prepare_generation_cache(model, generation_config: GenerationConfig, model_kwargs: dict) -> bool:
-    """Build the loop-slot cache before the prefill: for `cache_implementation` "static", or none with a
-    `compile_config` (a compiled step attends over the whole buffers, as with transformers' static cache), sized to
-    this call's `max_length` (or `max_cache_len` if larger), else ("dynamic" or none) to the whole context window;
+    """Build the loop-slot cache before the prefill: for `cache_implementation` "static" sized to this call's
+    `max_length` (or `max_cache_len` if larger), else ("dynamic" or none) to the whole context window;
     `SpikeWhaleCache` is static either way, preallocated per slot. Returns False where transformers' own preparation
     applies (a cache passed in, use_cache=False); other implementations raise, since no generic cache can hold this
     model's state."""
@@ -570,10 +569,9 @@ def prepare_generation_cache(model, generation_config: GenerationConfig, model_k
     if model_kwargs.get(CACHE_FIELD) is not None or generation_config.use_cache is False:
         return False
     limit = model.config.max_position_embeddings
-    compiled = generation_config.compile_config is not None and not generation_config.disable_compile
-    if impl is None and not compiled:
+    if impl is None:
         cache = SpikeWhaleCache(model.config)
-    elif impl in ("static", None):
+    elif impl == "static":
         size = max(generation_config.max_length or 0, getattr(generation_config, "max_cache_len", None) or 0)
         cache = SpikeWhaleCache(model.config, max_cache_len=min(max(size, 1), limit))
     elif impl in ("dynamic", "dynamic_full"):  # "dynamic_full": no sliding layers, which this cache never has

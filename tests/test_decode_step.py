@@ -2,8 +2,9 @@
 one-query kernel) and its `torch.compile`d form.
 
 These tests pin down that no second decode driver exists, that a decode step goes through `forward` with the one-query
-kernel, that it equals a full recompute, and that transformers' own `compile_config` (and `compile_decode()`, which
-sets it) compiles the whole decode step as one graph, without graph breaks or recompiles, with the same logits.
+kernel, that it equals a full recompute, that `compile_decode()` (and transformers' `compile_config`) compile
+the same walk without graph breaks and give the same logits, and that transformers' own whole-forward compile runs
+every decode step as one graph.
 """
 
 from __future__ import annotations
@@ -25,6 +26,21 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def model():
     return tiny_model(seed=3)
+
+
+def count_decode_steps(monkeypatch):
+    """The write offsets of the forwards that ran through the compiled walk."""
+    calls = []
+    compiles = msw.SpikeWhaleModel._decode_step_compiles
+
+    def counted(self, ctx, cache):
+        out = compiles(self, ctx, cache)
+        if out:
+            calls.append(ctx.past)
+        return out
+
+    monkeypatch.setattr(msw.SpikeWhaleModel, "_decode_step_compiles", counted)
+    return calls
 
 
 def count_one_query_kernels(monkeypatch):
@@ -113,59 +129,36 @@ def test_elo_decodes_through_forward_and_refuses_compile_decode(monkeypatch):
         model.compile_decode()
 
 
-@pytest.mark.skipif(
-    version.parse(transformers.__version__) < version.parse("5.24"),
-    reason="transformers < 5.24 refuses assisted decoding with a compileable cache, so the loop-slot cache declares "
-    "itself not compileable there and generate does not compile (see test_compile_decode_sets_the_standard_switch)",
-)
-def test_compile_config_compiles_the_whole_decode_step_as_one_graph(monkeypatch):
-    """transformers' own switch with its own `get_compiled_call` (`torch.compile(model.__call__)`, no model-specific
-    call), fullgraph and static shapes: batch 2 with left padding, 3 * L steps crossing three Memory-Cache segment
-    boundaries per row. Every decode step runs the one compiled graph (traced once, never recompiled: the cache's
-    length, K/V writes and segment state are tensors), and the ids and logits equal eager decoding's."""
-    from torch._dynamo.utils import counters
-    from transformers import CompileConfig, PreTrainedModel
-
-    assert msw.SpikeWhaleForCausalLM.get_compiled_call is PreTrainedModel.get_compiled_call
+def test_compile_decode_equals_eager(model, monkeypatch, tmp_path):
     torch._dynamo.reset()
-    counters.clear()
-    model = tiny_model(seed=3)
-    ids, mask = batch(seed=7)
-    ids, mask = ids[:, :L + 3], mask[:, :L + 3]
-    kw = dict(attention_mask=mask, max_new_tokens=3 * L, min_new_tokens=3 * L, do_sample=False, output_logits=True,
-              return_dict_in_generate=True, pad_token_id=0)
-    eager = model.generate(ids, **kw)
-    eager_forwards = []
-    context = msw.SpikeWhaleModel._context
-
-    def counted(self, *args):
-        if not torch.compiler.is_compiling():
-            eager_forwards.append(args[1])
-        return context(self, *args)
-
-    monkeypatch.setattr(msw.SpikeWhaleModel, "_context", counted)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = model.generate(ids, compile_config=CompileConfig(backend="eager", fullgraph=True, dynamic=False),
-                                  **kw)
-    assert eager_forwards == [L + 3]  # only the prefill ran eagerly
-    assert counters["stats"]["unique_graphs"] == 1
-    assert model._compiled_call is not None
+    calls = count_decode_steps(monkeypatch)
+    ids = torch.randint(10, 500, (1, L + 2), generator=torch.Generator().manual_seed(7))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        eager = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True)
+        model.compile_decode()
+        gate = model.model.layers[0].ffn.gate_proj.weight
+        assert gate.stride() == (1, gate.shape[0])  # FFN weights stored column-major, same values
+        o_b = model.model.layers[0].attn.o_b_proj.weight
+        assert o_b.stride() == (1, o_b.shape[0])  # and the rank→hidden up-projections
+        assert all(layer.attn.fused_input is not None for layer in model.model.layers)
+        after = model.state_dict()
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+        model.save_pretrained(tmp_path)
+        reloaded = type(model).from_pretrained(tmp_path).eval()
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+        try:
+            assert model.model._compiled_run is not None
+            compiled = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
+                                      return_dict_in_generate=True)
+        finally:
+            model.compile_decode(enable=False)
+    assert model.model._compiled_run is None
+    assert all(layer.attn.fused_input is None for layer in model.model.layers)
+    assert calls == [10, 11, 12, 13, 14]  # the compiled generate's 5 decode steps, all inside segment 1
     assert torch.equal(eager.sequences, compiled.sequences)
     assert max(float((a - b).abs().max()) for a, b in zip(eager.logits, compiled.logits)) <= TOL
-
-
-def test_compile_decode_sets_the_standard_switch():
-    """`compile_decode()` is a convenience for transformers' switch: it sets `generation_config.compile_config`,
-    which generate honours where the cache is compileable (transformers >= 5.24), and `enable=False` removes it."""
-    from transformers import CompileConfig
-
-    model = tiny_model(seed=3)
-    model.compile_decode(backend="eager")
-    assert model.generation_config.compile_config == CompileConfig(backend="eager")
-    cache = msw.SpikeWhaleCache(model.config)
-    assert model._valid_auto_compile_criteria({msw.CACHE_FIELD: cache}, model.generation_config) == cache.is_compileable
-    model.compile_decode(enable=False)
-    assert model.generation_config.compile_config is None
 
 
 def test_fused_input_projections_share_storage_and_refuse_after_rebinding(monkeypatch):
@@ -212,6 +205,110 @@ def test_fused_input_projections_keep_the_memory_cache_in_float32():
             assert attn._fused_projections(u) is None  # autocast would run the fp32 MC projections in bf16
     attn.fuse_input_projections(enable=False)
     assert attn.fused_input is None
+
+
+def test_compile_decode_refuses_a_moved_or_retyped_model():
+    model = tiny_model(seed=8)
+    model.compile_decode()
+    model.to(torch.float64)
+    ids = torch.randint(10, 500, (1, 6))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).cache  # prefill takes the general path
+        with pytest.raises(ValueError, match="call model.compile_decode\\(\\) again"):
+            model(ids[:, :1], cache=cache, use_cache=True)
+    model.compile_decode(enable=False)
+    with torch.no_grad():
+        assert model(ids[:, :1], cache=cache, use_cache=True).logits.dtype == torch.float64
+
+
+def test_compile_decode_with_the_cpp_wrapper_equals_eager():
+    model = tiny_model(seed=3)
+    ids = torch.randint(10, 500, (1, L + 2), generator=torch.Generator().manual_seed(9))
+    kw = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        eager = model.generate(ids, **kw)
+        model.compile_decode(options={"cpp_wrapper": True})
+        compiled = model.generate(ids, **kw)
+    assert torch.equal(eager.sequences, compiled.sequences)
+    assert max(float((a - b).abs().max()) for a, b in zip(eager.logits, compiled.logits)) <= TOL
+
+
+@pytest.mark.skipif(
+    version.parse(transformers.__version__) < version.parse("5.24"),
+    reason="transformers < 5.24 refuses assisted decoding with a compileable cache, so the loop-slot cache declares "
+    "itself not compileable there and compile_config does not apply; model.compile_decode() compiles the same step",
+)
+def test_generate_compile_config_compiles_the_decode_step_through_the_standard_switch(monkeypatch):
+    """transformers' own switch, `generate(..., compile_config=CompileConfig(...))`, compiles the one-token decode step
+    (no model-specific call) and gives the eager ids; prefill stays eager."""
+    from transformers import CompileConfig
+
+    model = tiny_model(seed=3)
+    ids = torch.randint(5, 200, (2, 9), generator=torch.Generator().manual_seed(3))
+    eager = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert model.model._compiled_run is None
+    compiled = model.generate(ids, max_new_tokens=4, do_sample=False, compile_config=CompileConfig(backend="eager"))
+    assert model.model._compiled_run is not None  # compile_decode ran through get_compiled_call
+    assert torch.equal(compiled, eager)
+    assert msw.SpikeWhaleCache(model.config).is_compileable
+
+
+def test_the_walk_compiles_without_graph_breaks():
+    """`compile_decode(fullgraph=True)`: a decode step's walk of each loop-plan run is one graph (a graph break
+    raises), and its logits equal the eager step's."""
+    torch._dynamo.reset()
+    model = tiny_model(seed=3)
+    ids, mask = batch(seed=4)
+    eager = decode_logits(model, ids, mask, prefill=L + 1)
+    model.compile_decode(fullgraph=True, backend="eager")
+    try:
+        compiled = decode_logits(model, ids, mask, prefill=L + 1)
+    finally:
+        model.compile_decode(enable=False)
+    assert float((compiled - eager)[mask.bool()].abs().max()) <= TOL
+
+
+@pytest.mark.skipif(
+    version.parse(transformers.__version__) < version.parse("5.24"),
+    reason="transformers < 5.24 refuses assisted decoding with a compileable cache, so the loop-slot cache declares "
+    "itself not compileable there and generate does not compile the whole forward",
+)
+def test_transformers_own_compiled_call_runs_the_whole_decode_step_as_one_graph(monkeypatch):
+    """transformers' own `get_compiled_call` (`torch.compile(model.__call__)`; ours overrides it with the faster
+    per-pass walk, see its docstring), fullgraph and static shapes, on a static cache: batch 2 with left padding,
+    3 * L steps crossing three Memory-Cache segment boundaries per row. Every decode step runs the one compiled graph
+    (traced once, never recompiled: the cache's length, K/V writes and segment state are tensors), and the ids and
+    logits equal eager decoding's."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig, PreTrainedModel
+
+    monkeypatch.setattr(msw.SpikeWhaleForCausalLM, "get_compiled_call", PreTrainedModel.get_compiled_call)
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model(seed=3)
+    ids, mask = batch(seed=7)
+    ids, mask = ids[:, :L + 3], mask[:, :L + 3]
+    kw = dict(attention_mask=mask, max_new_tokens=3 * L, min_new_tokens=3 * L, do_sample=False, output_logits=True,
+              return_dict_in_generate=True, pad_token_id=0,
+              cache_implementation="static")
+    eager = model.generate(ids, **kw)
+    eager_forwards = []
+    context = msw.SpikeWhaleModel._context
+
+    def counted(self, *args):
+        if not torch.compiler.is_compiling():
+            eager_forwards.append(args[1])
+        return context(self, *args)
+
+    monkeypatch.setattr(msw.SpikeWhaleModel, "_context", counted)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = model.generate(ids, compile_config=CompileConfig(backend="eager", fullgraph=True, dynamic=False),
+                                  **kw)
+    assert eager_forwards == [L + 3]  # only the prefill ran eagerly
+    assert counters["stats"]["unique_graphs"] == 1
+    assert model._compiled_call is not None
+    assert torch.equal(eager.sequences, compiled.sequences)
+    assert max(float((a - b).abs().max()) for a, b in zip(eager.logits, compiled.logits)) <= TOL
 
 
 def test_each_slot_owns_its_state_and_rollback_history(model):
