@@ -13,7 +13,8 @@ Rows (`--rows` picks a subset):
   int8           torchao int8 weight-only through `from_pretrained(..., quantization_config=TorchAoConfig(...))`,
                  decode tok/s at batch 1 against spike_whale's own float32 eager row, top-1 agreement and
                  max |Δlogit| of the prompt's logits against float32 (skipped with the reason if torchao is absent)
-  int8_compiled  the same through `compile_config`
+  int8_compiled  the same loaded with `dtype=torch.bfloat16`, through `compile_config`: inductor lowers int8 weight-only
+                 matmuls to `_weight_int8pack_mm` for bf16 activations only (the count of its matches is reported)
   prefill        forward tok/s over a 512-token prompt, float32 and bf16, and the Memory-Cache branch's share
   prefill_long   the same at 4096 tokens (both models get a 4096+ context window; parameters are unchanged)
   compile_cost   the first compiled decode step in a fresh process loading the same model, after this one
@@ -167,15 +168,16 @@ def time_prefill(model, ids: torch.Tensor) -> float:
     return ids.numel() / (time.perf_counter() - t)
 
 
-def int8_model(folder: str):
-    """The saved float32 model loaded through transformers' torchao route, or (None, reason)."""
+def int8_model(folder: str, dtype: torch.dtype | None = None):
+    """The saved float32 model loaded through transformers' torchao route (activations in `dtype`), or
+    (None, reason)."""
     if importlib.util.find_spec("torchao") is None:
         return None, "torchao is not installed (pip install 'spike_whale[int8]')"
     from torchao.quantization import Int8WeightOnlyConfig
     from transformers import TorchAoConfig
 
     quant = TorchAoConfig(Int8WeightOnlyConfig())
-    model = SpikeWhaleForCausalLM.from_pretrained(folder, quantization_config=quant).eval()
+    model = SpikeWhaleForCausalLM.from_pretrained(folder, quantization_config=quant, dtype=dtype).eval()
     return model, None
 
 
@@ -301,7 +303,7 @@ def main(argv=None) -> int:
                   f"{notes['int8_top1_agreement']:.4f}, max |Δlogit| {notes['int8_max_abs_dlogit']:.4f} "
                   f"(max |logit| {notes['int8_max_abs_logit_fp32']:.2f})", flush=True)
     if "int8_compiled" in rows_on:
-        int8_c, reason = int8_model(folder)
+        int8_c, reason = int8_model(folder, dtype=torch.bfloat16)
         if int8_c is None:
             skipped["int8_compiled"] = reason
         else:
@@ -313,6 +315,11 @@ def main(argv=None) -> int:
                 print(f"int8_compiled: skipped, {skipped['int8_compiled']}", flush=True)
             else:
                 compile_s["int8_compiled/spike_whale/b1"] = time.perf_counter() - t
+                from torch._dynamo.utils import counters
+
+                notes["int8_compiled_woq_matches"] = counters["inductor"]["woq_matcher_count"]
+                print(f"int8_compiled: inductor's int8 weight-only lowering matched "
+                      f"{notes['int8_compiled_woq_matches']} times", flush=True)
                 pairs[("int8_compiled", 1)] = (int8_c, compile_kwargs(int8_c), "spike_whale_fp32", spike, {})
 
     # warm-up of the eager models (allocator, first-call paths)

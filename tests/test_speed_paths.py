@@ -168,6 +168,30 @@ def test_int8_weight_only_loads_through_torchao_config_and_generates(tmp_path):
 
 
 @pytest.mark.skipif(torchao_missing, reason="torchao is not installed (the optional `int8` extra)")
+def test_int8_weight_only_with_bf16_activations_keeps_float32_parts_and_decodes_exactly(tmp_path):
+    """int8 weights with `dtype=torch.bfloat16`: the route on which inductor lowers int8 weight-only matmuls to
+    `_weight_int8pack_mm` (bf16 activations and scales only; benchmarks/bench_speed.py's int8_compiled row). The
+    Memory-Cache branch and hash projections stay float32, cached decode equals its own recompute."""
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    tiny_model(seed=7).save_pretrained(tmp_path)
+    model = SpikeWhaleForCausalLM.from_pretrained(
+        tmp_path, quantization_config=TorchAoConfig(Int8WeightOnlyConfig()), dtype=torch.bfloat16
+    ).eval()
+    ffn = model.model.layers[0].ffn.gate_proj.weight
+    assert ffn.qdata.dtype == torch.int8 and ffn.dtype == torch.bfloat16  # dequantizes to bf16
+    assert model.model.layers[0].attn.k_proj.weight.dtype == torch.bfloat16
+    assert model.model.layers[0].attn.mc.mc_gate.dtype == torch.float32
+    assert all(buf.dtype == torch.float32 for _, _, buf in model.model.engram.lookup.projections())
+    ids = prompt()
+    cached = greedy(model, ids, True)
+    assert torch.equal(cached, greedy(model, ids, False))
+    steps, full = stepwise_logits(model, cached, prefill=5)
+    assert (steps.float() - full.float()).abs().max() <= 8 * 2**-7 * full.float().abs().max()
+
+
+@pytest.mark.skipif(torchao_missing, reason="torchao is not installed (the optional `int8` extra)")
 @pytest.mark.skipif(
     version.parse(transformers.__version__) < version.parse("5.24"),
     reason="transformers < 5.24 refuses assisted decoding with a compileable cache, so compile_config does not "
