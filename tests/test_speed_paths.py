@@ -212,5 +212,5 @@ def test_int8_weight_only_decodes_through_compile_config(tmp_path):
     with torch.no_grad():
         compiled = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
                                   do_sample=False, pad_token_id=0, compile_config=CompileConfig(backend="eager"))
-    assert getattr(model, "_compiled_call", None) is not None
+    assert model.model._compiled_run is not None
     assert torch.equal(compiled, eager)
