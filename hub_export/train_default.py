@@ -11,8 +11,13 @@ z-loss + MTP + HRM deep supervision) with its three-tier optimizer groups; the s
 cosine over `--max-steps`, so the same command and seed give the same model. `--time-budget-min` only stops a run
 that is slower than planned (the record then says so). Every `--eval-every` steps the loss on a fixed held-out batch
 is logged next to the training loss (OUT_DIR/training_log.txt). A checkpoint (model + optimizer + step) is written
-every `--checkpoint-every` steps (and at `--stop-at-step`) and `--resume` continues from it; the resumed run draws
+every `--checkpoint-every` steps and at the run's last step, and `--resume` continues from it; the resumed run draws
 its batches from a generator seeded with seed + step, so it is deterministic too, but not the uninterrupted run.
+
+`--mtp-distill-steps N` then trains only the MTP heads, everything else frozen, with the model's MTP loss on its own
+greedy continuations of training-text prompts (`mtp_self_distill`), so that their drafts name the token the main
+head will choose; `--mtp-distill-from MODEL_DIR` runs only that stage, starting from a finished folder of the same
+corpus (its record's commands are kept, this one appended).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import time
 import torch
 
 from ..configuration_spike_whale import SpikeWhaleConfig
+from ..generation_utils import serving_generation_config
 from ..modeling_spike_whale import SpikeWhaleForCausalLM
 from ..tokenization_spike import dump_vocab_data, load_vocab_file
 from ..tokenization_spike_fast import SpikeTokenizerFast
@@ -47,6 +53,8 @@ DEFAULT_CONFIG = dict(
 )
 HELD_OUT_FRACTION = 0.05
 # What a run writes into OUT_DIR besides the model folder's files (an earlier run's folder may be replaced or resumed).
+# MTP self-distillation prompts: `<bos>` + this many training tokens, continued for --seq-len greedy tokens.
+MTP_PROMPT_TOKENS = 32
 RUN_FILES = frozenset({"heldout.txt", "training_log.txt", "training_record.json", "training"})
 
 
@@ -87,6 +95,12 @@ def batch_of(ids: torch.Tensor, starts: torch.Tensor, seq_len: int, bos: int) ->
     return torch.stack([torch.cat([torch.tensor([bos]), ids[s:s + seq_len - 1]]) for s in starts.tolist()])
 
 
+def held_out_batch(held_ids: torch.Tensor, seq_len: int, bos: int) -> torch.Tensor:
+    """The fixed held-out batch: up to 8 consecutive rows from the start of the held-out text."""
+    rows = min(8, (len(held_ids) - 1) // seq_len)
+    return batch_of(held_ids, torch.arange(rows) * seq_len, seq_len, bos)
+
+
 @torch.no_grad()
 def held_out_loss(model, batch: torch.Tensor) -> float:
     """Mean next-token cross-entropy (nats) of the LM head on a fixed held-out batch."""
@@ -103,13 +117,20 @@ def train(args) -> int:
     os.makedirs(work, exist_ok=True)
     text = prepare_corpus(read_text(args.corpus))
     train_text, held_text = split_held_out(text)
+    heldout_sha256 = hashlib.sha256(held_text.encode()).hexdigest()
+    source = None
+    if args.mtp_distill_from:
+        source = json.load(open(os.path.join(args.mtp_distill_from, "training_record.json")))
+        if source["heldout_sha256"] != heldout_sha256:
+            raise ValueError(f"{args.mtp_distill_from} was trained with another held-out split than --corpus "
+                             f"{args.corpus} gives; pass the corpus it was trained on.")
     with open(os.path.join(args.out_dir, "heldout.txt"), "w", encoding="utf-8") as handle:
         handle.write(held_text)
 
     train_path = os.path.join(work, "train.txt")
     with open(train_path, "w", encoding="utf-8") as handle:
         handle.write(train_text)
-    vocab_path = os.path.join(work, "spike_vocab.json")
+    vocab_path = os.path.join(args.mtp_distill_from or work, "spike_vocab.json")
     if not os.path.exists(vocab_path):
         t0 = time.time()
         data = train_from_files([train_path], vocab_size=args.vocab_size, show_progress=False)
@@ -120,28 +141,60 @@ def train(args) -> int:
     ids = torch.tensor(tokenizer(train_text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     held_ids = torch.tensor(tokenizer(held_text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     log_path = os.path.join(args.out_dir, "training_log.txt")
+    earlier_log = open(os.path.join(args.mtp_distill_from, "training_log.txt")).read() if source else ""
     log_file = open(log_path, "a" if args.resume else "w", encoding="utf-8")
+    log_file.write(earlier_log)
 
     def log(line: str) -> None:
         print(line, flush=True)
         log_file.write(line + "\n")
         log_file.flush()
 
-    log(f"train: {len(train_text.encode()):,} bytes -> {len(ids):,} tokens; held out: "
-        f"{len(held_text.encode()):,} bytes -> {len(held_ids):,} tokens")
+    if source:
+        model = SpikeWhaleForCausalLM.from_pretrained(args.mtp_distill_from, dtype=torch.float32)
+        run = {k: source[k] for k in ("steps", "tokens_seen", "minutes", "stopped_by", "seed", "final_lm_loss_ema",
+                                      "final_held_out_loss")}
+        run["commands"] = source["commands"] + [args.command]
+        log(f"from {args.mtp_distill_from} ({run['steps']} steps): MTP self-distillation only")
+    else:
+        log(f"train: {len(train_text.encode()):,} bytes -> {len(ids):,} tokens; held out: "
+            f"{len(held_text.encode()):,} bytes -> {len(held_ids):,} tokens")
+        model, run = train_lm(args, ids, held_ids, log)
+    if args.mtp_distill_steps:
+        run["mtp_self_distillation"] = mtp_self_distill(model, ids, held_ids, args, log)
+    log_file.close()
+    model.eval()
+    save_hub_folder(model, tokenizer, args.out_dir)
+    record = {
+        "commands": run.pop("commands"),
+        "corpus": os.path.basename(args.corpus),
+        "corpus_sha256": hashlib.sha256(open(args.corpus, "rb").read()).hexdigest(),
+        "prepared_sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "heldout_sha256": heldout_sha256,
+        "train_bytes": len(train_text.encode()), "train_tokens": len(ids),
+        **run,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+    with open(os.path.join(args.out_dir, "training_record.json"), "w") as handle:
+        json.dump(record, handle, indent=2)
+    print(json.dumps(record, indent=2), flush=True)
+    return 0
 
+
+def train_lm(args, ids: torch.Tensor, held_ids: torch.Tensor, log) -> tuple[SpikeWhaleForCausalLM, dict]:
+    """The model's own objective over the LM schedule (from OUT_DIR/training/checkpoint.pt with --resume)."""
+    work = os.path.join(args.out_dir, "training")
     torch.manual_seed(args.seed)
     config = SpikeWhaleConfig.from_preset("tiny", **DEFAULT_CONFIG)
     model = SpikeWhaleForCausalLM(config)
-    eval_rows = min(8, (len(held_ids) - 1) // args.seq_len)
-    eval_batch = batch_of(held_ids, torch.arange(eval_rows) * args.seq_len, args.seq_len, config.bos_token_id)
+    eval_batch = held_out_batch(held_ids, args.seq_len, config.bos_token_id)
     opt = torch.optim.AdamW(model.optimizer_param_groups(args.lr, embedding_lr_scale=args.embedding_lr_scale,
                                                          weight_decay=args.weight_decay), betas=(0.9, 0.95))
     base_lrs = [group["lr"] / args.lr for group in opt.param_groups]
     ckpt_path = os.path.join(work, "checkpoint.pt")
     commands_path = os.path.join(work, "commands.json")
     commands = json.load(open(commands_path)) if args.resume and os.path.exists(commands_path) else []
-    commands.append(" ".join(["python -m spike_whale.hub_export.train_default"] + sys.argv[1:]))
+    commands.append(args.command)
     with open(commands_path, "w") as handle:
         json.dump(commands, handle)
     step, spent = 0, 0.0
@@ -176,7 +229,7 @@ def train(args) -> int:
             mtp = f"  mtp {mtp.item():.3f}" if mtp is not None else ""
             log(f"step {step:5d}  lr {lr:.2e}  loss {out.loss.item():.3f}  lm {lm:.3f} (ema {ema:.3f}){mtp}{held}  "
                 f"{(time.time() - start) / 60:.1f} min")
-        if step % args.checkpoint_every == 0 or step == args.stop_at_step:
+        if step % args.checkpoint_every == 0 or step == last:
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
                         "elapsed": time.time() - start}, ckpt_path + ".tmp")
             os.replace(ckpt_path + ".tmp", ckpt_path)
@@ -188,26 +241,70 @@ def train(args) -> int:
         stopped = "time budget (schedule not finished: not reproducible)"
     final_held = held_out_loss(model, eval_batch)
     log(f"stopped by {stopped} at step {step}; held-out loss {final_held:.4f}")
-    log_file.close()
-    model.eval()
-    save_hub_folder(model, tokenizer, args.out_dir)
-    record = {
-        "commands": commands,
-        "corpus": os.path.basename(args.corpus),
-        "corpus_sha256": hashlib.sha256(open(args.corpus, "rb").read()).hexdigest(),
-        "prepared_sha256": hashlib.sha256(text.encode()).hexdigest(),
-        "heldout_sha256": hashlib.sha256(held_text.encode()).hexdigest(),
-        "train_bytes": len(train_text.encode()), "train_tokens": len(ids), "steps": step,
-        "tokens_seen": step * args.batch_size * args.seq_len, "minutes": round((time.time() - start) / 60, 1),
-        "stopped_by": stopped, "seed": args.seed,
-        "final_lm_loss_ema": round(ema, 4) if ema is not None else None,
-        "final_held_out_loss": round(final_held, 4),
-        "parameters": sum(p.numel() for p in model.parameters()),
+    return model, {
+        "commands": commands, "steps": step, "tokens_seen": step * args.batch_size * args.seq_len,
+        "minutes": round((time.time() - start) / 60, 1), "stopped_by": stopped, "seed": args.seed,
+        "final_lm_loss_ema": round(ema, 4) if ema is not None else None, "final_held_out_loss": round(final_held, 4),
     }
-    with open(os.path.join(args.out_dir, "training_record.json"), "w") as handle:
-        json.dump(record, handle, indent=2)
-    print(json.dumps(record, indent=2), flush=True)
-    return 0
+
+
+def greedy_continuations(model, ids: torch.Tensor, n: int, new_tokens: int, seed: int) -> torch.Tensor:
+    """`<bos>` + MTP_PROMPT_TOKENS tokens from n random places of `ids`, each continued by the model's greedy
+    decoding with its serving settings (repetition penalty, suppressed ids), as `generate(do_sample=False)` runs."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(ids) - MTP_PROMPT_TOKENS, (n,), generator=g)
+    prompts = batch_of(ids, starts, MTP_PROMPT_TOKENS + 1, model.config.bos_token_id)
+    settings = serving_generation_config(model.config)
+    settings.update(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    model.eval()
+    with torch.no_grad():
+        return torch.cat([model.generate(input_ids=chunk, attention_mask=torch.ones_like(chunk),
+                                         generation_config=settings) for chunk in prompts.split(64)])
+
+
+def mtp_self_distill(model, ids: torch.Tensor, held_ids: torch.Tensor, args, log) -> dict:
+    """Train only the MTP heads (everything else frozen) with the model's MTP loss on the model's own greedy
+    continuations of training-text prompts (self-distillation, as Medusa-2 trains its heads): self-speculation
+    accepts a draft when it is the main head's greedy choice, which corpus text does not show a head that cannot
+    see the next token. Draft agreement (head 1's argmax = the greedy token after next) is measured on greedy
+    continuations of held-out prompts, before and after."""
+    start = time.time()
+    texts = greedy_continuations(model, ids, args.mtp_distill_prompts, args.seq_len, args.seed)
+    held = greedy_continuations(model, held_ids, max(1, args.mtp_distill_prompts // 16), args.seq_len, args.seed)
+    targets = texts.clone()
+    targets[:, :MTP_PROMPT_TOKENS + 1] = -100  # only the model's own tokens are targets
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("mtp_heads."))
+    heads = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(heads, lr=args.mtp_distill_lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(args.seed)
+    before = draft_agreement(model, held)
+    log(f"MTP self-distillation: {len(texts)} greedy continuations of {args.seq_len} tokens "
+        f"({time.time() - start:.0f} s); held-out draft agreement {before:.3f}")
+    for step in range(1, args.mtp_distill_steps + 1):
+        rows = torch.randint(0, len(texts), (args.batch_size,), generator=g)
+        loss = model(texts[rows], labels=targets[rows]).mtp_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % args.log_every == 0 or step == args.mtp_distill_steps:
+            log(f"distill {step:5d}  mtp {loss.item():.3f}  {(time.time() - start) / 60:.1f} min")
+    for p in model.parameters():
+        p.requires_grad_(True)
+    after = draft_agreement(model, held)
+    log(f"held-out draft agreement {before:.3f} -> {after:.3f}")
+    return {"steps": args.mtp_distill_steps, "continuations": len(texts), "new_tokens": args.seq_len,
+            "lr": args.mtp_distill_lr, "minutes": round((time.time() - start) / 60, 1),
+            "held_out_draft_agreement_before": round(before, 4), "held_out_draft_agreement_after": round(after, 4)}
+
+
+@torch.no_grad()
+def draft_agreement(model, texts: torch.Tensor) -> float:
+    """Fraction of the greedy tokens (all but the first of each row) that MTP head 1 drafts from two places back."""
+    model.eval()
+    h = model(texts).last_hidden_state[:, MTP_PROMPT_TOKENS:-2]
+    draft = model.lm_head(model.mtp_heads[0](h)).argmax(-1)
+    return (draft == texts[:, MTP_PROMPT_TOKENS + 2:]).float().mean().item()
 
 
 def main(argv=None) -> int:
@@ -236,13 +333,27 @@ def main(argv=None) -> int:
                    help="end after this step (checkpoint written), e.g. to continue with --resume and a longer --max-steps")
     p.add_argument("--resume", action="store_true",
                    help="continue from OUT_DIR/training/checkpoint.pt (the record lists every command of the run)")
+    p.add_argument("--mtp-distill-steps", type=int, default=0,
+                   help="then train only the MTP heads, this many steps, on the model's own greedy continuations")
+    p.add_argument("--mtp-distill-prompts", type=int, default=256,
+                   help="training-text prompts the model continues greedily for the MTP self-distillation")
+    p.add_argument("--mtp-distill-lr", type=float, default=3e-3)
+    p.add_argument("--mtp-distill-from", default=None, metavar="MODEL_DIR",
+                   help="skip the LM schedule: start the MTP self-distillation from this trained folder (same corpus)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier run's folder (never a folder holding files this command does not write)")
     args = p.parse_args(argv)
+    args.command = " ".join([p.prog] + (sys.argv[1:] if argv is None else list(argv)))
     if not os.path.isfile(args.corpus):
         p.error(f"corpus {args.corpus!r} not found (apt-get download jargon-text; dpkg-deb -x it)")
+    if args.mtp_distill_from and not args.mtp_distill_steps:
+        p.error("--mtp-distill-from needs --mtp-distill-steps N (the MTP self-distillation is all it runs)")
+    if args.mtp_distill_from and not os.path.isfile(os.path.join(args.mtp_distill_from, "training_record.json")):
+        p.error(f"--mtp-distill-from {args.mtp_distill_from}: no training_record.json (a train_default folder)")
+    if args.mtp_distill_from and args.resume:
+        p.error("--mtp-distill-from starts from a finished folder; it does not combine with --resume")
     try:
-        check_destination(args.out_dir, [args.corpus], overwrite=args.overwrite or args.resume, also_ours=RUN_FILES)
+        check_destination(args.out_dir, [args.corpus] + ([args.mtp_distill_from] if args.mtp_distill_from else []), overwrite=args.overwrite or args.resume, also_ours=RUN_FILES)
     except ValueError as err:
         p.error(str(err))
     return train(args)

@@ -126,6 +126,36 @@ def test_training_is_deterministic_and_resumable(tmp_path):
     assert record["steps"] == 3 and record["stopped_by"] == "max_steps" and len(record["commands"]) == 2
     log = (resumed / "training_log.txt").read_text()
     assert "held-out" in log and "resumed at step 2" in log
+    assert torch.load(resumed / "training" / "checkpoint.pt", weights_only=False)["step"] == 3  # the last step's
+
+
+def test_mtp_self_distillation_trains_only_the_mtp_heads(tmp_path, capsys):
+    """--mtp-distill-from DIR --mtp-distill-steps N: a folder whose tensors are DIR's except the MTP heads', trained
+    on the model's greedy continuations; the record keeps DIR's commands and LM figures and adds this stage's."""
+    from spike_whale.hub_export import train_default
+    from spike_whale.hub_export.train_tokenizer import DEMO_CORPUS
+    from safetensors.torch import load_file
+
+    sentences = [s.strip() for s in " ".join(DEMO_CORPUS.split()).split(". ") if len(s.split()) >= 8]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(sentences * 3) + "\n", encoding="utf-8")
+    common = ["--corpus", str(corpus), "--seq-len", "16", "--batch-size", "2", "--log-every", "1"]
+    lm, mtp = tmp_path / "lm", tmp_path / "mtp"
+    assert train_default.main([str(lm), "--vocab-size", "420", "--max-steps", "2", "--warmup-steps", "1"] + common) == 0
+    distill = [str(mtp), "--mtp-distill-from", str(lm), "--mtp-distill-steps", "3", "--mtp-distill-prompts", "4"]
+    assert train_default.main(distill + common) == 0
+    a, b = load_file(lm / "model.safetensors"), load_file(mtp / "model.safetensors")
+    assert a.keys() == b.keys()
+    changed = {k for k in a if not torch.equal(a[k], b[k])}
+    assert changed == {k for k in a if k.startswith("mtp_heads.")} and changed, changed
+    first, record = (json.load(open(d / "training_record.json")) for d in (lm, mtp))
+    assert record["commands"][:-1] == first["commands"] and "--mtp-distill-from" in record["commands"][-1]
+    assert record["final_held_out_loss"] == first["final_held_out_loss"] and record["steps"] == 2
+    assert record["mtp_self_distillation"]["steps"] == 3
+    assert "MTP self-distillation" in (mtp / "training_log.txt").read_text()
+    with pytest.raises(SystemExit):
+        train_default.main([str(tmp_path / "x"), "--mtp-distill-from", str(lm)] + common)
+    assert "--mtp-distill-from needs --mtp-distill-steps" in capsys.readouterr().err
 
 
 def test_train_default_never_writes_over_a_users_files(tmp_path, capsys):
