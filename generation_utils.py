@@ -160,11 +160,12 @@ class LoopSlotLayer(CacheLayerMixin):
         return self.max_cache_len
 
     def reset(self) -> None:
+        length = self.cumulative_length  # transformers < 5.2x's reset rebinds it to the int 0; keep the tensor
         super().reset()
         self.mc = None
         self.elo = None
         self.history = {}
-        self.cumulative_length.zero_()
+        self.cumulative_length = length.zero_()
 
     def _select(self, fn, kv_fn=None) -> None:
         self.history = {}  # recorded states are of the old batch

@@ -18,7 +18,7 @@ def test_greedy_draft_is_the_heads_raw_argmax_under_a_repetition_penalty():
     head_logits, fed = [], []
     model.mtp_heads[0].register_forward_hook(lambda mod, args, out: head_logits.append(model.lm_head(out)))
     model.register_forward_pre_hook(
-        lambda mod, args, kwargs: fed.append((kwargs["cache"].get_seq_length(), kwargs["input_ids"])), with_kwargs=True)
+        lambda mod, args, kwargs: fed.append(((kwargs.get("cache") or kwargs["past_key_values"]).get_seq_length(), kwargs["input_ids"])), with_kwargs=True)
     ids = torch.tensor([[2, 40, 41, 42, 43, 44, 45, 46]])
     settings = dict(do_sample=False, max_new_tokens=12, repetition_penalty=1000.0)
     with torch.no_grad():
