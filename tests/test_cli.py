@@ -105,8 +105,11 @@ def test_sigint_prints_one_line_and_leaves_nothing(tmp_path):
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), TRANSFORMERS_VERBOSITY="error")
     out = tmp_path / "t"
+    # The child starts with SIGINT's default action, as from a terminal: a runner launched as a background job of a
+    # non-interactive shell ignores SIGINT, and Python then keeps it ignored (no KeyboardInterrupt ever).
     proc = subprocess.Popen([sys.executable, "-u", "-m", "spike_whale", "init-tiny", str(out), "--train-steps", "100000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(tmp_path))
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(tmp_path),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in proc.stdout:  # training has started once the first loss line appears
         if line.startswith("step"):
             break
