@@ -124,7 +124,9 @@ class LoopSlotLayer(CacheLayerMixin):
         self.record_past = False  # set on every slot by `SpikeWhaleCache.activate_past_recording`
         self.history: dict[str, list] = {}
         # A tensor, as in transformers' `StaticLayer`: a compiled step advances it in place without a recompile.
+        # Eager code reads the host copy (as `StaticSlidingWindowLayer` keeps one), so a step costs no device sync.
         self.cumulative_length = torch.zeros((), dtype=torch.long)
+        self.cumulative_length_int: int | None = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -144,14 +146,22 @@ class LoopSlotLayer(CacheLayerMixin):
                 f"The cache holds {self.max_cache_len} positions but this step needs {end}; create a "
                 f"SpikeWhaleCache with a larger max_cache_len (at most max_position_embeddings)."
             )
-        self.cumulative_length.fill_(end)
+        self.set_length(end)
         return write_kv(self.keys, self.values, key_states, value_states, start)
+
+    def set_length(self, n: int | torch.Tensor) -> None:
+        """Set the slot's length: the tensor in place and, for an int (eager), its host copy; under torch.compile
+        (a 0-d tensor) the host copy is dropped and re-read once by the next eager `get_seq_length`."""
+        self.cumulative_length.fill_(n)
+        self.cumulative_length_int = n if isinstance(n, int) else None
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        return int(self.cumulative_length)
+        if self.cumulative_length_int is None:  # a compiled step advanced the tensor since the last host read
+            self.cumulative_length_int = int(self.cumulative_length)
+        return self.cumulative_length_int
 
     def get_max_length(self) -> int:
         return self.max_cache_len
@@ -165,7 +175,8 @@ class LoopSlotLayer(CacheLayerMixin):
         self.mc = None
         self.elo = None
         self.history = {}
-        self.cumulative_length = length.zero_()
+        self.cumulative_length = length
+        self.set_length(0)
 
     def _select(self, fn, kv_fn=None) -> None:
         self.history = {}  # recorded states are of the old batch
@@ -219,8 +230,9 @@ class SpikeWhaleCache(Cache):
         super().__init__(layers=[LoopSlotLayer(max_cache_len) for _ in range(config.num_loop_slots)])
         self.n_mc_segments = math.ceil(max_cache_len / config.mc_segment_len)
         # Positions cached, a tensor so that a compiled decode step reads and advances it in its graph (a Python int
-        # would be a constant of the graph: one recompile per step); `seq_len` reads it on the host.
+        # would be a constant of the graph: one recompile per step); eager code reads its host copy (`seq_len`).
         self.length = torch.zeros((), dtype=torch.long)
+        self._seq_len: int | None = 0
         self.key_valid: torch.Tensor | None = None  # [B, max_cache_len] bool
         self.num_real: torch.Tensor | None = None  # [B] long
         self.mc_segment: torch.Tensor | None = None  # [B] long
@@ -231,11 +243,20 @@ class SpikeWhaleCache(Cache):
 
     @property
     def seq_len(self) -> int:
-        return int(self.length)
+        """Positions cached, on the host: the copy kept with `length`, re-read from it (once) after a compiled step."""
+        if self._seq_len is None:
+            self._seq_len = int(self.length)
+        return self._seq_len
 
-    def _position(self):
-        """The current length for a history entry: the tensor itself (a copy) inside a compiled graph, else an int."""
-        return self.length.clone() if torch.compiler.is_compiling() else self.seq_len
+    def _set_length(self, n: int | torch.Tensor) -> None:
+        """Set the cache's length: `length` in place and, for an int (eager), the host copy; under torch.compile (a
+        0-d tensor) the host copy is dropped, so eager code never reads a stale one."""
+        self.length.fill_(n)
+        self._seq_len = n if isinstance(n, int) else None
+
+    def _position(self, device=None):
+        """The current length: inside a compiled graph a copy of the tensor (on `device` if given), else the host int."""
+        return self.length.to(device, copy=True) if torch.compiler.is_compiling() else self.seq_len
 
     @property
     def record_past(self) -> bool:
@@ -299,7 +320,7 @@ class SpikeWhaleCache(Cache):
             layer.keys, layer.values = update.kv
             layer.cumulative_length = layer.cumulative_length.to(layer.keys.device)
             layer.is_initialized = True
-        layer.cumulative_length.fill_(end)
+        layer.set_length(end)
         for kind in LoopSlotLayer.STATES:
             value = getattr(update, kind)
             if value is not None:
@@ -330,7 +351,7 @@ class SpikeWhaleCache(Cache):
         """Advance the shared state by one chunk once every slot has been written."""
         s = valid.shape[1]
         start = self._position()
-        at = torch.arange(s, device=self.length.device) + self.length  # the chunk's cache positions, no host sync
+        at = torch.arange(s, device=self.length.device) + start  # the chunk's cache positions, no host sync
         self.key_valid.index_copy_(1, at.to(self.key_valid.device), valid.to(self.key_valid.device))
         self.num_real += valid.sum(-1)
         if engram_c is not None:
@@ -346,13 +367,13 @@ class SpikeWhaleCache(Cache):
                 self._history["segment"] = entries
             self.mc_segment = mc_segment
         self._chunk_start = start
-        self.length.add_(s)
+        self._set_length(start + s)
 
     def engram_prefix(self, n: int) -> torch.Tensor | None:
         """The last `n` cached compressed vectors (zeros before position 0), or None on an empty cache."""
         if self.engram_c is None or n == 0 or (not torch.compiler.is_compiling() and self.seq_len == 0):
             return None
-        at = torch.arange(n, device=self.engram_c.device) + (self.length.to(self.engram_c.device) - n)
+        at = torch.arange(n, device=self.engram_c.device) + (self._position(self.engram_c.device) - n)
         return self.engram_c[:, at.clamp(min=0)] * (at >= 0)[None, :, None]
 
     def activate_past_recording(self) -> None:
@@ -409,7 +430,7 @@ class SpikeWhaleCache(Cache):
             for kind in LoopSlotLayer.STATES:
                 if (kind, slot) in restored:
                     setattr(layer, kind, restored[(kind, slot)])
-            layer.cumulative_length.fill_(new_len)
+            layer.set_length(new_len)
             if layer.is_initialized:
                 layer.keys[:, :, new_len:old_len] = 0
                 layer.values[:, :, new_len:old_len] = 0
@@ -420,7 +441,7 @@ class SpikeWhaleCache(Cache):
         self.key_valid[:, new_len:old_len] = False
         if self.engram_c is not None:
             self.engram_c[:, new_len:old_len] = 0
-        self.length.fill_(new_len)
+        self._set_length(new_len)
         self._chunk_start = new_len
         self._trim_history(lambda v: [(p, s) for p, s in v if p <= new_len][-1:])
 
@@ -454,7 +475,7 @@ class SpikeWhaleCache(Cache):
 
     def reset(self) -> None:
         super().reset()
-        self.length = torch.zeros((), dtype=torch.long)
+        self._set_length(0)
         self.key_valid = self.num_real = self.mc_segment = self.engram_c = None
         self._history = {}
         self.record_past = False

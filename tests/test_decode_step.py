@@ -15,7 +15,7 @@ import transformers
 from packaging import version
 
 from spike_whale import modeling_spike_whale as msw
-from spike_whale.generation_utils import LoopSlotLayer
+from spike_whale.generation_utils import CACHE_FIELD, LoopSlotLayer, SpikeWhaleCache
 
 from conftest import tiny_model
 
@@ -309,6 +309,8 @@ def test_transformers_own_compiled_call_runs_the_whole_decode_step_as_one_graph(
     assert model._compiled_call is not None
     assert torch.equal(eager.sequences, compiled.sequences)
     assert max(float((a - b).abs().max()) for a, b in zip(eager.logits, compiled.logits)) <= TOL
+    # The compiled steps advanced the length tensor only; the host copy is re-read from it, not left stale.
+    assert getattr(compiled, CACHE_FIELD).get_seq_length() == ids.shape[1] + 3 * L - 1
 
 
 def test_each_slot_owns_its_state_and_rollback_history(model):
@@ -370,3 +372,55 @@ def test_memory_cache_turns_autocast_off_only_where_it_is_on(monkeypatch):
         with autocast("cpu", dtype=torch.bfloat16):
             model(ids)
     assert entered and all(kw.get("enabled") is False for kw in entered)
+
+
+class HostReadCounter(torch.Tensor):
+    """A cache length tensor that records every host read (`int()`, `bool()`, `.item()`, ...) of itself or of any
+    tensor computed from it: on CUDA each is a device-to-host sync."""
+
+    HOST_READS = {"__int__", "__index__", "__bool__", "__float__", "__format__", "item", "tolist"}
+    reads: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in cls.HOST_READS:
+            cls.reads.append(func.__name__)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_eager_decoding_never_reads_the_cache_length_tensors_on_the_host(model, monkeypatch):
+    """Eager code reads the host copies of `SpikeWhaleCache.length` and each slot's `cumulative_length` (kept with the
+    tensors by every update, crop, reset and reorder), so an eager generate never syncs on them: greedy on a
+    left-padded batch across three Memory-Cache segment boundaries, beam search (reorder), assisted decoding (crop
+    every step, both models' caches) and a reset. The ids still equal a recompute without cache."""
+    cache_init, layer_init = SpikeWhaleCache.__init__, LoopSlotLayer.__init__
+
+    def cache_counted(self, *args, **kwargs):
+        cache_init(self, *args, **kwargs)
+        self.length = self.length.as_subclass(HostReadCounter)
+
+    def layer_counted(self, *args, **kwargs):
+        layer_init(self, *args, **kwargs)
+        self.cumulative_length = self.cumulative_length.as_subclass(HostReadCounter)
+
+    monkeypatch.setattr(SpikeWhaleCache, "__init__", cache_counted)
+    monkeypatch.setattr(LoopSlotLayer, "__init__", layer_counted)
+    monkeypatch.setattr(HostReadCounter, "reads", [])
+    ids, mask = batch(seed=11)
+    ids, mask = ids[:, :L + 3], mask[:, :L + 3]
+    kw = dict(attention_mask=mask, max_new_tokens=3 * L, min_new_tokens=3 * L, pad_token_id=0)
+    with torch.no_grad():
+        greedy = model.generate(ids, do_sample=False, **kw)
+        beams = model.generate(ids, do_sample=False, num_beams=2, **kw)
+        assisted = model.generate(ids[:1], do_sample=False, assistant_model=model, max_new_tokens=L, pad_token_id=0)
+        cache = model(ids, attention_mask=mask, use_cache=True).cache
+        cache.reset()
+        assert cache.get_seq_length() == 0 and all(layer.get_seq_length() == 0 for layer in cache.layers)
+    assert HostReadCounter.reads == []
+    assert isinstance(cache.length, HostReadCounter)  # the counted tensors were the ones in use
+    monkeypatch.undo()
+    with torch.no_grad():
+        assert torch.equal(greedy, model.generate(ids, do_sample=False, use_cache=False, **kw))
+        assert torch.equal(beams, model.generate(ids, do_sample=False, num_beams=2, use_cache=False, **kw))
+        assert torch.equal(assisted, model.generate(ids[:1], do_sample=False, max_new_tokens=L, pad_token_id=0))
+
