@@ -1900,7 +1900,9 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         (`SpikeWhaleAttention.fuse_input_projections`), and on CPU the FFN weights and the rank→hidden
         up-projections are stored column-major, which MKL reads 10-25% faster for a batch of a few rows. On CPU,
         `options={"cpp_wrapper": True}` trims the per-kernel dispatch further (4-9% faster at batch 1 in two
-        benchmark runs) for about twice the compile time.
+        benchmark runs) for about twice the compile time. On CPU inductor's pattern matcher is off unless some weight is
+        quantized (a tensor subclass, such as torchao's int8 weights): its one-query attention rewrite is slower, but
+        inductor's int8 weight-only lowering lives there (an explicit `options={"pattern_matcher": ...}` wins).
         """
         if not enable:
             self.model._compiled_run, self.model._compiled_for = None, None
@@ -1926,8 +1928,11 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
                 for linear in self._column_major_linears():
                     if type(linear.weight.data) is torch.Tensor:  # a quantized weight keeps its own layout
                         linear.weight.data = linear.weight.data.t().contiguous().t()
-            # Its attention rewrite swaps in a CPU SDPA kernel slower than the two small matmuls of one query.
-            options["pattern_matcher"] = False
+            # Its attention rewrite swaps in a CPU SDPA kernel slower than the two small matmuls of one query; but it
+            # also holds inductor's int8 weight-only lowering (`_weight_int8pack_mm`), so quantized (tensor-subclass)
+            # weights keep it on.
+            if all(type(p.data) is torch.Tensor for p in self.parameters()):
+                options["pattern_matcher"] = False
         for layer in self.model.layers:
             layer.attn.fuse_input_projections()
         options.update(compile_kwargs.pop("options", None) or {})

@@ -424,3 +424,24 @@ def test_eager_decoding_never_reads_the_cache_length_tensors_on_the_host(model, 
         assert torch.equal(beams, model.generate(ids, do_sample=False, num_beams=2, use_cache=False, **kw))
         assert torch.equal(assisted, model.generate(ids[:1], do_sample=False, max_new_tokens=L, pad_token_id=0))
 
+
+class MarkedWeight(torch.Tensor):
+    """A weight of another tensor type, as torchao's quantized weights are (`AffineQuantizedTensor`, ...)."""
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_compile_decode_keeps_the_pattern_matcher_for_quantized_weights_on_cpu(monkeypatch, quantized):
+    """On CPU compile_decode turns inductor's pattern matcher off (its one-query attention rewrite is slower), except
+    when a weight is a tensor subclass (torchao int8): inductor's int8 weight-only lowering is a pattern there, so
+    the standard `compile_config` reaches it with no option of the user's. Checked on the options handed to
+    torch.compile (nothing is compiled); a caller's explicit option still wins."""
+    model = tiny_model(seed=3)
+    if quantized:
+        ffn = next(m for m in model.modules() if isinstance(m, msw.SpikeWhaleMLP)).up_proj
+        ffn.weight = torch.nn.Parameter(ffn.weight.detach().as_subclass(MarkedWeight), requires_grad=False)
+    seen = []
+    monkeypatch.setattr(msw.torch, "compile", lambda fn, **kwargs: seen.append(kwargs["options"]) or fn)
+    model.compile_decode()
+    model.compile_decode(options={"pattern_matcher": not quantized})
+    model.compile_decode(enable=False)
+    assert [o.get("pattern_matcher", True) for o in seen] == [quantized, not quantized]
