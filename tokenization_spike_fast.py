@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from tokenizers import AddedToken as BackendAddedToken
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
-from transformers.tokenization_utils_base import AddedToken
+from transformers import BatchEncoding, PreTrainedTokenizerFast
+from transformers.tokenization_utils_base import AddedToken, PaddingStrategy, TruncationStrategy
 
 from .tokenization_spike import (
     BASE_SPECIAL_TOKENS,
@@ -284,6 +284,8 @@ class SpikeTokenizerFast(PreTrainedTokenizerFast):
         stripped = None
         if add_special_tokens and self.add_bos_token and not split and not is_split_into_words:
             text, text_pair, stripped = _strip_leading_bos(text, text_pair)
+        if not args and text_pair is None and not is_split_into_words and _offsets_unused(text, kwargs):
+            return self._encode_without_offsets(text, add_special_tokens, split, **kwargs)
         backend = self._tokenizer
         plain = backend.pre_tokenizer
         if is_split_into_words:
@@ -309,6 +311,49 @@ class SpikeTokenizerFast(PreTrainedTokenizerFast):
                         row[j] = (start + len(BOS_TOKEN), end + len(BOS_TOKEN))
         out.convert_to_tensors(return_tensors)
         return out
+
+    def _encode_without_offsets(
+        self,
+        text,
+        add_special_tokens: bool,
+        split_special_tokens: bool,
+        padding_strategy=PaddingStrategy.DO_NOT_PAD,
+        truncation_strategy=TruncationStrategy.DO_NOT_TRUNCATE,
+        max_length=None,
+        stride: int = 0,
+        pad_to_multiple_of=None,
+        padding_side=None,
+        return_tensors=None,
+        return_attention_mask=None,
+        return_special_tokens_mask: bool = False,
+        return_length: bool = False,
+        verbose: bool = True,
+        **_unused,
+    ) -> BatchEncoding:
+        """`_encode_plus` when no offsets are returned: `encode_batch_fast` (no character offsets, about 1.3x the
+        throughput), with the `tokenizers.Encoding`s of `BatchEncoding.encodings` made on first read."""
+        batched = not isinstance(text, str)
+        batch = list(text) if batched else [text]
+        self.set_truncation_and_padding(padding_strategy=padding_strategy, truncation_strategy=truncation_strategy,
+                                        max_length=max_length, stride=stride, pad_to_multiple_of=pad_to_multiple_of,
+                                        padding_side=padding_side)
+        backend = self._tokenizer
+        if backend.encode_special_tokens != split_special_tokens:
+            backend.encode_special_tokens = split_special_tokens
+        encodings = backend.encode_batch_fast(batch, add_special_tokens=add_special_tokens)
+        data = {"input_ids": [e.ids for e in encodings]}
+        if return_attention_mask if return_attention_mask is not None else "attention_mask" in self.model_input_names:
+            data["attention_mask"] = [e.attention_mask for e in encodings]
+        if return_special_tokens_mask:
+            data["special_tokens_mask"] = [e.special_tokens_mask for e in encodings]
+        if return_length:
+            data["length"] = [len(ids) for ids in data["input_ids"]]
+        for ids in data["input_ids"]:
+            self._eventual_warn_about_too_long_sequence(ids, max_length, verbose)
+        if not batched and return_tensors is None:
+            data = {key: value[0] if isinstance(value[0], list) else value for key, value in data.items()}
+        return BatchEncoding(data, EncodingsOnDemand(backend, batch, add_special_tokens), tensor_type=return_tensors,
+                             n_sequences=1)
 
     def _pre_tokenizer_for_words(self):
         """Pretokenized input: each word gets a leading space unless it has one (GPT-2/RoBERTa convention)."""
@@ -340,6 +385,66 @@ class SpikeTokenizerFast(PreTrainedTokenizerFast):
         token_ids = [i if 0 <= i < VOCAB_SIZE else UNK_ID for i in map(int, token_ids) if i not in unused]
         return super()._decode(token_ids, skip_special_tokens=skip_special_tokens,
                                clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kwargs)
+
+
+class EncodingsOnDemand(Sequence):
+    """`BatchEncoding.encodings` of a call that returned no offsets: the rows encoded again with character offsets
+    (`encode_batch`, under the call's truncation, padding and special-token settings) when one is first read, so
+    ``char_to_token``, ``word_ids``, ``tokens`` and the `tokenizers.Encoding`s are those of a plain fast call."""
+
+    def __init__(self, backend: Tokenizer, batch: list[str], add_special_tokens: bool):
+        self._backend = backend
+        self._batch = batch
+        self._add_special_tokens = add_special_tokens
+        self._settings = (backend.truncation, backend.padding, backend.encode_special_tokens)
+        self._encodings = None
+
+    @property
+    def computed(self) -> bool:
+        return self._encodings is not None
+
+    def _all(self) -> list:
+        if self._encodings is None:
+            backend = self._backend
+            saved = (backend.truncation, backend.padding, backend.encode_special_tokens)
+            _configure(backend, *self._settings)
+            try:
+                self._encodings = backend.encode_batch(self._batch, add_special_tokens=self._add_special_tokens)
+            finally:
+                _configure(backend, *saved)
+        return self._encodings
+
+    def __len__(self) -> int:
+        return len(self._batch)
+
+    def __getitem__(self, index):
+        return self._all()[index]
+
+    def __reduce__(self):
+        return list, (self._all(),)
+
+
+def _configure(backend: Tokenizer, truncation, padding, encode_special_tokens: bool) -> None:
+    if truncation is None:
+        backend.no_truncation()
+    else:
+        backend.enable_truncation(**truncation)
+    if padding is None:
+        backend.no_padding()
+    else:
+        backend.enable_padding(**padding)
+    backend.encode_special_tokens = encode_special_tokens
+
+
+def _offsets_unused(text, kwargs) -> bool:
+    """True when a call returns nothing that needs character offsets or `tokenizers` overflow/type ids."""
+    if isinstance(text, (list, tuple)):
+        if not text or not all(isinstance(t, str) for t in text):
+            return False
+    elif not isinstance(text, str):
+        return False
+    return not any(kwargs.get(key) for key in ("return_offsets_mapping", "return_overflowing_tokens",
+                                                "return_token_type_ids", "sanitize_control_tokens"))
 
 
 def _special(token):

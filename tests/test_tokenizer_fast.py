@@ -136,6 +136,49 @@ def test_offsets_fast_and_clear_error_slow(pair):
         slow(text, return_offsets_mapping=True)
 
 
+def test_call_without_offsets_makes_encodings_on_first_read(pair):
+    """A call that returns no offsets encodes with `encode_batch_fast` (no character offsets; about 1.3x the
+    throughput, benchmarks/bench_tokenizer.py). Its `BatchEncoding` equals a call's that asked for offsets, and its
+    `tokenizers.Encoding`s are made on first read, under that call's padding, truncation and special-token
+    settings even after later calls changed them."""
+    import pickle
+
+    import tokenizers
+
+    _, fast = pair
+    texts = ["The harbour wé中😀", "<bos>hi <|im_end|> there", "é" * 30, ""]
+    calls = ({}, {"padding": True}, {"padding": "max_length", "max_length": 12, "truncation": True},
+             {"truncation": True, "max_length": 3}, {"add_special_tokens": False}, {"split_special_tokens": True},
+             {"return_length": True, "return_special_tokens_mask": True, "return_attention_mask": False},
+             {"padding": True, "pad_to_multiple_of": 8, "padding_side": "right", "return_tensors": "pt"})
+    made = []
+    for kwargs in calls:
+        for text in (texts, texts[1]):
+            lazy = fast(text, **kwargs)
+            assert not lazy.encodings.computed and lazy.is_fast and lazy.n_sequences == 1
+            made.append((text, kwargs, lazy))
+    for text, kwargs, lazy in made:  # read after every call above has reset the backend's settings
+        full = fast(text, return_offsets_mapping=True, **kwargs)
+        full.pop("offset_mapping")
+        assert lazy.keys() == full.keys(), kwargs
+        for key in full:
+            same = lazy[key] == full[key]
+            assert same.all() if hasattr(same, "all") else same, (kwargs, key)
+        rows = len(text) if isinstance(text, list) else 1
+        assert len(lazy.encodings) == rows
+        for i in range(rows):
+            got, want = lazy.encodings[i], full.encodings[i]
+            assert isinstance(got, tokenizers.Encoding)
+            assert (got.ids, got.offsets, got.attention_mask) == (want.ids, want.offsets, want.attention_mask)
+            assert lazy.tokens(i) == full.tokens(i) and lazy.word_ids(i) == full.word_ids(i)
+        assert lazy.encodings.computed
+        again = pickle.loads(pickle.dumps(fast(text, **kwargs)))
+        assert [e.offsets for e in again.encodings] == [e.offsets for e in full.encodings]
+    assert fast("é中x").char_to_token(1) == 2 and fast.encode("é中x") == fast("é中x")["input_ids"]
+    # the last call's settings are what the backend holds after the reads
+    assert fast.backend_tokenizer.truncation is None and fast.backend_tokenizer.padding is None
+
+
 def test_pretokenized_words(pair):
     """Issue 10 item 8: ["hello", "world"] with is_split_into_words=True is " hello world", not "helloworld"."""
     slow, fast = pair
