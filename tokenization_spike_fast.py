@@ -5,17 +5,19 @@ Greedy longest match over UTF-8 bytes as a standard `tokenizers` pipeline, saved
 that ``tokenizers.Tokenizer.from_file`` loads alone::
 
     pre_tokenizer  ByteLevel(use_regex=False)        text -> one character per UTF-8 byte (GPT-2 byte alphabet)
-                   Split(TRIE, "isolated")            the greedy segmentation: TRIE is `greedy_trie_pattern`
-                                                      over the regular tokens (Oniguruma's ordered alternation
-                                                      backs off to the longest token, as Python's `re` does),
-                                                      children grouped behind first-character lookaheads
-    model          WordLevel                          each piece is a vocab key: one hash lookup
+                   Split(PIECES, "isolated")          pieces of up to 2 consecutive greedy tokens (`piece_pattern`)
+    model          WordPiece(prefix "")               cuts each piece again by longest match: its greedy tokens
     decoder        ByteLevel                          bytes -> UTF-8 with U+FFFD for broken sequences
     post_processor TemplateProcessing                 "<bos> $A" (add_bos_token=True)
 
-Every special is an added token at its released id.  The WordPiece alternative (empty continuing-subword
-prefix over byte-level input) is exact too, but `tokenizers` 0.23's WordPiece is cubic in the length of a piece
-and there the whole text is one piece (10,000 characters took about 39 s); Split + WordLevel is linear.
+PIECES repeats TRIE, `greedy_trie_pattern` over the regular tokens (Oniguruma's ordered alternation backs off to
+the longest token, as Python's `re` does; children grouped behind first-character lookaheads), so each piece is a
+run of greedy tokens.  WordPiece re-finds them: at a token's start, a longer vocab key that is a prefix of the
+rest of the piece would be a longer greedy token (impossible) or a key greedy matching never emits (a special,
+a token over max_token_len); pieces never go on past a token that starts with the first character of such a key.
+Every special is an added token at its released id.  Two tokens a piece (`PIECE_TOKENS`) is about 1.1x one
+token a piece with WordLevel: `tokenizers` pays per piece, WordPiece per probe of the piece's tail; the whole
+text as one WordPiece word is exact too but cubic (10,000 characters took about 39 s).
 
 A folder that holds only the released vocab (``spike_vocab.json``, or a custom-format ``tokenizer.json``)
 still loads: the pipeline is built from it on the fly.
@@ -63,6 +65,8 @@ from .tokenization_spike import (
 TOKENIZER_FILE_NAME = "tokenizer.json"
 # Oniguruma tries ordered alternatives one by one: lookahead-guarded groups of at most 4 (`greedy_trie_pattern`).
 TRIE_DISPATCH = 4
+# Greedy tokens per Split piece: 2 and 3 measured alike (about 1.1x of 1), 4 back at 1 (WordPiece probes more).
+PIECE_TOKENS = 2
 _ALL_SPECIALS = BASE_SPECIAL_TOKENS + SPECIAL_TOKENS + RESERVED_TOKENS
 _SPECIAL_IDS = {
     **{tok: i for i, tok in enumerate(BASE_SPECIAL_TOKENS)},
@@ -117,11 +121,11 @@ def build_backend(data: Mapping) -> Tokenizer:
     defined = set(vocab.values())
     vocab.update({unused_token(i): i for i in range(FIRST_MULTIBYTE_ID, SPECIAL_START_ID) if i not in defined})
 
-    backend = Tokenizer(models.WordLevel(vocab, unk_token=UNK_TOKEN))
+    backend = Tokenizer(models.WordPiece(vocab, unk_token=UNK_TOKEN, continuing_subword_prefix="",
+                                         max_input_chars_per_word=PIECE_TOKENS * max_token_len))
     backend.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-        pre_tokenizers.Split(Regex(greedy_trie_pattern(greedy, escape=_onig_escape, dispatch=TRIE_DISPATCH)),
-                             behavior="isolated"),
+        pre_tokenizers.Split(Regex(piece_pattern(greedy, vocab, PIECE_TOKENS)), behavior="isolated"),
     ])
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([
@@ -132,6 +136,29 @@ def build_backend(data: Mapping) -> Tokenizer:
         if backend.token_to_id(tok) != idx:
             raise ValueError(f"special token {tok!r} landed at id {backend.token_to_id(tok)}, the layout requires {idx}")
     return backend
+
+
+def piece_pattern(greedy: list[str], vocab: Mapping[str, int], tokens_per_piece: int) -> str:
+    """A `Split` regex whose successive matches are runs of up to `tokens_per_piece` greedy tokens (byte-level), cut
+    so that WordPiece's longest match over `vocab` gives back exactly those tokens.
+
+    Keys of `vocab` that greedy matching never emits (specials, tokens over max_token_len) could win WordPiece's
+    longest match at a token's start; a token starting with the first character of such a key is therefore always
+    a piece of its own, where the longest key that is a prefix of the piece is the piece.  Each repetition matches
+    the greedy token at its position (every first character belongs to exactly one of the two tries, and all 256
+    bytes are tokens), and nothing follows the repetition, so the engine never backtracks into it.
+    """
+    greedy_set, alphabet = set(greedy), set(_BYTE_CHAR.values())
+    alone = {key[0] for key in vocab if key not in greedy_set and key[0] in alphabet}
+    runs = [tok for tok in greedy if tok[0] not in alone]
+    singles = [tok for tok in greedy if tok[0] in alone]
+    alts = []
+    if runs:
+        trie = greedy_trie_pattern(runs, escape=_onig_escape, dispatch=TRIE_DISPATCH)
+        alts.append(f"(?:{trie}){{1,{tokens_per_piece}}}")
+    if singles:
+        alts.append(greedy_trie_pattern(singles, escape=_onig_escape, dispatch=TRIE_DISPATCH))
+    return "|".join(alts)
 
 
 def _vocab_data_from_backend(backend: Tokenizer) -> dict:
@@ -484,4 +511,4 @@ def _is_backend_file(path) -> bool:
     return '"version"' in head and not head.lstrip().startswith('{"vocab"')
 
 
-__all__ = ["SpikeTokenizerFast", "build_backend", "bytes_to_unicode", "TOKENIZER_FILE_NAME"]
+__all__ = ["SpikeTokenizerFast", "build_backend", "bytes_to_unicode", "piece_pattern", "TOKENIZER_FILE_NAME"]
