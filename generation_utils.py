@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.utils import logging
@@ -747,17 +747,23 @@ class HealedTailLogitsProcessor(LogitsProcessor):
         per_prompt = input_ids.shape[0] // len(self.tails)  # beams and return sequences repeat each prompt
         allowed = torch.ones_like(scores, dtype=torch.bool)
         for row, generated in enumerate(new.tolist()):
-            rest = self.tails[row // per_prompt]
-            for token in generated:
-                text = self.index.text_of.get(token)
-                # A token off the tail (a finished row's padding) ends the constraint as covering the tail does.
-                rest = rest[len(text):] if text is not None and rest.startswith(text) else ""
-                if not rest:
-                    break
+            rest, _ = self.spell_tail(self.tails[row // per_prompt], generated)
             if rest:
                 allowed[row] = False
                 allowed[row, [self.index.longest_prefix(rest), *self.index.extending(rest)]] = True
         return scores.masked_fill(~allowed, -float("inf"))
+
+    def spell_tail(self, tail: str, generated: list[int]) -> tuple[str, int]:
+        """What is left of `tail` after the new tokens `generated`, and how many of them spelled it (all of it once
+        the tail is covered)."""
+        rest = tail
+        for spent, token in enumerate(generated):
+            if not rest:
+                return rest, spent
+            text = self.index.text_of.get(token)
+            # A token off the tail (a finished row's padding) ends the constraint as covering the tail does.
+            rest = rest[len(text):] if text is not None and rest.startswith(text) else ""
+        return rest, len(generated)
 
 
 def _heal_prompt(ids: torch.Tensor, mask: torch.Tensor | None, tokenizer):
@@ -799,6 +805,25 @@ def _heal_prompt(ids: torch.Tensor, mask: torch.Tensor | None, tokenizer):
     return new_ids, new_mask, HealedTailLogitsProcessor(tails, width, index)
 
 
+class MaxNewTokensAfterHealedTail(StoppingCriteria):
+    """Token healing's length accounting: a row is done once it has `max_new_tokens` tokens after those that spell
+    its healed tail again, so the rebuilt tail counts as prompt (transformers' `heal_tokens` does not count its
+    healed token either). `generate`'s own limit is raised by the most tail tokens a row dropped."""
+
+    def __init__(self, healing: HealedTailLogitsProcessor, max_new_tokens: int):
+        self.healing = healing
+        self.max_new_tokens = max_new_tokens
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        tails = self.healing.tails
+        per_prompt = input_ids.shape[0] // len(tails)
+        done = []
+        for row, generated in enumerate(input_ids[:, self.healing.prompt_length:].tolist()):
+            rest, spent = self.healing.spell_tail(tails[row // per_prompt], generated)
+            done.append(not rest and len(generated) - spent >= self.max_new_tokens)
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
 def spike_whale_generate(model, parent_generate, inputs=None, generation_config=None, **kwargs):
     """Body of `SpikeWhaleForCausalLM.generate` (see its docstring): checks the inputs and the context window before
     any work, applies the opt-in prompt truncation, routes `use_mtp=True` to `mtp_speculative_generate` (through the
@@ -828,8 +853,22 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     _check_generate_inputs(ids, embeds, mask, model.config.bos_token_id)
     if ids is not None and (kwargs.get("token_healing") or getattr(eff, "token_healing", False)):
+        if cache is not None and cache.get_seq_length() > 0:
+            raise ValueError(
+                f"token_healing=True re-tokenizes the end of the prompt, but the cache passed in already holds "
+                f"{cache.get_seq_length()} of its positions, which healing would change under it. Continue from the "
+                "cache with token_healing=False, or heal the whole prompt from a fresh cache (cache=None)."
+            )
+        real = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
+        budget = eff.max_new_tokens if eff.max_new_tokens is not None else eff.max_length - ids.shape[-1]
         ids, mask, healing = _heal_prompt(ids, mask, kwargs.get("tokenizer"))
+        dropped = int((real.sum(-1) - (mask.sum(-1) if mask is not None else ids.shape[-1])).max())
         kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), healing])
+        if dropped:  # the tail spelled again is prompt: each row gets `budget` tokens after it
+            kwargs["stopping_criteria"] = StoppingCriteriaList(
+                [*(kwargs.get("stopping_criteria") or []), MaxNewTokensAfterHealedTail(healing, budget)])
+            kwargs.pop("max_length", None)
+            kwargs["max_new_tokens"] = eff.max_new_tokens = budget + dropped
         kwargs["token_healing"] = False
         kwargs["attention_mask"] = mask
         if inputs is not None:

@@ -657,3 +657,47 @@ def test_token_healing_keeps_bos_and_a_fitting_mask(tokenizer):
         assert all(torch.equal(r, out) for r in runs), runs  # the healed token is picked greedily
         assert out[0, 0] == bos and not (out[0] == pad).any(), out
         assert tokenizer.decode(out[0], skip_special_tokens=True).startswith(text.strip())
+
+
+def greedy_tiny_tokenizer():
+    """Byte tokens plus ' wh', ' who ', 'or': "x who" tokenizes as 'x', ' wh', 'o', and ' who ' can cross its end."""
+    from spike_whale.tokenization_spike import SpikeTokenizer
+
+    vocab = {chr(b): b + 4 for b in range(256)}
+    vocab.update({t: 260 + i for i, t in enumerate([" wh", " who ", "or"])})
+    tok = SpikeTokenizer({"vocab": vocab, "max_token_len": 8})
+    tok.padding_side = "left"
+    return tok
+
+
+@pytest.mark.parametrize("respell", [[" wh", "o"], [" who "]])
+def test_token_healing_tail_does_not_count_against_the_length_limit(model, respell):
+    """The tail token healing drops (' wh', 'o' of "x who") and the first new tokens spell again is prompt, as
+    transformers' heal_tokens does not count its healed token: max_new_tokens=4, or the max_length that gives 4 on
+    the prompt as passed, leaves 4 tokens after the tail whether it is spelled again in two tokens or crossed by one;
+    a row with nothing to heal stops after 4 and is padded."""
+    tok = greedy_tiny_tokenizer()
+    ids_of = tok.convert_tokens_to_ids
+    enc = tok(["x who", "xyz"], return_tensors="pt", padding=True)
+    assert enc["input_ids"].shape[1] == 4
+    kw = dict(do_sample=False, token_healing=True, tokenizer=tok, pad_token_id=0, suppress_tokens=[3],
+              sequence_bias={(ids_of(t),): 50.0 for t in respell})
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=4, **kw)
+        assert torch.equal(out, model.generate(**enc, max_length=4 + 4, **kw))
+    healed_width = 4  # "xyz" keeps its 4 tokens; "x who" keeps <bos>, 'x'
+    assert out.shape[1] == healed_width + len(respell) + 4
+    assert out[0, :healed_width + len(respell)].tolist() == [0, 0, 2, ids_of("x")] + ids_of(respell)
+    assert (out[1, healed_width:healed_width + 4] != 0).all() and (out[1, healed_width + 4:] == 0).all()
+
+
+def test_token_healing_refuses_a_cache_that_already_holds_the_prompt(model):
+    """Healing re-tokenizes the prompt's end, which a passed cache holding those positions cannot follow: refused
+    before any work, naming the way out."""
+    tok = greedy_tiny_tokenizer()
+    enc = tok(["x who"], return_tensors="pt")
+    with torch.no_grad():
+        cache = model(enc["input_ids"][:, :-1], use_cache=True).cache
+        with pytest.raises(ValueError, match="token_healing=False"):
+            model.generate(**enc, cache=cache, max_new_tokens=2, token_healing=True, tokenizer=tok)
+    assert cache.get_seq_length() == 3
