@@ -236,21 +236,29 @@ def test_tokenizer_json_is_standard_and_old_folders_load(pair, tmp_path):
 
 
 def test_autotokenizer_fast_by_default_slow_by_class(pair, tmp_path, fresh_python):
+    """auto_map lists [slow, fast]. transformers 5 drops `use_fast` before it reads auto_map ("V5: Always use fast
+    tokenizers", tokenization_auto.py) and takes the fast entry whenever there is one, so use_fast=False still gives
+    SpikeTokenizerFast; the slow class is loaded by name (README). If transformers honours use_fast again, this fails."""
     slow, fast = pair
     fast.save_pretrained(tmp_path / "tok")
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    assert config["auto_map"]["AutoTokenizer"] == ["tokenization_spike.SpikeTokenizer",
+                                                   "tokenization_spike_fast.SpikeTokenizerFast"]
     out = fresh_python(f"""
         import json
         from transformers import AutoTokenizer
         from transformers.dynamic_module_utils import get_class_from_dynamic_module
         path = {str(tmp_path / "tok")!r}
         auto = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+        asked_slow = AutoTokenizer.from_pretrained(path, trust_remote_code=True, use_fast=False)
         slow_cls = get_class_from_dynamic_module("tokenization_spike.SpikeTokenizer", path)
         slow = slow_cls.from_pretrained(path)
         text = "The harbour <|im_end|> é"
-        print(json.dumps([type(auto).__name__, type(slow).__name__, auto(text)["input_ids"], slow(text)["input_ids"]]))
+        print(json.dumps([type(auto).__name__, type(slow).__name__, type(asked_slow).__name__,
+                          auto(text)["input_ids"], slow(text)["input_ids"]]))
     """)
-    auto_cls, slow_cls, a, b = json.loads(out.strip().splitlines()[-1])
-    assert (auto_cls, slow_cls) == ("SpikeTokenizerFast", "SpikeTokenizer")
+    auto_cls, slow_cls, asked_slow_cls, a, b = json.loads(out.strip().splitlines()[-1])
+    assert (auto_cls, slow_cls, asked_slow_cls) == ("SpikeTokenizerFast", "SpikeTokenizer", "SpikeTokenizerFast")
     assert a == b == slow("The harbour <|im_end|> é")["input_ids"]
 
 
