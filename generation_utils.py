@@ -824,6 +824,19 @@ class MaxNewTokensAfterHealedTail(StoppingCriteria):
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
+def _with_fields(generation_config: GenerationConfig | None, kwargs: dict, fields: dict) -> GenerationConfig | None:
+    """Set generation fields where the call carries its settings: in `kwargs`, or in a copy of the
+    `generation_config` passed (transformers warns when a call mixes the two). Returns the config to pass on."""
+    if generation_config is None:
+        kwargs.update(fields)
+        return None
+    generation_config = copy.deepcopy(generation_config)
+    generation_config.update(**fields)
+    for name in fields:
+        kwargs.pop(name, None)
+    return generation_config
+
+
 def spike_whale_generate(model, parent_generate, inputs=None, generation_config=None, **kwargs):
     """Body of `SpikeWhaleForCausalLM.generate` (see its docstring): checks the inputs and the context window before
     any work, applies the opt-in prompt truncation, routes `use_mtp=True` to `mtp_speculative_generate` (through the
@@ -864,12 +877,13 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
         ids, mask, healing = _heal_prompt(ids, mask, kwargs.get("tokenizer"))
         dropped = int((real.sum(-1) - (mask.sum(-1) if mask is not None else ids.shape[-1])).max())
         kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), healing])
+        fields = {"token_healing": False}
         if dropped:  # the tail spelled again is prompt: each row gets `budget` tokens after it
             kwargs["stopping_criteria"] = StoppingCriteriaList(
                 [*(kwargs.get("stopping_criteria") or []), MaxNewTokensAfterHealedTail(healing, budget)])
             kwargs.pop("max_length", None)
-            kwargs["max_new_tokens"] = eff.max_new_tokens = budget + dropped
-        kwargs["token_healing"] = False
+            fields["max_new_tokens"] = eff.max_new_tokens = budget + dropped
+        generation_config = _with_fields(generation_config, kwargs, fields)
         kwargs["attention_mask"] = mask
         if inputs is not None:
             inputs = ids

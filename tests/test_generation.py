@@ -8,6 +8,7 @@ canary test at the end shows that it does. Untied embeddings give non-degenerate
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import torch
 import transformers
 from packaging import version
 from transformers import (
+    GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
     StoppingCriteria,
@@ -671,7 +673,7 @@ def greedy_tiny_tokenizer():
 
 
 @pytest.mark.parametrize("respell", [[" wh", "o"], [" who "]])
-def test_token_healing_tail_does_not_count_against_the_length_limit(model, respell):
+def test_token_healing_tail_does_not_count_against_the_length_limit(model, respell, caplog):
     """The tail token healing drops (' wh', 'o' of "x who") and the first new tokens spell again is prompt, as
     transformers' heal_tokens does not count its healed token: max_new_tokens=4, or the max_length that gives 4 on
     the prompt as passed, leaves 4 tokens after the tail whether it is spelled again in two tokens or crossed by one;
@@ -685,6 +687,11 @@ def test_token_healing_tail_does_not_count_against_the_length_limit(model, respe
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=4, **kw)
         assert torch.equal(out, model.generate(**enc, max_length=4 + 4, **kw))
+        # The same settings as a generation_config: the same ids, and healing adds no generate argument beside it.
+        config = GenerationConfig(max_new_tokens=4, **{k: v for k, v in kw.items() if k != "tokenizer"})
+        with caplog.at_level(logging.WARNING):
+            assert torch.equal(out, model.generate(**enc, generation_config=config, tokenizer=tok))
+        assert not [r for r in caplog.records if "together with generation-related" in r.getMessage()]
     healed_width = 4  # "xyz" keeps its 4 tokens; "x who" keeps <bos>, 'x'
     assert out.shape[1] == healed_width + len(respell) + 4
     assert out[0, :healed_width + len(respell)].tolist() == [0, 0, 2, ids_of("x")] + ids_of(respell)
