@@ -14,7 +14,7 @@ PIECES repeats TRIE, `greedy_trie_pattern` over the regular tokens (Oniguruma's 
 the longest token, as Python's `re` does; children grouped behind first-character lookaheads), so each piece is a
 run of greedy tokens.  WordPiece re-finds them: at a token's start, a longer vocab key that is a prefix of the
 rest of the piece would be a longer greedy token (impossible) or a key greedy matching never emits (a special,
-a token over max_token_len); pieces never go on past a token that starts with the first character of such a key.
+a token over max_token_len), and a token that starts with the first character of such a key is a piece of its own.
 Every special is an added token at its released id.  Two tokens a piece (`PIECE_TOKENS`) is about 1.1x one
 token a piece with WordLevel: `tokenizers` pays per piece, WordPiece per probe of the piece's tail; the whole
 text as one WordPiece word is exact too but cubic (10,000 characters took about 39 s).
@@ -255,7 +255,7 @@ class SpikeTokenizerFast(PreTrainedTokenizerFast):
     @classmethod
     def convert_to_native_format(cls, trust_remote_code=False, **kwargs):
         # `__init__` loads tokenizer.json itself (or builds from the vocab); transformers' generic rebuild from
-        # vocab/merges would drop the Split/WordLevel pipeline.
+        # vocab/merges would drop the Split/WordPiece pipeline.
         return kwargs
 
     @classmethod
