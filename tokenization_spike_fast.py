@@ -377,10 +377,10 @@ class SpikeTokenizerFast(PreTrainedTokenizerFast):
             data["length"] = [len(ids) for ids in data["input_ids"]]
         for ids in data["input_ids"]:
             self._eventual_warn_about_too_long_sequence(ids, max_length, verbose)
+        on_demand = EncodingsOnDemand(backend, batch, add_special_tokens, encodings)
         if not batched and return_tensors is None:
             data = {key: value[0] if isinstance(value[0], list) else value for key, value in data.items()}
-        return BatchEncoding(data, EncodingsOnDemand(backend, batch, add_special_tokens), tensor_type=return_tensors,
-                             n_sequences=1)
+        return BatchEncoding(data, on_demand, tensor_type=return_tensors, n_sequences=1)
 
     def _pre_tokenizer_for_words(self):
         """Pretokenized input: each word gets a leading space unless it has one (GPT-2/RoBERTa convention)."""
@@ -417,12 +417,14 @@ class SpikeTokenizerFast(PreTrainedTokenizerFast):
 class EncodingsOnDemand(Sequence):
     """`BatchEncoding.encodings` of a call that returned no offsets: the rows encoded again with character offsets
     (`encode_batch`, under the call's truncation, padding and special-token settings) when one is first read, so
-    ``char_to_token``, ``word_ids``, ``tokens`` and the `tokenizers.Encoding`s are those of a plain fast call."""
+    ``char_to_token``, ``word_ids``, ``tokens`` and the `tokenizers.Encoding`s are those of a plain fast call.
+    If the tokenizer has changed since (added tokens), the ids would differ: that raises instead."""
 
-    def __init__(self, backend: Tokenizer, batch: list[str], add_special_tokens: bool):
+    def __init__(self, backend: Tokenizer, batch: list[str], add_special_tokens: bool, without_offsets: list):
         self._backend = backend
         self._batch = batch
         self._add_special_tokens = add_special_tokens
+        self._without_offsets = without_offsets
         self._settings = (backend.truncation, backend.padding, backend.encode_special_tokens)
         self._encodings = None
 
@@ -436,9 +438,13 @@ class EncodingsOnDemand(Sequence):
             saved = (backend.truncation, backend.padding, backend.encode_special_tokens)
             _configure(backend, *self._settings)
             try:
-                self._encodings = backend.encode_batch(self._batch, add_special_tokens=self._add_special_tokens)
+                encodings = backend.encode_batch(self._batch, add_special_tokens=self._add_special_tokens)
             finally:
                 _configure(backend, *saved)
+            if [e.ids for e in encodings] != [e.ids for e in self._without_offsets]:
+                raise RuntimeError("the tokenizer changed (added tokens?) after this call, so its `encodings` can no "
+                                   "longer be made to match its input_ids: call the tokenizer again")
+            self._encodings, self._without_offsets = encodings, None
         return self._encodings
 
     def __len__(self) -> int:

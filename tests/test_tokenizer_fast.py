@@ -140,7 +140,7 @@ def test_call_without_offsets_makes_encodings_on_first_read(pair):
     """A call that returns no offsets encodes with `encode_batch_fast` (no character offsets; about 1.3x the
     throughput, benchmarks/bench_tokenizer.py). Its `BatchEncoding` equals a call's that asked for offsets, and its
     `tokenizers.Encoding`s are made on first read, under that call's padding, truncation and special-token
-    settings even after later calls changed them."""
+    settings even after later calls changed them; if tokens were added since, reading them raises."""
     import pickle
 
     import tokenizers
@@ -177,6 +177,13 @@ def test_call_without_offsets_makes_encodings_on_first_read(pair):
     assert fast("é中x").char_to_token(1) == 2 and fast.encode("é中x") == fast("é中x")["input_ids"]
     # the last call's settings are what the backend holds after the reads
     assert fast.backend_tokenizer.truncation is None and fast.backend_tokenizer.padding is None
+    own = SpikeTokenizerFast(fast.vocab_data)
+    edited, stale = own(["The harbour", "a harbour"]), own(["The harbour"])
+    edited["input_ids"][0].append(7)  # the caller's lists are theirs to change
+    assert edited.word_ids(0) == own(["The harbour"], return_offsets_mapping=True).word_ids(0)
+    own.add_tokens(["harbour"])
+    with pytest.raises(RuntimeError, match="changed"):
+        stale.char_to_token(4)
 
 
 def test_pretokenized_words(pair):
