@@ -322,6 +322,7 @@ class MemoryCacheBranch(nn.Module):
     """
 
     eps = 1e-6
+    short_chunk = 8  # longest chunk read through its per-token running sums (S·hd² floats per head)
 
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__()
@@ -360,7 +361,7 @@ class MemoryCacheBranch(nn.Module):
         B, S, _ = x.shape
         f32 = torch.float32
         if proj is None:
-            proj = F.linear(x, _as(self.qkv_proj.weight, f32), _as(self.qkv_proj.bias, f32)), F.linear(
+            proj = linear_forward(x, _as(self.qkv_proj.weight, f32), _as(self.qkv_proj.bias, f32)), linear_forward(
                 x, _as(self.gate_proj.weight, f32)
             )
         qkv, g = proj
@@ -371,7 +372,7 @@ class MemoryCacheBranch(nn.Module):
     def _output(self, y: torch.Tensor) -> torch.Tensor:
         """tanh(mc_gate) · o_proj(y), float32."""
         f32 = torch.float32
-        out = F.linear(y, _as(self.o_proj.weight, f32), _as(self.o_proj.bias, f32))
+        out = linear_forward(y, _as(self.o_proj.weight, f32), _as(self.o_proj.bias, f32))
         return torch.tanh(_as(self.mc_gate, f32)) * out
 
     @staticmethod
@@ -386,9 +387,20 @@ class MemoryCacheBranch(nn.Module):
         return M + sums[0], z + sums[1], g + sums[2], n + sums[3]
 
     @staticmethod
+    def _running_sums(running: tuple | None, fk, v, gk, valid_f) -> tuple:
+        """The running sums of M, z, W_k x and the token count after each token of a chunk that stays in one segment,
+        [B, S, ...]: `running` (the segment's sums before the chunk, or None) plus the chunk's tokens up to t."""
+        sums = fk[..., :, None] * v[..., None, :], fk, gk, valid_f
+        if fk.shape[1] > 1:
+            sums = tuple(t.cumsum(1) for t in sums)
+        if running is None:
+            return sums
+        return tuple(t + r[:, None] for t, r in zip(sums, running))
+
+    @staticmethod
     def _read_own_totals(fq, M, z):
-        """φ(q)ᵀM and φ(q)·z of a one-token chunk against its segment's running totals M [B, nh, hd, hd], z."""
-        return torch.matmul(fq.transpose(1, 2), M).transpose(1, 2), (fq * z[:, None]).sum(-1)
+        """φ(q_t)ᵀM_t and φ(q_t)·z_t against the running totals after each token, M [B, S, nh, hd, hd], z [B, S, nh, hd]."""
+        return torch.matmul(fq[..., None, :], M)[..., 0, :], (fq * z).sum(-1)
 
     def _read(self, fq, gu, own_num, own_den, own_g, own_n, cands: tuple | None) -> torch.Tensor:
         """y_t = Σ_i γ_{t,i} φ(q_t)ᵀM⁽ⁱ⁾ / (Σ_i γ_{t,i} φ(q_t)·z⁽ⁱ⁾ + ε), γ = softmax over the readable finished
@@ -421,8 +433,14 @@ class MemoryCacheBranch(nn.Module):
             vf = lay.valid_f
             fk, v, gk = fk * vf[..., None, None], v * vf[..., None, None], gk * vf[..., None]
 
+        # A short chunk inside the cache's current segment (a decode step, a verify chunk) keeps the running sums
+        # after each of its tokens: each token reads its own, the last are the segment's totals.
+        run = None
+        if lay.n_rel == 1 and S <= self.short_chunk:
+            run = self._running_sums(state[3:] if state is not None else None, fk, v, gk, lay.valid_f)
+            seg_M, seg_z, seg_g, seg_n = (t[:, -1:] for t in run)
         # Each chunk segment's totals (the cache's running sums carried into relative segment 0).
-        if lay.n_rel == 1:
+        elif lay.n_rel == 1:
             running = state[3:] if state is not None else None
             seg_M, seg_z, seg_g, seg_n = (t[:, None] for t in self._add_to_segment(running, fk, v, gk, lay.valid_f))
         else:
@@ -437,10 +455,10 @@ class MemoryCacheBranch(nn.Module):
                 seg_g[:, 0] += state.run_g
                 seg_n[:, 0] += state.run_n
 
-        # Causal running sums of each token's own segment. A one-token chunk's (a decode step) are its segment's totals.
-        if S == 1 and lay.n_rel == 1:
-            own_num, own_den = self._read_own_totals(fq, seg_M[:, 0], seg_z[:, 0])
-            own_g, own_n = seg_g, seg_n
+        # Causal running sums of each token's own segment.
+        if run is not None:
+            own_num, own_den = self._read_own_totals(fq, run[0], run[1])
+            own_g, own_n = run[2], run[3]
         else:
             own_num, own_den, own_g, own_n = self._own_segment_sums(fq, fk, v, gk, lay)
             if state is not None:
@@ -468,7 +486,7 @@ class MemoryCacheBranch(nn.Module):
         if not ctx.cached:
             return y, None, None
         new_state = self._advance_state(state, lay, seg_M, seg_z, seg_g, seg_n, seg_gmean, ctx.n_mc_segments, x.device)
-        per_pos = self._per_position_states(new_state, state, fk, v, gk, lay) if ctx.record else None
+        per_pos = self._per_position_states(new_state, state, fk, v, gk, lay, run) if ctx.record else None
         return y, new_state, per_pos
 
     def _own_segment_sums(self, fq, fk, v, gk, lay: SegmentLayout):
@@ -530,11 +548,15 @@ class MemoryCacheBranch(nn.Module):
             seg_M[rows, last], seg_z[rows, last], seg_g[rows, last], seg_n[rows, last],
         )
 
-    def _per_position_states(self, new_state, state, fk, v, gk, lay):
-        """Running state after each chunk token (for an exact `crop` into the middle of this chunk)."""
+    def _per_position_states(self, new_state, state, fk, v, gk, lay, run: tuple | None):
+        """Running state after each chunk token (for an exact `crop` into the middle of this chunk). run: the running
+        sums after each token when the readout kept them (`_running_sums`)."""
         B, S = lay.valid.shape
         if S == 1:
             return [new_state]
+        if run is not None:
+            return [MemoryCacheState(new_state.fin_M, new_state.fin_z, new_state.fin_g, *(t[:, j] for t in run))
+                    for j in range(S)]
         causal = torch.ones(S, S, dtype=torch.bool, device=fk.device).tril()
         m = ((lay.rel[:, :, None] == lay.rel[:, None, :]) & causal & lay.valid[:, None, :]).float()
         run_M = torch.einsum("bst,bthd,bthe->bshde", m, fk, v)
@@ -730,16 +752,18 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling: 
 
 
 def decode_attention(q, k, v, mask):
-    """softmax(q·kᵀ/√hd)·v for one query per row, each KV head's query group read at once (no K/V repeat):
-    the softmax kernel of a decode step (eager CPU SDPA takes twice as long for one query per row at batch 8, and
-    `compile_decode` keeps inductor from rewriting this back into its CPU SDPA kernel). mask: [B, 1, 1, N] bool."""
-    B, nh, _, hd = q.shape
+    """softmax(q·kᵀ/√hd)·v for a few queries per row, each KV head's query group read at once (no K/V repeat):
+    the softmax kernel of decode steps and short chunks (eager CPU SDPA takes twice as long for one query per row at
+    batch 8, and with a mask transformers' SDPA path copies every K/V head for its group; `compile_decode` keeps
+    inductor from rewriting this back into its CPU SDPA kernel). mask: [B|1, 1, S, N] bool or None."""
+    B, nh, S, hd = q.shape
     kvh = k.shape[1]
-    scores = torch.matmul(q.view(B, kvh, nh // kvh, hd), k.transpose(-1, -2)).float() / math.sqrt(hd)
+    scores = torch.matmul(q.reshape(B, kvh, nh // kvh * S, hd), k.transpose(-1, -2)).float() / math.sqrt(hd)
     if mask is not None:
-        scores = scores.masked_fill(~mask.view(B, 1, 1, -1), float("-inf"))
+        N = scores.shape[-1]
+        scores = scores.view(B, kvh, nh // kvh, S, N).masked_fill(~mask[:, :, None], float("-inf")).view(B, kvh, -1, N)
     probs = _as(torch.softmax(scores, -1), v.dtype)
-    return torch.matmul(probs, v).view(B, nh, 1, hd)
+    return torch.matmul(probs, v).view(B, nh, S, hd)
 
 
 def _visible(mask, is_causal, S: int, N: int, device) -> torch.Tensor:
@@ -840,6 +864,8 @@ class SpikeWhaleAttention(nn.Module):
     """MLA attention: low-rank Q, direct GQA K/V, QK-norm before partial RoPE, XSA, low-rank output,
     depth mixing of V before caching, and the Memory Cache branch added to the output."""
 
+    few_queries = 8  # longest cached chunk whose softmax attention runs through `decode_attention` (faster than SDPA)
+
     def __init__(self, config: SpikeWhaleConfig, layer_idx: int):
         super().__init__()
         H, nh, kvh, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -904,14 +930,17 @@ class SpikeWhaleAttention(nn.Module):
 
     def _attend(self, q, k, v, ctx: ForwardContext, ratings: torch.Tensor | None):
         """(attention output [B, nh, S, hd], attention weights or None, Elo ratings after the chunk and after each
-        chunk token while recording, or None). The kernel fits the case: a single query per row (a decode step)
-        against the cache reads it with `decode_attention`, other softmax attention goes through the
+        chunk token while recording, or None). The kernel fits the case: one query per row (a decode step) or up to
+        `few_queries` continuing a cache (a speculative verify chunk) read it with `decode_attention`, other softmax
+        attention goes through the
         `AttentionInterface`, DERF and Elo are the config's own kernels. ratings: the cached keys' Elo ratings."""
         mask = _on(ctx.attn_mask, q.device) if ctx.attn_mask is not None else None
         if self.attn_kind != "elo":
             impl = self.config._attn_implementation
-            if (self.attn_kind == "softmax" and q.shape[2] == 1 and not ctx.need_weights
-                    and impl in ("sdpa", "eager", None)):
+            S = q.shape[2]
+            # One query per row, or a short chunk continuing a cache (which always has a mask; a verify step).
+            few = S == 1 or (S <= self.few_queries and not isinstance(ctx.past, torch.Tensor) and ctx.past > 0)
+            if self.attn_kind == "softmax" and few and not ctx.need_weights and impl in ("sdpa", "eager", None):
                 return decode_attention(q, k, v, mask), None, None, None
             return (*self._attend_stateless(q, k, v, mask, ctx.is_causal), None, None)
         dropout = self.config.attention_dropout if self.training else 0.0
@@ -1007,15 +1036,37 @@ class SpikeWhaleAttention(nn.Module):
         return (yg - (yg * vhat).sum(-1, keepdim=True) * vhat).view(B, nh, S, hd)
 
 
+def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x·Wᵀ + b, as F.linear. Eagerly, a product of 2-3 rows with a plain float32 row-major W on CPU runs as (W·xᵀ)ᵀ:
+    MKL streams W for it at about the cost of a one-row GEMV, where x·Wᵀ costs ~1.8× (a speculative verify step's
+    chunk). Under torch.compile inductor picks its own GEMM."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not (2 <= rows <= 3 and x.device.type == "cpu" and weight.dtype == x.dtype == torch.float32
+            and type(weight) in (torch.Tensor, nn.Parameter) and weight.stride(-1) == 1
+            and not torch.compiler.is_compiling()):
+        return F.linear(x, weight, bias)
+    y = torch.mm(weight, x.reshape(rows, -1).contiguous().t()).t().contiguous()
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+class SpikeWhaleLinear(nn.Linear):
+    """nn.Linear computed by `linear_forward` (same parameters and state dict)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_forward(x, self.weight, self.bias)
+
+
 class SpikeWhaleMLP(nn.Module):
     """Dense SwiGLU: down(silu(gate(u)) ⊙ up(u)); also one MoE expert (and the fused shared experts)."""
 
     def __init__(self, config: SpikeWhaleConfig, width: int | None = None):
         super().__init__()
         H, F_ = config.hidden_size, width or config.moe_intermediate_size
-        self.gate_proj = nn.Linear(H, F_, bias=False)
-        self.up_proj = nn.Linear(H, F_, bias=False)
-        self.down_proj = nn.Linear(F_, H, bias=False)
+        self.gate_proj = SpikeWhaleLinear(H, F_, bias=False)
+        self.up_proj = SpikeWhaleLinear(H, F_, bias=False)
+        self.down_proj = SpikeWhaleLinear(F_, H, bias=False)
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(u)) * self.up_proj(u))

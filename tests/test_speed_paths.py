@@ -140,6 +140,78 @@ def test_memory_cache_read_mixes_reads_not_memories():
     assert (y.to(d) - want).abs().max() <= 1e-6 * want.abs().max()
 
 
+def test_linear_forward_of_a_few_rows_equals_f_linear():
+    """`linear_forward` computes 2-3 rows as (W·xᵀ)ᵀ; values and gradients are F.linear's, and SpikeWhaleLinear keeps
+    nn.Linear's state dict."""
+    import torch.nn.functional as F
+
+    from spike_whale.modeling_spike_whale import SpikeWhaleLinear, linear_forward
+
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(48, 40, generator=g, requires_grad=True), torch.randn(48, generator=g, requires_grad=True)
+    for shape in ((1, 40), (2, 40), (1, 2, 40), (3, 1, 40), (1, 4, 40), (2, 1, 8, 40)):
+        x = torch.randn(*shape, generator=g, requires_grad=True)
+        for bias in (None, b):
+            got = linear_forward(x, w, bias)
+            want = F.linear(x, w, bias)
+            assert got.shape == want.shape and got.is_contiguous()
+            r = torch.randn(want.shape, generator=g)
+            grads = torch.autograd.grad((got * r).sum(), (x, w))
+            for a, ref in zip((got, *grads), (want, *torch.autograd.grad((want * r).sum(), (x, w)))):
+                assert (a - ref).abs().max() <= 1e-6 * ref.abs().max()
+    layer = SpikeWhaleLinear(40, 48)
+    assert list(layer.state_dict()) == ["weight", "bias"]
+
+
+def test_short_cached_chunks_take_the_short_chunk_kernels_and_equal_the_general_ones(monkeypatch):
+    """Verify-sized chunks (2-4 tokens on a cache, recording for `crop`, a padded row, segment boundaries inside a chunk
+    and not) read attention with `decode_attention`, the Memory Cache through per-token running sums and the FFN
+    with (W·xᵀ)ᵀ; their logits and rolled-back states equal those of the general kernels, and a full recompute."""
+    import torch.nn.functional as F
+
+    import spike_whale.modeling_spike_whale as msw
+
+    model = tiny_model(seed=6)
+    ids = prompt(batch=2, length=2 * L + 9)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    chunks = [2, 3, 2, 4, 2, 3, 2]  # positions 7-25 after a 7-token prefill; some chunks cross a segment boundary
+
+    def chunked():
+        """Logits of each chunk, and after each chunk a rolled-back one-token crop and re-feed of its last token."""
+        with torch.no_grad():
+            out = model(ids[:, :7], attention_mask=mask[:, :7], use_cache=True)
+            cache, logits, t = out.cache, [out.logits], 7
+            cache.activate_past_recording()
+            for n in chunks:
+                logits.append(model(ids[:, t:t + n], attention_mask=mask[:, :t + n], cache=cache, use_cache=True).logits)
+                cache.crop(-1)
+                again = model(ids[:, t + n - 1:t + n], attention_mask=mask[:, :t + n], cache=cache, use_cache=True)
+                torch.testing.assert_close(again.logits[:, -1], logits[-1][:, -1], rtol=1e-5, atol=1e-5)
+                t += n
+        return torch.cat(logits, 1)
+
+    kernel_queries, running = [], []
+    attention, running_sums = msw.decode_attention, msw.MemoryCacheBranch._running_sums
+    monkeypatch.setattr(msw, "decode_attention", lambda q, *a: kernel_queries.append(q.shape[2]) or attention(q, *a))
+    monkeypatch.setattr(msw.MemoryCacheBranch, "_running_sums",
+                        staticmethod(lambda *a: running.append(a[1].shape[1]) or running_sums(*a)))
+    fast = chunked()
+    assert set(kernel_queries) == {1, *chunks} and {1, 2, 3} <= set(running)  # chunks inside one segment
+    with monkeypatch.context() as general:
+        general.setattr(msw.SpikeWhaleAttention, "few_queries", 1)
+        general.setattr(msw.MemoryCacheBranch, "short_chunk", 0)
+        general.setattr(msw, "linear_forward", lambda x, w, b=None: F.linear(x, w, b))
+        kernel_queries.clear(), running.clear()
+        slow = chunked()
+        assert set(kernel_queries) == {1} and running == []
+    with torch.no_grad():
+        full = model(ids[:, :sum(chunks) + 7], attention_mask=mask[:, :sum(chunks) + 7], use_cache=False).logits
+    real = mask[:, :full.shape[1]].bool()
+    assert float((fast - slow)[real].abs().max()) <= 1e-5 * float(slow.abs().max())
+    assert float((fast - full)[real].abs().max()) <= 1e-5 * float(full.abs().max())
+
+
 torchao_missing = importlib.util.find_spec("torchao") is None
 
 
