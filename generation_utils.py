@@ -536,6 +536,7 @@ class MTPStats:
     accepted: int = 0  # of those, the ones the main head agreed with (emitted without their own forward)
     verify_steps: int = 0  # multi-token verification forwards
     rollbacks: int = 0  # verification forwards after which the cache was rolled back (a draft was rejected)
+    withheld: int = 0  # steps whose drafting the confidence gate stopped (assistant_confidence_threshold)
     forwards: int = 0  # model forwards in total, prefill included
 
     @property
@@ -979,11 +980,27 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
             )
         kwargs["custom_generate"] = mtp_speculative_generate
         kwargs["mtp_streamer"] = kwargs.pop("streamer", None)
+        # Read here, before transformers fills its global default (0.4, meant for a separate assistant model) for
+        # every call: unset by the caller and by generation_config.json means no gate.
+        kwargs["mtp_confidence_threshold"] = mtp_gate_threshold(eff.assistant_confidence_threshold)
         if draft_tokens is not None:
             kwargs["mtp_draft_tokens"] = int(draft_tokens)
     elif draft_tokens is not None:
         raise ValueError("mtp_draft_tokens only applies with use_mtp=True.")
     return parent_generate(inputs, generation_config=generation_config, **kwargs)
+
+
+def mtp_gate_threshold(value) -> float:
+    """`assistant_confidence_threshold` for MTP drafting: the caller's or generation_config.json's value, 0.0 (draft
+    every step) when neither sets it."""
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(
+            f"assistant_confidence_threshold={value!r}: use_mtp=True drafts only when the MTP head's top probability "
+            "is above it, so it must be a number in [0, 1] (0 drafts every step, 1 never drafts)."
+        )
+    return float(value)
 
 
 def mtp_speculative_generate(
@@ -994,6 +1011,7 @@ def mtp_speculative_generate(
     generation_config: GenerationConfig,
     mtp_streamer=None,
     mtp_draft_tokens: int | None = None,
+    mtp_confidence_threshold: float = 0.0,
     **model_kwargs,
 ):
     """Greedy or sampling decoding with MTP self-speculation: greedy ids are those of plain greedy decoding, sampled
@@ -1011,11 +1029,17 @@ def mtp_speculative_generate(
     processed distribution p at that place accepts it with probability min(1, p(d)/q(d)); a rejected draft is
     replaced by a sample of norm(max(0, p - q)) and ends the step; after the last draft, a token is sampled from p.
     Each emitted token is then distributed as plain sampling's (Leviathan et al. 2023, Chen et al. 2023).
+
+    Confidence gate (`assistant_confidence_threshold`, resolved by `spike_whale_generate`): drafting stops at the
+    first head whose confidence - the top probability of the distribution its draft is taken from - is not above
+    the threshold in every unfinished row; a step without drafts is a plain one-token step. The gate depends on
+    the context only, so greedy ids and the sampling distribution are unchanged.
     """
     streamer = mtp_streamer
     do_sample = bool(generation_config.do_sample)
     heads = model.mtp_heads
     K = int(mtp_draft_tokens or len(heads))
+    threshold = mtp_confidence_threshold
     cache = model_kwargs.get(CACHE_FIELD)
     if cache is not None and not isinstance(cache, SpikeWhaleCache):
         if isinstance(cache, Cache) and cache.get_seq_length() == 0:
@@ -1075,16 +1099,21 @@ def mtp_speculative_generate(
         return torch.multinomial(torch.softmax(next_scores, dim=-1), num_samples=1).squeeze(1)
 
     def draft(h_last: torch.Tensor, k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """k MTP drafts [B, k] from the hidden state [B, H] that produced the pending token, and (sampling) the
-        distribution [B, V] each was drawn from. A greedy draft is the head's raw argmax: a head trained on the
-        model's own processed greedy text (train_default's MTP self-distillation) has learnt the processors'
-        effect, and a repetition penalty applied again would count it twice."""
+        """Up to k MTP drafts [B, k'] from the hidden state [B, H] that produced the pending token (fewer where the
+        confidence gate stops), and (sampling) the distribution [B, V] each was drawn from. A greedy draft is the
+        head's raw argmax: a head trained on the model's own processed greedy text (train_default's MTP
+        self-distillation) has learnt the processors' effect, and a repetition penalty applied again would count
+        it twice."""
         ctx, out, dists = input_ids, [], []
         for i in range(k):
             draft_logits = model.lm_head(heads[i](h_last)).float()
+            dist = torch.softmax(draft_processor(ctx, draft_logits) if do_sample else draft_logits, dim=-1)
+            if not bool(((dist.amax(-1) > threshold) | (unfinished == 0)).all()):
+                stats.withheld += 1
+                break
             if do_sample:
-                dists.append(torch.softmax(draft_processor(ctx, draft_logits), dim=-1))
-                d = torch.multinomial(dists[-1], num_samples=1).squeeze(1)
+                dists.append(dist)
+                d = torch.multinomial(dist, num_samples=1).squeeze(1)
             else:
                 d = torch.argmax(draft_logits, dim=-1)
             if has_eos_stopping_criteria:
@@ -1126,6 +1155,7 @@ def mtp_speculative_generate(
             cur = input_ids.shape[1]  # the cache holds cur - 1 positions; `tok` (the last id) is pending
             k = max(0, min(K, max_length - cur - 1, cache.max_cache_len - cur))
             drafts, dists = draft(h_last, k)
+            k = drafts.shape[1]
             out = model(input_ids=torch.cat([tok[:, None], drafts], dim=1), cache=cache, use_cache=True)
             stats.forwards += 1
             stats.verify_steps += int(k > 0)

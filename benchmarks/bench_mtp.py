@@ -2,11 +2,15 @@
 default model): draft acceptance rate, tokens/s of both, speedup, and whether the tokens are identical.
 
     python benchmarks/bench_mtp.py [MODEL_DIR] [--prompts 8] [--new-tokens 64] [--repeats 3] [--threads 1]
+                                   [--thresholds 0,0.3,0.5,0.7]
 
 Prompts are cut from MODEL_DIR/heldout.txt (text the model never trained on), each `<bos>` + 32 tokens. Each
-prompt is decoded greedily (`do_sample=False`, the folder's other generation settings) with and without
-`use_mtp=True`, the two interleaved, `--repeats` times; rates are total new tokens over total time, the speedup
-is the ratio of the medians over repeats. Writes benchmarks/results/mtp.json.
+prompt is decoded greedily (`do_sample=False`, the folder's other generation settings) without and with
+`use_mtp=True`, once per confidence gate in `--thresholds` (`assistant_confidence_threshold`; "model" = the
+folder's generation_config.json value), all interleaved, `--repeats` times; rates are total new tokens over total
+time; "speedup" is the ratio of the medians over repeats of the total times, "paired" the median over prompts and
+repeats of plain/MTP time measured back to back (the order rotates; steadier under load). "drafting steps" is the
+share of decode steps that fed a draft. Writes benchmarks/results/mtp.json.
 """
 
 from __future__ import annotations
@@ -29,8 +33,21 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--thresholds", default="model",
+                   help="comma-separated assistant_confidence_threshold values in [0, 1], or 'model' (default)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "mtp.json"))
     args = p.parse_args(argv)
+    thresholds = [t.strip() for t in args.thresholds.split(",") if t.strip()]
+    for t in thresholds:
+        if t != "model":
+            try:
+                ok = 0.0 <= float(t) <= 1.0
+            except ValueError:
+                ok = False
+            if not ok:
+                p.error(f"--thresholds: {t!r} is not 'model' or a number in [0, 1]")
+    if not thresholds:
+        p.error("--thresholds: give at least one value ('model' or a number in [0, 1])")
     if not os.path.isfile(os.path.join(args.model_dir, "heldout.txt")):
         p.error(f"{args.model_dir} has no heldout.txt to cut prompts from")
 
@@ -53,38 +70,66 @@ def main(argv=None) -> int:
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **settings, **extra)
         return out[0, ids.shape[1]:].tolist(), time.perf_counter() - start
 
+    gates = {name: ({} if name == "model" else {"assistant_confidence_threshold": float(name)}) for name in thresholds}
     timed(prompts[0])  # warm-up (allocations, first-call paths)
     timed(prompts[0], use_mtp=True)
-    plain_s, mtp_s, identical, drafted, accepted = [], [], 0, 0, 0
+    plain_s = []
+    runs = {name: {"seconds": [], "ratios": [], "identical": 0, "drafted": 0, "accepted": 0, "drafting_steps": 0,
+                   "steps": 0} for name in gates}
+    order = [None, *gates]  # None: plain greedy
     for r in range(args.repeats):
-        t_plain = t_mtp = 0.0
-        for ids in prompts:
-            a, dt = timed(ids)
-            t_plain += dt
-            b, dt = timed(ids, use_mtp=True)
-            t_mtp += dt
-            if r == 0:
-                identical += int(a == b)
-                drafted += model.last_mtp_stats.drafted
-                accepted += model.last_mtp_stats.accepted
+        t_plain, t_mtp = 0.0, dict.fromkeys(gates, 0.0)
+        for n, ids in enumerate(prompts):
+            times, texts = {}, {}
+            shift = (r * len(prompts) + n) % len(order)  # rotate, so no configuration always runs first or last
+            for name in order[shift:] + order[:shift]:
+                texts[name], times[name] = timed(ids) if name is None else timed(ids, use_mtp=True, **gates[name])
+                if name is not None and r == 0:
+                    stats, run = model.last_mtp_stats, runs[name]
+                    run["drafted"] += stats.drafted
+                    run["accepted"] += stats.accepted
+                    run["drafting_steps"] += stats.verify_steps
+                    run["steps"] += stats.forwards - 1
+            t_plain += times[None]
+            for name, run in runs.items():
+                t_mtp[name] += times[name]
+                run["ratios"].append(times[None] / times[name])
+                run["identical"] += int(r == 0 and texts[name] == texts[None])
         plain_s.append(t_plain)
-        mtp_s.append(t_mtp)
-        print(f"round {r + 1}/{args.repeats}: plain {t_plain:.2f}s, MTP {t_mtp:.2f}s", file=sys.stderr, flush=True)
+        for name in gates:
+            runs[name]["seconds"].append(t_mtp[name])
+        print(f"round {r + 1}/{args.repeats}: plain {t_plain:.2f}s, MTP "
+              + ", ".join(f"{name} {t:.2f}s" for name, t in t_mtp.items()), file=sys.stderr, flush=True)
     n_tokens = args.prompts * args.new_tokens
-    plain, mtp = statistics.median(plain_s), statistics.median(mtp_s)
+    plain = statistics.median(plain_s)
+    rows = []
+    for name, run in runs.items():
+        mtp = statistics.median(run["seconds"])
+        rows.append({
+            "assistant_confidence_threshold": name if name == "model" else float(name),
+            "model_threshold": model.generation_config.assistant_confidence_threshold if name == "model" else None,
+            "mtp_tokens_per_s": n_tokens / mtp, "speedup": plain / mtp,
+            "speedup_paired_median": statistics.median(run["ratios"]),
+            "acceptance_rate": run["accepted"] / run["drafted"] if run["drafted"] else 0.0,
+            "drafted": run["drafted"], "accepted": run["accepted"],
+            "drafting_steps": run["drafting_steps"], "decode_steps": run["steps"],
+            "identical_sequences": f"{run['identical']}/{args.prompts}", "mtp_seconds": run["seconds"],
+        })
     result = {
         "model_dir": os.path.relpath(args.model_dir), "prompts": args.prompts, "prompt_tokens": args.prompt_tokens + 1,
         "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": args.threads,
-        "plain_tokens_per_s": n_tokens / plain, "mtp_tokens_per_s": n_tokens / mtp, "speedup": plain / mtp,
-        "acceptance_rate": accepted / drafted if drafted else 0.0, "drafted": drafted, "accepted": accepted,
-        "identical_sequences": f"{identical}/{args.prompts}", "plain_seconds": plain_s, "mtp_seconds": mtp_s,
-        "torch": torch.__version__,
+        "plain_tokens_per_s": n_tokens / plain, "plain_seconds": plain_s, "mtp": rows, "torch": torch.__version__,
     }
-    print(f"{'':<28}{'tokens/s':>10}")
-    print(f"{'plain greedy (cache)':<28}{result['plain_tokens_per_s']:>10.1f}")
-    print(f"{'MTP self-speculation':<28}{result['mtp_tokens_per_s']:>10.1f}")
-    print(f"speedup {result['speedup']:.2f}x (target >= 1.3x), acceptance {result['acceptance_rate']:.3f} "
-          f"({accepted}/{drafted}), identical sequences {identical}/{args.prompts}")
+    print(f"plain greedy (cache): {result['plain_tokens_per_s']:.1f} tokens/s; MTP self-speculation (target >= 1.3x):")
+    print(f"{'threshold':>10}{'tokens/s':>10}{'speedup':>9}{'paired':>8}{'acceptance':>17}{'drafting steps':>17}"
+          f"{'identical':>11}")
+    for row in rows:
+        name = row["assistant_confidence_threshold"]
+        label = f"model={row['model_threshold']}" if name == "model" else f"{name:g}"
+        print(f"{label:>10}{row['mtp_tokens_per_s']:>10.1f}{row['speedup']:>8.2f}x{row['speedup_paired_median']:>7.2f}x"
+              f"{row['acceptance_rate']:>7.3f} ({row['accepted']:>3}/{row['drafted']:>3})"
+              f"{row['drafting_steps']:>7}/{row['decode_steps']:<4} ({row['drafting_steps'] / max(row['decode_steps'], 1):.2f})"
+              f"{row['identical_sequences']:>9}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as handle:
         json.dump(result, handle, indent=2)
