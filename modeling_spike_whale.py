@@ -655,7 +655,7 @@ class DERFContextGate(nn.Module):
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__()
         H = config.hidden_size
-        self.proj = nn.Linear(2 * H, H, bias=True)
+        self.proj = SpikeWhaleLinear(2 * H, H, bias=True)
         self.alpha = nn.Parameter(torch.ones(H))
         self.beta = nn.Parameter(torch.full((H,), config.engram_gate_init_bias))
         self.gamma = nn.Parameter(torch.ones(H))
@@ -856,7 +856,7 @@ class FusedLinears:
         return all(linear.weight.data_ptr() == ptr for linear, ptr in zip(self.linears, self._blocks))
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        parts = F.linear(x, self.weight).split(self.sizes, -1)
+        parts = linear_forward(x, self.weight).split(self.sizes, -1)
         return tuple(y if linear.bias is None else y + linear.bias for y, linear in zip(parts, self.linears))
 
 
@@ -874,13 +874,13 @@ class SpikeWhaleAttention(nn.Module):
         # What transformers' attention functions read from the module.
         self.layer_idx, self.is_causal = layer_idx, True
         self.num_key_value_groups, self.scaling = nh // kvh, hd**-0.5
-        self.q_a_proj = nn.Linear(H, config.q_lora_rank, bias=False)
+        self.q_a_proj = SpikeWhaleLinear(H, config.q_lora_rank, bias=False)
         self.q_a_norm = SpikeWhaleRMSNorm(config.q_lora_rank, config.rms_norm_eps)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, nh * hd, bias=False)
-        self.k_proj = nn.Linear(H, kvh * hd, bias=False)
-        self.v_proj = nn.Linear(H, kvh * hd, bias=False)
-        self.o_a_proj = nn.Linear(nh * hd, config.o_lora_rank, bias=False)
-        self.o_b_proj = nn.Linear(config.o_lora_rank, H, bias=False)
+        self.q_b_proj = SpikeWhaleLinear(config.q_lora_rank, nh * hd, bias=False)
+        self.k_proj = SpikeWhaleLinear(H, kvh * hd, bias=False)
+        self.v_proj = SpikeWhaleLinear(H, kvh * hd, bias=False)
+        self.o_a_proj = SpikeWhaleLinear(nh * hd, config.o_lora_rank, bias=False)
+        self.o_b_proj = SpikeWhaleLinear(config.o_lora_rank, H, bias=False)
         if config.use_qk_norm:
             self.q_norm = SpikeWhaleRMSNorm(hd, config.rms_norm_eps)
             self.k_norm = SpikeWhaleRMSNorm(hd, config.rms_norm_eps)
@@ -1306,8 +1306,8 @@ class HRMRefinement(nn.Module):
         super().__init__()
         H, D = config.hidden_size, config.hrm_refine_dim
         self.norm = SpikeWhaleRMSNorm(H, config.rms_norm_eps)
-        self.down = nn.Linear(2 * H, D, bias=False)
-        self.up = nn.Linear(D, H, bias=False)
+        self.down = SpikeWhaleLinear(2 * H, D, bias=False)
+        self.up = SpikeWhaleLinear(D, H, bias=False)
         self.gate = nn.Parameter(torch.full((config.hrm_refine_steps,), float(config.hrm_gate_init)))
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -1324,7 +1324,7 @@ class MTPHead(nn.Module):
 
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__()
-        self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.proj = SpikeWhaleLinear(config.hidden_size, config.hidden_size, bias=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.proj(h)
@@ -1828,7 +1828,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__(config)
         self.model = SpikeWhaleModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = SpikeWhaleLinear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp_heads = nn.ModuleList(MTPHead(config) for _ in range(config.num_nextn_predict_layers))
         for head in self.mtp_heads:
             head.proj._spike_zero_init = True
