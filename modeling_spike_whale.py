@@ -417,8 +417,9 @@ class MemoryCacheBranch(nn.Module):
         gamma = torch.softmax(torch.cat([scores, diag], -1), dim=-1)
         g_fin, g_own = gamma[..., :-1], gamma[..., -1:]
         # Σ_i γ_{t,i} φ(q_t)ᵀ[M⁽ⁱ⁾ | z⁽ⁱ⁾] as one GEMM per head: the rows [γ_{t,1}φ(q_t), …, γ_{t,I}φ(q_t)] times the
-        # stacked [M⁽ⁱ⁾ | z⁽ⁱ⁾], so no token builds its own mixed hd × hd memory.
-        wq = (g_fin[..., None, None] * fq[:, :, None]).permute(0, 3, 1, 2, 4).reshape(B, nh, S, I * hd)
+        # stacked [M⁽ⁱ⁾ | z⁽ⁱ⁾], so no token builds its own mixed hd × hd memory. φ(q) goes head-major first, so those
+        # rows (I times larger) are born in the GEMM's layout instead of being copied into it.
+        wq = (fq.transpose(1, 2).contiguous()[:, :, :, None] * g_fin[:, None, :, :, None]).reshape(B, nh, S, I * hd)
         Mz = torch.cat([cand_M, cand_z[..., None]], -1).transpose(1, 2).reshape(B, nh, I * hd, hd + 1)
         read = torch.matmul(wq, Mz).transpose(1, 2)
         num = read[..., :hd] + g_own[..., None] * own_num
@@ -435,32 +436,29 @@ class MemoryCacheBranch(nn.Module):
 
         # A short chunk inside the cache's current segment (a decode step, a verify chunk) keeps the running sums
         # after each of its tokens: each token reads its own, the last are the segment's totals.
-        run = None
+        # Otherwise each chunk segment's totals, the cache's running sums carried into relative segment 0.
+        run = own = None
         if lay.n_rel == 1 and S <= self.short_chunk:
             run = self._running_sums(state[3:] if state is not None else None, fk, v, gk, lay.valid_f)
             seg_M, seg_z, seg_g, seg_n = (t[:, -1:] for t in run)
-        # Each chunk segment's totals (the cache's running sums carried into relative segment 0).
+        elif lay.block_idx is not None:
+            own, seg = self._long_chunk_sums(fq, fk, v, gk, lay)
+            seg_M, seg_z, seg_g, seg_n = self._carry_into_first(seg, state)
         elif lay.n_rel == 1:
             running = state[3:] if state is not None else None
             seg_M, seg_z, seg_g, seg_n = (t[:, None] for t in self._add_to_segment(running, fk, v, gk, lay.valid_f))
         else:
             E = lay.onehot
-            seg_M = torch.einsum("bsr,bshd,bshe->brhde", E, fk, v)
-            seg_z = torch.einsum("bsr,bshd->brhd", E, fk)
-            seg_g = torch.einsum("bsr,bsg->brg", E, gk)
-            seg_n = E.sum(1)
-            if state is not None:
-                seg_M[:, 0] += state.run_M
-                seg_z[:, 0] += state.run_z
-                seg_g[:, 0] += state.run_g
-                seg_n[:, 0] += state.run_n
+            seg = (torch.einsum("bsr,bshd,bshe->brhde", E, fk, v), torch.einsum("bsr,bshd->brhd", E, fk),
+                   torch.einsum("bsr,bsg->brg", E, gk), E.sum(1))
+            seg_M, seg_z, seg_g, seg_n = self._carry_into_first(seg, state)
 
         # Causal running sums of each token's own segment.
         if run is not None:
             own_num, own_den = self._read_own_totals(fq, run[0], run[1])
             own_g, own_n = run[2], run[3]
         else:
-            own_num, own_den, own_g, own_n = self._own_segment_sums(fq, fk, v, gk, lay)
+            own_num, own_den, own_g, own_n = own if own is not None else self._own_segment_sums(fq, fk, v, gk, lay)
             if state is not None:
                 first = lay.first
                 own_num = own_num + first[..., None, None] * torch.einsum("bshd,bhde->bshe", fq, state.run_M)
@@ -489,14 +487,29 @@ class MemoryCacheBranch(nn.Module):
         per_pos = self._per_position_states(new_state, state, fk, v, gk, lay, run) if ctx.record else None
         return y, new_state, per_pos
 
-    def _own_segment_sums(self, fq, fk, v, gk, lay: SegmentLayout):
-        """Causal sums over the token's own segment inside the chunk: Σ_{m≤t, same segment} of
-        (φq_t·φk_m) v_m, φq_t·φk_m, W_k x_m and 1 (the token count)."""
-        if lay.own_mask is not None:
-            m = lay.own_mask
-            A = torch.einsum("bshd,bthd->bhst", fq, fk) * m[:, None]
-            num = torch.einsum("bhst,bthe->bshe", A, v)
-            return num, A.sum(-1).transpose(1, 2), m @ gk, lay.own_count
+    @staticmethod
+    def _carry_into_first(seg: tuple, state: MemoryCacheState | None) -> tuple:
+        """The chunk segments' totals (M, z, W_k x sum, count; fresh tensors, updated in place) with the cache's running
+        sums added to relative segment 0."""
+        if state is not None:
+            for t, running in zip(seg, state[3:]):
+                t[:, 0] += running
+        return seg
+
+    @staticmethod
+    def _own_segment_sums(fq, fk, v, gk, lay: SegmentLayout):
+        """Causal sums over the token's own segment inside a chunk of at most one segment's length: Σ_{m≤t, same
+        segment} of (φq_t·φk_m) v_m, φq_t·φk_m, W_k x_m and 1 (the token count)."""
+        m = lay.own_mask
+        A = torch.einsum("bshd,bthd->bhst", fq, fk) * m[:, None]
+        num = torch.einsum("bhst,bthe->bshe", A, v)
+        return num, A.sum(-1).transpose(1, 2), m @ gk, lay.own_count
+
+    @staticmethod
+    def _long_chunk_sums(fq, fk, v, gk, lay: SegmentLayout):
+        """A long chunk's sums in the aligned block buffer [B, n_rel, L, ...] (`SegmentLayout.block_idx`), in
+        O(S·L): each token's causal own-segment sums (as `_own_segment_sums`) and each segment's totals M, z,
+        Σ W_k x and count."""
         vf = lay.valid_f
         B, S = vf.shape
         L, n_buf = lay.seg_len, lay.n_rel * lay.seg_len
@@ -515,13 +528,13 @@ class MemoryCacheBranch(nn.Module):
             return flat.gather(1, idx)
 
         tri = torch.ones(L, L, device=vf.device).tril()
-        fqb, fkb, vb = to_blocks(fq), to_blocks(fk), to_blocks(v)
+        fqb, fkb, vb, gkb, nb = (to_blocks(t) for t in (fq, fk, v, gk, vf[..., None]))
         A = torch.einsum("brlhd,brmhd->brhlm", fqb, fkb) * tri
         num = torch.einsum("brhlm,brmhe->brlhe", A, vb)
         den = A.sum(-1).transpose(2, 3)
-        og = torch.einsum("lm,brmg->brlg", tri, to_blocks(gk))
-        on = torch.einsum("lm,brmg->brlg", tri, to_blocks(vf[..., None]))
-        return from_blocks(num), from_blocks(den), from_blocks(og), from_blocks(on).squeeze(-1)
+        own = from_blocks(num), from_blocks(den), from_blocks(gkb.cumsum(2)), from_blocks(nb.cumsum(2)).squeeze(-1)
+        seg = torch.matmul(fkb.permute(0, 1, 3, 4, 2), vb.transpose(2, 3)), fkb.sum(2), gkb.sum(2), nb.sum(2)[..., 0]
+        return own, seg
 
     def _advance_state(self, state, lay, seg_M, seg_z, seg_g, seg_n, seg_gmean, n_segments: int, device):
         """The state after this chunk: segments left behind become finished entries, the last one keeps running."""

@@ -212,6 +212,47 @@ def test_short_cached_chunks_take_the_short_chunk_kernels_and_equal_the_general_
     assert float((fast - full)[real].abs().max()) <= 1e-5 * float(full.abs().max())
 
 
+def test_long_chunk_sums_match_a_per_segment_reference():
+    """A long chunk's Memory-Cache sums come from the aligned block buffer (no one-hot [S, segments] products): each
+    token's causal own-segment sums and each segment's totals equal float64 loops, left padding included."""
+    from spike_whale.modeling_spike_whale import MemoryCacheBranch, SegmentLayout
+
+    B, S, Lseg, nh, hd, gd = 2, 29, 8, 2, 4, 3
+    g = torch.Generator().manual_seed(3)
+    valid = torch.ones(B, S, dtype=torch.bool)
+    valid[1, :5] = False
+    positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+    lay = SegmentLayout.build(positions, valid, torch.zeros(B, dtype=torch.long), Lseg, 0)
+    assert lay.block_idx is not None and lay.n_rel == 4
+    vf = valid.float()
+    fq, fk, v = (torch.rand(B, S, nh, hd, generator=g) for _ in range(3))
+    fk, v, gk = fk * vf[..., None, None], v * vf[..., None, None], torch.randn(B, S, gd, generator=g) * vf[..., None]
+    (num, den, og, on), (seg_M, seg_z, seg_g, seg_n) = MemoryCacheBranch._long_chunk_sums(fq, fk, v, gk, lay)
+
+    d = torch.float64
+
+    def close(got, want):
+        torch.testing.assert_close(got.to(d), want, rtol=1e-6, atol=1e-6)
+
+    for b in range(B):
+        seg = positions[b] // Lseg
+        for r in range(lay.n_rel):
+            m = valid[b] & (seg == r)
+            close(seg_M[b, r], torch.einsum("shd,she->hde", fk[b, m].to(d), v[b, m].to(d)))
+            close(seg_z[b, r], fk[b, m].to(d).sum(0))
+            close(seg_g[b, r], gk[b, m].to(d).sum(0))
+            assert float(seg_n[b, r]) == float(m.sum())
+        for t in range(S):
+            if not valid[b, t]:
+                continue
+            m = valid[b] & (seg == seg[t]) & (torch.arange(S) <= t)
+            a = torch.einsum("hd,shd->sh", fq[b, t].to(d), fk[b, m].to(d))
+            close(num[b, t], torch.einsum("sh,she->he", a, v[b, m].to(d)))
+            close(den[b, t], a.sum(0))
+            close(og[b, t], gk[b, m].to(d).sum(0))
+            assert float(on[b, t]) == float(m.sum())
+
+
 torchao_missing = importlib.util.find_spec("torchao") is None
 
 
