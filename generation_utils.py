@@ -1107,8 +1107,10 @@ def mtp_speculative_generate(
         ctx, out, dists = input_ids, [], []
         for i in range(k):
             draft_logits = model.lm_head(heads[i](h_last)).float()
-            dist = torch.softmax(draft_processor(ctx, draft_logits) if do_sample else draft_logits, dim=-1)
-            if not bool(((dist.amax(-1) > threshold) | (unfinished == 0)).all()):
+            dist = None
+            if do_sample or threshold > 0:  # without a gate a greedy draft needs no distribution and no host check
+                dist = torch.softmax(draft_processor(ctx, draft_logits) if do_sample else draft_logits, dim=-1)
+            if threshold > 0 and not bool(((dist.amax(-1) > threshold) | (unfinished == 0)).all()):
                 stats.withheld += 1
                 break
             if do_sample:
