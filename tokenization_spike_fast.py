@@ -90,6 +90,9 @@ def bytes_to_unicode() -> dict[int, str]:
 
 _BYTE_CHAR = bytes_to_unicode()
 _LATIN1_TO_BYTE_LEVEL = str.maketrans({chr(b): c for b, c in _BYTE_CHAR.items()})
+_BYTE_LEVEL_CHARS = frozenset(_BYTE_CHAR.values())
+_PRINTABLE_ASCII = frozenset(map(chr, range(0x21, 0x7F)))
+_CHAR_LATIN1 = {c: chr(b) for b, c in _BYTE_CHAR.items()}
 
 
 def _to_byte_level(text: str) -> str:
@@ -100,13 +103,27 @@ def _to_byte_level(text: str) -> str:
         return text
 
 
+def _key_to_latin1(key: str) -> str:
+    """A model key as the vocab's latin-1 token: byte-level keys are mapped back, matched tokens' keys are their text
+    (`matched_texts` keeps only texts that are printable ASCII, spelled alike both ways, or hold a character outside
+    the byte alphabet)."""
+    if all(ch in _BYTE_LEVEL_CHARS for ch in key):
+        return "".join(_CHAR_LATIN1[ch] for ch in key)
+    return key.encode("utf-8").decode("latin-1")
+
+
 def _onig_escape(ch: str) -> str:
     """Escape for Oniguruma: every ASCII character that is not a letter or digit gets a backslash."""
     return "\\" + ch if ord(ch) < 128 and not ch.isalnum() else ch
 
 
-def build_backend(data: Mapping) -> Tokenizer:
-    """The `tokenizers` pipeline for a normalised vocab (`normalize_vocab_data`): same ids as `SpikeTokenizer`."""
+def build_backend(data: Mapping, match_text: bool = True) -> Tokenizer:
+    """The `tokenizers` pipeline for a normalised vocab (`normalize_vocab_data`): same ids as `SpikeTokenizer`.
+
+    When `matched_texts` accepts the vocab, its greedy tokens are non-special added tokens, which `tokenizers` finds
+    with its leftmost-longest Aho-Corasick automaton over the text (greedy longest match when every character starts
+    a token); the rest of the text (characters no such token starts) goes through ByteLevel, the piece regex and
+    WordPiece.  Otherwise (or with ``match_text=False``) every token goes through that second path."""
     max_token_len = data["max_token_len"]
     vocab: dict[str, int] = {}
     greedy: list[str] = []
@@ -117,25 +134,77 @@ def build_backend(data: Mapping) -> Tokenizer:
         byte_level = token.translate(_LATIN1_TO_BYTE_LEVEL)
         vocab[byte_level] = idx
         if BYTE_OFFSET <= idx < SPECIAL_START_ID and len(token) <= max_token_len:
-            greedy.append(byte_level)
+            greedy.append(token)
     defined = set(vocab.values())
     vocab.update({unused_token(i): i for i in range(FIRST_MULTIBYTE_ID, SPECIAL_START_ID) if i not in defined})
 
+    texts = matched_texts(greedy) if match_text else None
+    if texts is not None:
+        for token, text in texts.items():
+            byte_level = token.translate(_LATIN1_TO_BYTE_LEVEL)
+            if text != byte_level and text in vocab:  # a text spelled like another key: keep the pieces path
+                texts = None
+                break
+    matched = {}
+    if texts is not None:
+        for token, text in texts.items():
+            matched[text] = vocab.pop(token.translate(_LATIN1_TO_BYTE_LEVEL))
+        vocab.update(matched)
+    pieces = [t.translate(_LATIN1_TO_BYTE_LEVEL) for t in greedy if texts is None or t not in texts]
+    others = {key: idx for key, idx in vocab.items() if key not in matched}
     backend = Tokenizer(models.WordPiece(vocab, unk_token=UNK_TOKEN, continuing_subword_prefix="",
                                          max_input_chars_per_word=PIECE_TOKENS * max_token_len))
     backend.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-        pre_tokenizers.Split(Regex(piece_pattern(greedy, vocab, PIECE_TOKENS)), behavior="isolated"),
+        pre_tokenizers.Split(Regex(piece_pattern(pieces, others, PIECE_TOKENS)), behavior="isolated"),
     ])
-    backend.decoder = decoders.ByteLevel()
+    # A matched token spelled only in the byte alphabet but not ASCII ("España") would be read as bytes by the
+    # ByteLevel decoder: it is respelled as its bytes first (whole-token match, so no other token is touched).
+    respell = [decoders.Replace(Regex("\\A" + "".join(map(_onig_escape, text)) + "\\z"), _to_byte_level(text))
+               for text in matched if not _decodes_as_itself(text)]
+    backend.decoder = decoders.Sequence([*respell, decoders.ByteLevel()]) if respell else decoders.ByteLevel()
     backend.add_special_tokens([
         BackendAddedToken(tok, special=True, normalized=False, lstrip=False, rstrip=False, single_word=False)
         for tok in _ALL_SPECIALS
     ])
-    for tok, idx in _SPECIAL_IDS.items():
+    # normalized=True: matched after the specials are split off, so a special always wins as in `SpikeTokenizer`
+    backend.add_tokens([BackendAddedToken(text, special=False, normalized=True, lstrip=False, rstrip=False,
+                                          single_word=False) for text in matched])
+    for tok, idx in {**_SPECIAL_IDS, **matched}.items():
         if backend.token_to_id(tok) != idx:
-            raise ValueError(f"special token {tok!r} landed at id {backend.token_to_id(tok)}, the layout requires {idx}")
+            raise ValueError(f"token {tok!r} landed at id {backend.token_to_id(tok)}, the layout requires {idx}")
     return backend
+
+
+def matched_texts(greedy: list[str]) -> dict[str, str] | None:
+    """The text of each greedy token (latin-1 string) that the added-token matcher takes, or None when one token
+    makes that inexact.
+
+    Leftmost-longest matching over the text equals greedy longest match over the bytes as long as the tokens left
+    out never start at a character boundary where a matched token could: every valid UTF-8 token is matched except
+    one-character ones the ByteLevel decoder would misread (``"é"``), and the others lie inside one character (a
+    single byte >= 0x80, a part of one character's UTF-8 sequence).  The text runs no matched token starts are then
+    whole characters, which the piece regex and WordPiece cut into the left-out tokens as greedy matching does.  A
+    token that is not valid UTF-8 and crosses a character boundary (``b"d \xe2\x80"``) cannot be matched as text,
+    and leaving it out would let a shorter matched token win where greedy takes it: None.
+    """
+    texts = {}
+    for token in greedy:
+        try:
+            text = token.encode("latin-1").decode("utf-8")
+        except UnicodeDecodeError:
+            if any(not 0x80 <= ord(ch) < 0xC0 for ch in token[1:]):
+                return None
+            continue
+        if len(text) > 1 or _decodes_as_itself(text):
+            texts[token] = text
+    return texts
+
+
+def _decodes_as_itself(text: str) -> bool:
+    """True when the ByteLevel decoder turns `text` into its own UTF-8 bytes: it maps a token through the byte
+    alphabet when every character is in it, and keeps the token's bytes otherwise."""
+    return all(ch in _PRINTABLE_ASCII for ch in text) or not all(ch in _BYTE_LEVEL_CHARS for ch in text)
 
 
 def piece_pattern(greedy: list[str], vocab: Mapping[str, int], tokens_per_piece: int) -> str:
@@ -163,11 +232,10 @@ def piece_pattern(greedy: list[str], vocab: Mapping[str, int], tokens_per_piece:
 
 def _vocab_data_from_backend(backend: Tokenizer) -> dict:
     """The released vocab format recovered from a saved `tokenizer.json` (for `save_vocabulary`)."""
-    char_byte = {c: chr(b) for b, c in _BYTE_CHAR.items()}
     vocab = {}
     for token, idx in backend.get_vocab(with_added_tokens=False).items():
         if BYTE_OFFSET <= idx < SPECIAL_START_ID and token != unused_token(idx):
-            vocab["".join(char_byte[c] for c in token)] = idx
+            vocab[_key_to_latin1(token)] = idx
     # The file does not record max_token_len: the longest regular token is the best bound it implies.
     max_len = max(len(t) for i, t in ((i, t) for t, i in vocab.items()) if i >= FIRST_MULTIBYTE_ID) if len(
         vocab) > 256 else 1
@@ -223,6 +291,12 @@ class SpikeTokenizerFast(PreTrainedTokenizerFast):
         defined = set(data["vocab"].values())
         self._unused_ids = frozenset(i for i in range(FIRST_MULTIBYTE_ID, SPECIAL_START_ID) if i not in defined)
         self._words_pre_tokenizer = None
+        self._words_backend = None
+        self._pieces = None
+        # greedy tokens found by the added-token matcher (`build_backend`), not by the piece regex
+        self._matched_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items()
+                                      if not t.special and i < SPECIAL_START_ID)
+        self._matches_text = bool(self._matched_ids)
 
         kwargs.pop("special_tokens_pattern", None)
         kwargs.setdefault("chat_template", CHATML_TEMPLATE)
@@ -301,6 +375,23 @@ class SpikeTokenizerFast(PreTrainedTokenizerFast):
         tokenizer_config["add_bos_token"] = self._add_bos_token  # as SpikeTokenizer: keep the flag on disk
         return super().save_chat_templates(save_directory, tokenizer_config, filename_prefix, save_jinja_files)
 
+    @property
+    def added_tokens_decoder(self) -> dict[int, AddedToken]:
+        """The added tokens as transformers means them (specials, tokens a user added): the vocab's own greedy tokens
+        that `build_backend` gives the added-token matcher are ordinary vocabulary, not listed here."""
+        return {i: t for i, t in self._tokenizer.get_added_tokens_decoder().items() if i not in self._matched_ids}
+
+    _added_tokens_decoder = added_tokens_decoder
+
+    @property
+    def added_tokens_encoder(self) -> dict[str, int]:
+        return {t.content: i for i, t in sorted(self.added_tokens_decoder.items())}
+
+    _added_tokens_encoder = added_tokens_encoder
+
+    def get_added_vocab(self) -> dict[str, int]:
+        return self.added_tokens_encoder
+
     # ---- encode ---------------------------------------------------------------------------------------
 
     def _encode_plus(self, text, text_pair=None, add_special_tokens: bool = True, *args,
@@ -315,7 +406,9 @@ class SpikeTokenizerFast(PreTrainedTokenizerFast):
             return self._encode_without_offsets(text, add_special_tokens, split, **kwargs)
         backend = self._tokenizer
         plain = backend.pre_tokenizer
-        if is_split_into_words:
+        if is_split_into_words and self._matches_text:
+            self._tokenizer = self._backend_for_words()
+        elif is_split_into_words:
             backend.pre_tokenizer = self._pre_tokenizer_for_words()
         try:
             if stripped is None:
@@ -326,8 +419,8 @@ class SpikeTokenizerFast(PreTrainedTokenizerFast):
             out = super()._encode_plus(text, text_pair, add_special_tokens, *args, split_special_tokens=split,
                                        **kwargs)
         finally:
-            if is_split_into_words:
-                backend.pre_tokenizer = plain
+            self._tokenizer = backend
+            backend.pre_tokenizer = plain
         if "offset_mapping" in out:
             batched = not isinstance(text, str)
             rows = out["offset_mapping"] if batched else [out["offset_mapping"]]
@@ -382,6 +475,34 @@ class SpikeTokenizerFast(PreTrainedTokenizerFast):
             data = {key: value[0] if isinstance(value[0], list) else value for key, value in data.items()}
         return BatchEncoding(data, on_demand, tensor_type=return_tensors, n_sequences=1)
 
+    def _piece_pipeline(self) -> Tokenizer:
+        """This vocab's piece pipeline alone (`build_backend` with ``match_text=False``), built on first use."""
+        if self._pieces is None:
+            self._pieces = build_backend(self._vocab_data, match_text=False)
+        return self._pieces
+
+    def _encode_without_added_tokens(self, text: str) -> list[int]:
+        # transformers' chat sanitizing encodes a control token's text without the added tokens; here the greedy
+        # tokens are added tokens too, so that is the piece pipeline's pre-tokenizer and model
+        if not self._matches_text:
+            return super()._encode_without_added_tokens(text)
+        pieces = self._piece_pipeline()
+        return [t.id for split, _ in pieces.pre_tokenizer.pre_tokenize_str(text) for t in pieces.model.tokenize(split)]
+
+    def _backend_for_words(self) -> Tokenizer:
+        """Pretokenized input when the added-token matcher finds the greedy tokens: it runs before any pre-tokenizer
+        could give each stretch of text its leading space, so these calls take the piece pipeline (`build_backend`
+        with ``match_text=False``) with ByteLevel's add_prefix_space, this tokenizer's post-processor and any
+        tokens added since."""
+        if self._words_backend is None:
+            spec = json.loads(self._piece_pipeline().to_str())
+            spec["pre_tokenizer"]["pretokenizers"][0]["add_prefix_space"] = True
+            self._words_backend = Tokenizer.from_str(json.dumps(spec))
+        words = self._words_backend
+        words.post_processor = self._tokenizer.post_processor
+        words.add_tokens([t for i, t in self._tokenizer.get_added_tokens_decoder().items() if i >= VOCAB_SIZE])
+        return words
+
     def _pre_tokenizer_for_words(self):
         """Pretokenized input: each word gets a leading space unless it has one (GPT-2/RoBERTa convention)."""
         if self._words_pre_tokenizer is None:
@@ -396,6 +517,11 @@ class SpikeTokenizerFast(PreTrainedTokenizerFast):
         index = self._tokenizer.token_to_id(token)
         if index is None:
             index = self._tokenizer.token_to_id(_to_byte_level(token))
+        if index is None and all(ch in _BYTE_LEVEL_CHARS for ch in token):  # a matched token in byte-level spelling
+            try:
+                index = self._tokenizer.token_to_id(_key_to_latin1(token).encode("latin-1").decode("utf-8"))
+            except UnicodeDecodeError:
+                pass
         return self.unk_token_id if index is None else index
 
     def apply_chat_template(self, conversation, **kwargs):

@@ -23,21 +23,61 @@ from spike_whale.tokenization_spike import (
     RESERVED_IDS,
     SpikeTokenizer,
     load_vocab_file,
+    normalize_vocab_data,
 )
 from spike_whale.tokenization_spike_fast import SpikeTokenizerFast, build_backend
 from test_tokenizer import ALL_SPECIAL_STRINGS, TRICKY, random_text
 
 
-@pytest.fixture(scope="module")
-def pair():
+MATCHED_EXTRA = ["\xc3\xa9", "Espa\xc3\xb1a ", "f\xc3\xbcr", "\xc3\x89ric", "ex\xc3\xa0mple.com", "\xe2\x82\xac",
+                 "\xe2\x80\x9c", "d \xe2\x80\x9c", "\xe4\xb8\xad\xe6\x96\x87"]
+
+
+def crosses_a_character(token: str) -> bool:
+    """A token that is not valid UTF-8 and has a character start after its first byte (b"d \xe2\x80")."""
+    try:
+        token.encode("latin-1").decode("utf-8")
+        return False
+    except UnicodeDecodeError:
+        return any(not 0x80 <= ord(ch) < 0xC0 for ch in token[1:])
+
+
+def vocab_with(extra: list[str], drop_crossing: bool = False) -> dict:
     data = build_lengthmax_vocab([DEMO_CORPUS], vocab_size=2176)
     vocab = data["vocab"]
+    if drop_crossing:
+        for tok in [t for t, i in vocab.items() if 260 <= i < 16384 and crosses_a_character(t)]:
+            del vocab[tok]
     next_id = max(i for i in vocab.values() if i < 16384) + 1
-    for tok in TRICKY:  # partial UTF-8, regex metacharacters, special fragments, a token over max_token_len
+    for tok in extra:
         if tok not in vocab:
             vocab[tok] = next_id
             next_id += 1
-    return SpikeTokenizer(data, model_max_length=1 << 22), SpikeTokenizerFast(data, model_max_length=1 << 22)
+    return data
+
+
+def make_pair(kind: str):
+    """The demo-corpus vocab with tricky tokens (partial UTF-8, regex metacharacters, special fragments, a token over
+    max_token_len). "pieces": with b"\xe4\xb8\xad\xe6" (a partial token crossing a character boundary) every token
+    goes through the piece regex; "matcher": without such tokens, with accented words and one-character tokens, the greedy
+    tokens are added tokens found by tokenizers' Aho-Corasick matcher (`build_backend`)."""
+    if kind == "pieces":
+        data = vocab_with(TRICKY)
+    else:
+        data = vocab_with([t for t in TRICKY if not crosses_a_character(t)] + MATCHED_EXTRA, drop_crossing=True)
+    fast = SpikeTokenizerFast(data, model_max_length=1 << 22)
+    assert fast._matches_text == (kind == "matcher")
+    return SpikeTokenizer(data, model_max_length=1 << 22), fast
+
+
+@pytest.fixture(scope="module", params=["pieces", "matcher"])
+def pair(request):
+    return make_pair(request.param)
+
+
+@pytest.fixture(scope="module")
+def pieces_pair():
+    return make_pair("pieces")
 
 
 def random_unicode(rng: random.Random, n: int = 8) -> str:
@@ -298,7 +338,7 @@ def test_token_healing_generate_runs(pair):
         assert isinstance(out, torch.Tensor)
 
 
-def test_trie_dispatch_groups_keep_the_greedy_segmentation(pair):
+def test_trie_dispatch_groups_keep_the_greedy_segmentation(pieces_pair):
     """The fast pipeline's trie groups a node's children behind first-character lookaheads (Oniguruma tries ordered
     alternatives one by one; about 1.4x faster, benchmarks/bench_tokenizer.py); the matches are the plain trie's."""
     import re
@@ -306,7 +346,7 @@ def test_trie_dispatch_groups_keep_the_greedy_segmentation(pair):
     from spike_whale.tokenization_spike import greedy_trie_pattern
     from spike_whale.tokenization_spike_fast import TRIE_DISPATCH
 
-    slow, fast = pair
+    slow, fast = pieces_pair
     spec = json.loads(fast.backend_tokenizer.to_str())
     split = spec["pre_tokenizer"]["pretokenizers"][1]
     assert "(?=[" in split["pattern"]["Regex"] and TRIE_DISPATCH >= 2
@@ -329,7 +369,7 @@ def test_trie_dispatch_groups_keep_the_greedy_segmentation(pair):
         greedy_trie_pattern(tokens, dispatch=1)
 
 
-def test_pieces_of_greedy_tokens_recut_by_wordpiece(pair):
+def test_pieces_of_greedy_tokens_recut_by_wordpiece(pieces_pair):
     """The fast pipeline splits the text into runs of up to PIECE_TOKENS greedy tokens and WordPiece (empty prefix)
     cuts each again by longest match (fewer pieces: about 1.1x, benchmarks/bench_tokenizer.py). A token starting with
     the first character of a key greedy matching never emits ('<' of the specials, 'x' of the vocab's token over
@@ -339,7 +379,7 @@ def test_pieces_of_greedy_tokens_recut_by_wordpiece(pair):
     from spike_whale.tokenization_spike import greedy_trie_pattern
     from spike_whale.tokenization_spike_fast import _LATIN1_TO_BYTE_LEVEL, PIECE_TOKENS, TRIE_DISPATCH, _onig_escape
 
-    slow, fast = pair
+    slow, fast = pieces_pair
     backend = fast.backend_tokenizer
     spec = json.loads(backend.to_str())
     assert spec["model"]["type"] == "WordPiece" and spec["model"]["continuing_subword_prefix"] == "" and PIECE_TOKENS > 1
@@ -372,6 +412,34 @@ def test_pieces_of_greedy_tokens_recut_by_wordpiece(pair):
     no_rule.encode_special_tokens = True
     assert slow.encode_ordinary("<bos>x")[:2] == slow.convert_tokens_to_ids(["<bos", ">"])
     assert no_rule.encode("<bos>x", add_special_tokens=False).ids[0] == BOS_ID
+
+
+def test_greedy_tokens_are_added_tokens_when_that_is_exact(pair):
+    """Issue 14 throughput: the greedy tokens become non-special added tokens, found by tokenizers' leftmost-longest
+    Aho-Corasick matcher (about 1.8x the piece pipeline's encode, benchmarks/bench_tokenizer.py), whenever that is
+    greedy longest match: not with a partial-UTF-8 token crossing a character boundary, nor with a token whose text is
+    spelled like another token's byte-level key. One-character tokens the ByteLevel decoder would misread ("é") are
+    left to the pieces; longer ones ("für") are respelled for it by a whole-token Replace decoder."""
+    slow, fast = pair
+    backend = fast.backend_tokenizer
+    matched = {i: t.content for i, t in backend.get_added_tokens_decoder().items() if not t.special}
+    assert bool(matched) == fast._matches_text
+    assert sorted(fast.added_tokens_decoder) == sorted(i for i, t in backend.get_added_tokens_decoder().items()
+                                                       if t.special) and len(fast) == 16512
+    if not fast._matches_text:
+        return
+    ids = slow.convert_tokens_to_ids(["\xc3\xa9", "f\xc3\xbcr", "Espa\xc3\xb1a ", "\xe2\x82\xac", "\xe4\xb8", "a"])
+    assert [i in matched for i in ids] == [False, True, True, True, False, True]
+    assert matched[ids[1]] == "für" and fast.decode(ids) == slow.decode(ids)
+    assert [d["type"] for d in json.loads(backend.to_str())["decoder"]["decoders"]][-1] == "ByteLevel"
+    assert fast.convert_tokens_to_ids(["für", "fÃ¼r", "Ã©"]) == [ids[1], ids[1], ids[0]]
+    data = fast.vocab_data
+    for extra in ("d \xe2\x80", "\xc3\x83\xc2\xa9"):  # crosses a character; "Ã©" is the key of "é" in byte level
+        vocab = dict(data["vocab"])
+        vocab[extra] = max(i for i in vocab.values() if i < 16384) + 1
+        built = build_backend(normalize_vocab_data({**data, "vocab": vocab}))
+        assert not any(not t.special for t in built.get_added_tokens_decoder().values()), extra
+    assert not any(not t.special for t in build_backend(data, match_text=False).get_added_tokens_decoder().values())
 
 
 def test_long_token_refused_clearly():
