@@ -333,7 +333,7 @@ class SpikeWhaleCache(Cache):
         layer = self.layers[slot]
         start = self._position()
         hist = layer.history.setdefault(kind, [])
-        if self.record_past:
+        if layer.record_past:  # the slot's own flag (`record_past` of the cache is all of them)
             hist.append((start, getattr(layer, kind)))
             for j, st in enumerate(per_position or []):
                 hist.append((start + j + 1, st))

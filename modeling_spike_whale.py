@@ -159,7 +159,8 @@ class SpikeWhaleRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        weight = self.weight
+        return F.rms_norm(x, weight.shape, weight, self.eps)
 
 
 def rope_inv_freq(rope_dim: int, theta: float, fractal: bool, gamma: float) -> torch.Tensor:
@@ -274,6 +275,11 @@ class SegmentLayout:
         return cls(rel, n_rel, seg_len, onehot, base, new_segment, n_fin, valid, valid_f, padded, first, fin_mask,
                    chunk_mask, own_mask, own_count, block_idx)
 
+    def reached(self) -> torch.Tensor:
+        """[B, S]: the relative segment each row has reached after each chunk position, that of its last real token so
+        far (0 before any); `rel` itself is 0 at padding."""
+        return self.rel.cummax(1).values
+
     def on_device(self, device: torch.device) -> "SegmentLayout":
         """This layout with its tensors on `device` (layers of a multi-device map each get their own copy)."""
         if self.rel.device == device:
@@ -300,6 +306,7 @@ class ForwardContext:
     n_mc_segments: int = 0  # finished-segment entries of a Memory-Cache state
     record: bool = False  # states after each chunk token are kept for `crop`
     need_weights: bool = False  # output_attentions: every slot returns its attention map
+    attn_implementation: str | None = None  # config._attn_implementation, read once per forward
     keep_streams: bool = False  # output_hidden_states: every slot returns its residual streams
 
     @property
@@ -440,7 +447,7 @@ class MemoryCacheBranch(nn.Module):
         run = own = None
         if lay.n_rel == 1 and S <= self.short_chunk:
             run = self._running_sums(state[3:] if state is not None else None, fk, v, gk, lay.valid_f)
-            seg_M, seg_z, seg_g, seg_n = (t[:, -1:] for t in run)
+            seg_M, seg_z, seg_g, seg_n = run if S == 1 else (t[:, -1:] for t in run)
         elif lay.block_idx is not None:
             own, seg = self._long_chunk_sums(fq, fk, v, gk, lay)
             seg_M, seg_z, seg_g, seg_n = self._carry_into_first(seg, state)
@@ -465,7 +472,8 @@ class MemoryCacheBranch(nn.Module):
                 own_den = own_den + first[..., None] * torch.einsum("bshd,bhd->bsh", fq, state.run_z)
                 own_g = own_g + first[..., None] * state.run_g[:, None]
                 own_n = own_n + first * state.run_n[:, None]
-        seg_gmean = seg_g / seg_n.clamp(min=1)[..., None]
+        # Mean gate keys of the chunk's segments, read by later ones and kept for the finished.
+        seg_gmean = seg_g / seg_n.clamp(min=1)[..., None] if lay.n_rel > 1 else None
 
         # Finished segments a token may read: the cache's (i < base) and this chunk's earlier ones (r' < rel).
         cands = []
@@ -570,14 +578,16 @@ class MemoryCacheBranch(nn.Module):
         if run is not None:
             return [MemoryCacheState(new_state.fin_M, new_state.fin_z, new_state.fin_g, *(t[:, j] for t in run))
                     for j in range(S)]
+        # A padding position keeps the state after the row's last real token: its segment's sums so far.
+        reached = lay.reached()
         causal = torch.ones(S, S, dtype=torch.bool, device=fk.device).tril()
-        m = ((lay.rel[:, :, None] == lay.rel[:, None, :]) & causal & lay.valid[:, None, :]).float()
+        m = ((reached[:, :, None] == lay.rel[:, None, :]) & causal & lay.valid[:, None, :]).float()
         run_M = torch.einsum("bst,bthd,bthe->bshde", m, fk, v)
         run_z = torch.einsum("bst,bthd->bshd", m, fk)
         run_g = m @ gk
         run_n = m.sum(-1)
-        if state is not None:
-            first = lay.first
+        if state is not None:  # the cache's running sums, wherever the row is still in its first segment
+            first = (reached == 0).float()
             run_M = run_M + first[..., None, None, None] * state.run_M[:, None]
             run_z = run_z + first[..., None, None] * state.run_z[:, None]
             run_g = run_g + first[..., None] * state.run_g[:, None]
@@ -894,6 +904,7 @@ class SpikeWhaleAttention(nn.Module):
         self.v_proj = SpikeWhaleLinear(H, kvh * hd, bias=False)
         self.o_a_proj = SpikeWhaleLinear(nh * hd, config.o_lora_rank, bias=False)
         self.o_b_proj = SpikeWhaleLinear(config.o_lora_rank, H, bias=False)
+        self.use_qk_norm, self.use_xsa = config.use_qk_norm, config.use_xsa
         if config.use_qk_norm:
             self.q_norm = SpikeWhaleRMSNorm(hd, config.rms_norm_eps)
             self.k_norm = SpikeWhaleRMSNorm(hd, config.rms_norm_eps)
@@ -949,11 +960,11 @@ class SpikeWhaleAttention(nn.Module):
         `AttentionInterface`, DERF and Elo are the config's own kernels. ratings: the cached keys' Elo ratings."""
         mask = _on(ctx.attn_mask, q.device) if ctx.attn_mask is not None else None
         if self.attn_kind != "elo":
-            impl = self.config._attn_implementation
             S = q.shape[2]
             # One query per row, or a short chunk continuing a cache (which always has a mask; a verify step).
             few = S == 1 or (S <= self.few_queries and not isinstance(ctx.past, torch.Tensor) and ctx.past > 0)
-            if self.attn_kind == "softmax" and few and not ctx.need_weights and impl in ("sdpa", "eager", None):
+            if (self.attn_kind == "softmax" and few and not ctx.need_weights
+                    and ctx.attn_implementation in ("sdpa", "eager", None)):
                 return decode_attention(q, k, v, mask), None, None, None
             return (*self._attend_stateless(q, k, v, mask, ctx.is_causal), None, None)
         dropout = self.config.attention_dropout if self.training else 0.0
@@ -995,7 +1006,7 @@ class SpikeWhaleAttention(nn.Module):
         q = self.q_b_proj(self.q_a_norm(q_lat)).view(B, S, -1, self.hd).transpose(1, 2)
         k = k.view(B, S, -1, self.hd).transpose(1, 2)
         v = v.view(B, S, -1, self.hd).transpose(1, 2)
-        if self.config.use_qk_norm:
+        if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self.rope(_on(positions, u.device))
         return apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin), v
@@ -1009,7 +1020,7 @@ class SpikeWhaleAttention(nn.Module):
 
     def _output(self, y: torch.Tensor, v_self: torch.Tensor) -> torch.Tensor:
         """XSA on the attention output, then the low-rank output projection back to [B, S, H]."""
-        if self.config.use_xsa:
+        if self.use_xsa:
             y = self.remove_self_echo(y, v_self)
         B, nh, S, hd = y.shape
         return self.o_b_proj(self.o_a_proj(y.transpose(1, 2).reshape(B, S, nh * hd)))
@@ -1049,16 +1060,26 @@ class SpikeWhaleAttention(nn.Module):
         return (yg - (yg * vhat).sum(-1, keepdim=True) * vhat).view(B, nh, S, hd)
 
 
+# Weights of fewer elements stay in cache, where `linear_forward`'s few-row kernel costs more than it saves.
+FEW_ROWS_MIN_WEIGHT = 1 << 16
+
+
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x·Wᵀ + b, as F.linear. Eagerly, a product of 2-3 rows with a plain float32 row-major W on CPU runs as (W·xᵀ)ᵀ:
-    MKL streams W for it at about the cost of a one-row GEMV, where x·Wᵀ costs ~1.8× (a speculative verify step's
+    """x·Wᵀ + b, as F.linear. Eagerly, a product of 1-3 rows with a plain float32 row-major W of at least
+    `FEW_ROWS_MIN_WEIGHT` elements on CPU runs as (W·Xᵀ)ᵀ, one row padded with a zero row to two: MKL's kernel for
+    that streams W at about memory bandwidth, where its x·Wᵀ reaches ~2/3 of it for one row (a decode step; except
+    rows of 2048+ inputs, where its GEMV is the faster) and costs ~1.8× that for 2-3 (a speculative verify step's
     chunk). Under torch.compile inductor picks its own GEMM."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not (2 <= rows <= 3 and x.device.type == "cpu" and weight.dtype == x.dtype == torch.float32
-            and type(weight) in (torch.Tensor, nn.Parameter) and weight.stride(-1) == 1
-            and not torch.compiler.is_compiling()):
+    K = x.shape[-1]
+    rows = x.numel() // K if K else 0
+    if not (0 < rows <= 3 and (rows > 1 or K < 2048) and weight.numel() >= FEW_ROWS_MIN_WEIGHT and x.is_cpu
+            and weight.dtype == x.dtype == torch.float32 and type(weight) in (torch.Tensor, nn.Parameter)
+            and weight.stride(-1) == 1 and not torch.compiler.is_compiling()):
         return F.linear(x, weight, bias)
-    y = torch.mm(weight, x.reshape(rows, -1).contiguous().t()).t().contiguous()
+    if rows == 1:  # column 0 of W·[x; 0]ᵀ
+        y = torch.mm(weight, F.pad(x.reshape(1, K), (0, 0, 0, 1)).t())[:, 0].contiguous()
+    else:
+        y = torch.mm(weight, x.reshape(rows, K).contiguous().t()).t().contiguous()
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], weight.shape[0])
@@ -1590,11 +1611,12 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             else:
                 base, n_fin = torch.zeros(B, dtype=torch.long, device=device), 0
             segments = SegmentLayout.build(positions, valid, base, L, n_fin)
+        impl = self.config._attn_implementation
         if cache is None:
-            return ForwardContext(positions, valid, attn_mask, is_causal, segments)
+            return ForwardContext(positions, valid, attn_mask, is_causal, segments, attn_implementation=impl)
         return ForwardContext(positions, valid, attn_mask, is_causal, segments, past=past,
                               max_cache_len=cache.max_cache_len, n_mc_segments=cache.n_mc_segments,
-                              record=cache.record_past)
+                              record=cache.record_past, attn_implementation=impl)
 
     def run_layers(self, lo: int, hi: int) -> tuple:
         """The layers of loop-plan slots lo..hi-1."""
@@ -1779,7 +1801,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         steps = [self.norm(h) for h in steps]
         if cache is not None:
             seg = ctx.segments
-            per_pos = (seg.base[:, None] + seg.rel) if (seg is not None and cache.record_past) else None
+            per_pos = (seg.base[:, None] + seg.reached()) if (seg is not None and cache.record_past) else None
             cache.commit(ctx.valid, engram_c, seg.new_segment if seg is not None else None, per_pos)
         moe_aux = torch.stack(aux_terms).mean() if aux_terms else None
         return SpikeWhaleModelOutput(

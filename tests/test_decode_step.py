@@ -332,6 +332,30 @@ def test_each_slot_owns_its_state_and_rollback_history(model):
     assert all([p for p, _ in layer.history["mc"]] == [6] for layer in cache.layers)
 
 
+@pytest.mark.parametrize("holes", [(4, 8), (9, 12)])
+def test_crop_to_a_padding_position_restores_the_state_of_the_last_real_token(model, holes):
+    """A recorded chunk with padding after a row's real tokens (holes in its attention mask), long enough and crossing a
+    Memory-Cache boundary so that it records through the general per-position path: cropping to any position of it,
+    the padding ones included, then feeding the rest again gives the logits of a full recompute. The state at a padding
+    position is that after the row's last real token (its running sums, the cache's carried ones included, and its
+    segment), not the sums of relative segment 0 without the carried ones."""
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(10, 500, (2, 23), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 5 + holes[0]:5 + holes[1]] = 0  # row 1: chunk tokens 0-3 in segment 0/1, then padding
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+        for crop_to in range(6, 18):
+            cache = model(ids[:, :5], attention_mask=mask[:, :5], use_cache=True).cache
+            cache.activate_past_recording()
+            model(ids[:, 5:17], attention_mask=mask[:, :17], cache=cache, use_cache=True)
+            cache.crop(crop_to)
+            got = model(ids[:, crop_to:], attention_mask=mask, cache=cache, use_cache=True).logits
+            real = mask[:, crop_to:].bool()
+            err = float((got - full[:, crop_to:])[real].abs().max())
+            assert err <= TOL * float(full.abs().max()), (crop_to, err)
+
+
 def test_the_whole_forward_compiles_without_graph_breaks():
     """`torch.compile(model.forward, fullgraph=True)` holds (no host syncs under compile, hence
     `_can_compile_fullgraph`): one-token steps on the model's own cache with left padding, one of them opening a

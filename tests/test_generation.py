@@ -325,7 +325,7 @@ def test_mtp_refuses_what_it_does_not_implement(model):
         with pytest.raises(ValueError, match="use_cache"):
             model.generate(ids, do_sample=False, use_cache=False, use_mtp=True, max_new_tokens=3)
         with pytest.raises(ValueError, match="MTP head"):
-            model.generate(ids, do_sample=False, use_mtp=True, mtp_draft_tokens=2, max_new_tokens=3)
+            model.generate(ids, do_sample=False, use_mtp=True, mtp_draft_tokens=0, max_new_tokens=3)
     finally:
         handle.remove()
     assert not calls

@@ -140,16 +140,17 @@ def test_memory_cache_read_mixes_reads_not_memories():
     assert (y.to(d) - want).abs().max() <= 1e-6 * want.abs().max()
 
 
-def test_linear_forward_of_a_few_rows_equals_f_linear():
-    """`linear_forward` computes 2-3 rows as (W·xᵀ)ᵀ; values and gradients are F.linear's, and SpikeWhaleLinear keeps
-    nn.Linear's state dict."""
+def test_linear_forward_of_a_few_rows_equals_f_linear(monkeypatch):
+    """`linear_forward` computes 1-3 rows with a weight of 64K+ elements as (W·xᵀ)ᵀ (one row padded to two; one row
+    of 2048+ inputs and smaller weights keep F.linear); values and gradients are F.linear's, and SpikeWhaleLinear
+    keeps nn.Linear's state dict."""
     import torch.nn.functional as F
 
     from spike_whale.modeling_spike_whale import SpikeWhaleLinear, linear_forward
 
     g = torch.Generator().manual_seed(0)
-    w, b = torch.randn(48, 40, generator=g, requires_grad=True), torch.randn(48, generator=g, requires_grad=True)
-    for shape in ((1, 40), (2, 40), (1, 2, 40), (3, 1, 40), (1, 4, 40), (2, 1, 8, 40)):
+    w, b = torch.randn(320, 208, generator=g, requires_grad=True), torch.randn(320, generator=g, requires_grad=True)
+    for shape in ((1, 208), (2, 208), (1, 2, 208), (3, 1, 208), (1, 1, 208), (1, 4, 208), (2, 1, 8, 208)):
         x = torch.randn(*shape, generator=g, requires_grad=True)
         for bias in (None, b):
             got = linear_forward(x, w, bias)
@@ -161,16 +162,26 @@ def test_linear_forward_of_a_few_rows_equals_f_linear():
                 assert (a - ref).abs().max() <= 1e-6 * ref.abs().max()
     layer = SpikeWhaleLinear(40, 48)
     assert list(layer.state_dict()) == ["weight", "bias"]
+    calls = []
+    monkeypatch.setattr(F, "linear", lambda *a: calls.append(tuple(a[1].shape)) or a[0] @ a[1].t())
+    with torch.no_grad():
+        for rows in (1, 2, 3, 4):
+            linear_forward(torch.randn(rows, 1, 208), w)  # a decode step's / a verify chunk's rows: (W·xᵀ)ᵀ up to 3
+        linear_forward(torch.randn(1, 1, 2048), torch.randn(64, 2048))  # one row of 2048 inputs: MKL's GEMV
+        linear_forward(torch.randn(2, 1, 40), layer.weight)  # a small weight: F.linear
+    assert calls == [(320, 208), (64, 2048), (48, 40)]
 
 
 def test_short_cached_chunks_take_the_short_chunk_kernels_and_equal_the_general_ones(monkeypatch):
     """Verify-sized chunks (2-4 tokens on a cache, recording for `crop`, a padded row, segment boundaries inside a chunk
-    and not) read attention with `decode_attention`, the Memory Cache through per-token running sums and the FFN
-    with (W·xᵀ)ᵀ; their logits and rolled-back states equal those of the general kernels, and a full recompute."""
+    and not) read attention with `decode_attention`, the Memory Cache through per-token running sums and the few-row
+    products with (W·xᵀ)ᵀ (every weight, for the test); their logits and rolled-back states equal those of the general
+    kernels, and a full recompute."""
     import torch.nn.functional as F
 
     import spike_whale.modeling_spike_whale as msw
 
+    monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
     model = tiny_model(seed=6)
     ids = prompt(batch=2, length=2 * L + 9)
     mask = torch.ones_like(ids)
@@ -210,6 +221,34 @@ def test_short_cached_chunks_take_the_short_chunk_kernels_and_equal_the_general_
     real = mask[:, :full.shape[1]].bool()
     assert float((fast - slow)[real].abs().max()) <= 1e-5 * float(slow.abs().max())
     assert float((fast - full)[real].abs().max()) <= 1e-5 * float(full.abs().max())
+
+
+def test_one_token_decode_through_the_few_row_kernel_equals_a_full_recompute(monkeypatch):
+    """A batch-1 decode step's products run as (W·[x; 0]ᵀ)ᵀ (every weight, for the test); one-token steps across
+    Memory-Cache segment boundaries give the logits of a full recompute, and greedy generate its ids."""
+    import torch.nn.functional as F
+
+    import spike_whale.modeling_spike_whale as msw
+
+    monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
+    model = tiny_model(seed=7)
+    ids = prompt(length=3 * L + 5)
+    rows, mm = [], torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: rows.append(b.shape[1]) or mm(a, b))
+    with torch.no_grad():
+        out = model(ids[:, :5], use_cache=True)
+        got = [out.logits]
+        for t in range(5, ids.shape[1]):
+            got.append(model(ids[:, t:t + 1], cache=out.cache, use_cache=True).logits)
+    monkeypatch.setattr(torch, "mm", mm)
+    assert rows and set(rows) == {2}  # one row padded to two, in every projection of every step
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+    assert float((torch.cat(got, 1) - full).abs().max()) <= 1e-5 * float(full.abs().max())
+    greedy = model.generate(ids[:, :9], max_new_tokens=12, do_sample=False)
+    with monkeypatch.context() as general:
+        general.setattr(msw, "linear_forward", lambda x, w, b=None: F.linear(x, w, b))
+        assert torch.equal(greedy, model.generate(ids[:, :9], max_new_tokens=12, do_sample=False))
 
 
 def test_long_chunk_sums_match_a_per_segment_reference():
