@@ -4,20 +4,27 @@
 Greedy longest match over UTF-8 bytes as a standard `tokenizers` pipeline, saved as a plain ``tokenizer.json``
 that ``tokenizers.Tokenizer.from_file`` loads alone::
 
-    pre_tokenizer  ByteLevel(use_regex=False)        text -> one character per UTF-8 byte (GPT-2 byte alphabet)
+    added tokens   the specials (special, normalized=False)   split off first, at their released ids
+                   the greedy tokens as text (normalized=True)  leftmost-longest Aho-Corasick over the rest
+    pre_tokenizer  ByteLevel(use_regex=False)        what no matched token starts -> one character per UTF-8 byte
                    Split(PIECES, "isolated")          pieces of up to 2 consecutive greedy tokens (`piece_pattern`)
     model          WordPiece(prefix "")               cuts each piece again by longest match: its greedy tokens
     decoder        ByteLevel                          bytes -> UTF-8 with U+FFFD for broken sequences
     post_processor TemplateProcessing                 "<bos> $A" (add_bos_token=True)
 
-PIECES repeats TRIE, `greedy_trie_pattern` over the regular tokens (Oniguruma's ordered alternation backs off to
-the longest token, as Python's `re` does; children grouped behind first-character lookaheads), so each piece is a
-run of greedy tokens.  WordPiece re-finds them: at a token's start, a longer vocab key that is a prefix of the
-rest of the piece would be a longer greedy token (impossible) or a key greedy matching never emits (a special,
-a token over max_token_len), and a token that starts with the first character of such a key is a piece of its own.
-Every special is an added token at its released id.  Two tokens a piece (`PIECE_TOKENS`) is about 1.1x one
-token a piece with WordLevel: `tokenizers` pays per piece, WordPiece per probe of the piece's tail; the whole
-text as one WordPiece word is exact too but cubic (10,000 characters took about 39 s).
+Added tokens: with every character starting a matched token or lying in text no matched token starts, the
+matcher's leftmost-longest choice is the longest token at each greedy boundary (`matched_texts` says when; a vocab
+with a partial-UTF-8 token across a character boundary, such as b"d \xe2\x80", gets no matched tokens, and every
+token goes through the pieces).  That is about 1.8x the pieces' encode: `tokenizers` pays per split, and its
+Oniguruma search costs more per token than the automaton.
+
+PIECES repeats TRIE, `greedy_trie_pattern` over the regular tokens not matched as text (Oniguruma's ordered
+alternation backs off to the longest token, as Python's `re` does; children grouped behind first-character
+lookaheads), so each piece is a run of greedy tokens.  WordPiece re-finds them: at a token's start, a longer vocab
+key that is a prefix of the rest of the piece would be a longer greedy token (impossible) or a key greedy matching
+never emits (a special, a token over max_token_len), and a token that starts with the first character of such a
+key is a piece of its own.  Two tokens a piece (`PIECE_TOKENS`) is about 1.1x one token a piece with WordLevel;
+the whole text as one WordPiece word is exact too but cubic (10,000 characters took about 39 s).
 
 A folder that holds only the released vocab (``spike_vocab.json``, or a custom-format ``tokenizer.json``)
 still loads: the pipeline is built from it on the fly.
@@ -463,7 +470,9 @@ class SpikeTokenizerFast(PreTrainedTokenizerFast):
         encodings = backend.encode_batch_fast(batch, add_special_tokens=add_special_tokens)
         data = {"input_ids": [e.ids for e in encodings]}
         if return_attention_mask if return_attention_mask is not None else "attention_mask" in self.model_input_names:
-            data["attention_mask"] = [e.attention_mask for e in encodings]
+            # unpadded rows are all ones: a Python list is cheaper than converting the backend's (serial work)
+            data["attention_mask"] = ([e.attention_mask for e in encodings] if backend.padding is not None
+                                      else [[1] * len(ids) for ids in data["input_ids"]])
         if return_special_tokens_mask:
             data["special_tokens_mask"] = [e.special_tokens_mask for e in encodings]
         if return_length:

@@ -15,7 +15,8 @@ Throughput: MB/s of mixed held-out documents (~2 KB each), batch `__call__` thro
 the fast one with Rust batching (`TOKENIZERS_PARALLELISM=true`, `RAYON_NUM_THREADS=2`), the slow one with two
 Python threads (the GIL makes that about one core). Best of `--repeats`, interleaved; for the ratios, the fast
 pipeline also runs through transformers' plain `PreTrainedTokenizerFast` (which always computes character offsets),
-and so does the previous pipeline (WordLevel over one greedy token a piece instead of WordPiece over two).
+and the same vocab's piece pipeline (`build_backend(match_text=False)`: every token found by the piece regex and
+WordPiece, as a vocab with a partial-UTF-8 token across a character boundary gets) runs through SpikeTokenizerFast.
 Issue 14 targets: fast >= 10 MB/s, slow >= 4 MB/s, Length-MAX >= 10% fewer tokens than BPE.
 Results: a table on stdout and JSON (default benchmarks/results/tokenizer.json).
 """
@@ -83,19 +84,6 @@ def best_rates(fns: dict, n_bytes: int, repeats: int) -> dict[str, float]:
     return {name: n_bytes / seconds / 1e6 for name, seconds in best.items()}
 
 
-def previous_pipeline(fast, greedy_trie_pattern, to_byte_level, onig_escape):
-    """The fast tokenizer's pipeline as it was before the two-token pieces: WordLevel over one greedy token a piece."""
-    from tokenizers import Tokenizer
-
-    spec = json.loads(fast.backend_tokenizer.to_str())
-    tokens = [t.translate(to_byte_level) for t, i in fast.vocab_data["vocab"].items()
-              if 4 <= i < 16384 and len(t) <= fast.max_token_len]
-    spec["pre_tokenizer"]["pretokenizers"][1]["pattern"] = {
-        "Regex": greedy_trie_pattern(tokens, escape=onig_escape, dispatch=4)}
-    spec["model"] = {"type": "WordLevel", "vocab": spec["model"]["vocab"], "unk_token": "<unk>"}
-    return Tokenizer.from_str(json.dumps(spec))
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -117,8 +105,8 @@ def main() -> int:
     from transformers import PreTrainedTokenizerFast
 
     from spike_whale.hub_export.train_tokenizer import train_lengthmax_vocab
-    from spike_whale.tokenization_spike import SpikeTokenizer, greedy_trie_pattern
-    from spike_whale.tokenization_spike_fast import _LATIN1_TO_BYTE_LEVEL, SpikeTokenizerFast, _onig_escape
+    from spike_whale.tokenization_spike import SpikeTokenizer
+    from spike_whale.tokenization_spike_fast import SpikeTokenizerFast, build_backend
 
     train_docs, held = split_docs(collect_corpus(train_bytes + heldout_bytes, args.seed), heldout_bytes)
     n_train = sum(len(d.encode()) for d in train_docs)
@@ -152,12 +140,11 @@ def main() -> int:
     slow(docs[:10])
     half = len(docs) // 2
     # transformers' plain fast class (`encode_batch` with character offsets, as SpikeTokenizerFast's __call__ did
-    # before it skipped them when no offsets are returned), over the current and the previous pipeline
+    # before it skipped them when no offsets are returned), and the piece pipeline alone
     plain = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(fast.backend_tokenizer.to_str()))
-    previous = PreTrainedTokenizerFast(
-        tokenizer_object=previous_pipeline(fast, greedy_trie_pattern, _LATIN1_TO_BYTE_LEVEL, _onig_escape))
-    for tok in (plain, previous):
-        tok.model_max_length = fast.model_max_length
+    plain.model_max_length = fast.model_max_length
+    pieces_only = SpikeTokenizerFast(data, tokenizer_object=build_backend(data, match_text=False))
+    matched = fast._matches_text
 
     def slow_two_threads():
         with ThreadPoolExecutor(2) as pool:
@@ -166,17 +153,17 @@ def main() -> int:
     rates = best_rates({
         "fast": lambda: fast(docs)["input_ids"],
         "fast_char_offsets": lambda: plain(docs)["input_ids"],
-        "fast_previous": lambda: previous(docs)["input_ids"],
+        "fast_pieces": lambda: pieces_only(docs)["input_ids"],
         "slow": slow_two_threads,
         "ordinary": lambda: [slow.encode_ordinary(d) for d in docs],
     }, n_bytes, args.repeats)
     fast_mb_s, slow_mb_s, ordinary_mb_s = rates["fast"], rates["slow"], rates["ordinary"]
-    identical = fast(docs)["input_ids"] == slow(docs)["input_ids"] == plain(docs)["input_ids"] == previous(docs)[
+    identical = fast(docs)["input_ids"] == slow(docs)["input_ids"] == plain(docs)["input_ids"] == pieces_only(docs)[
         "input_ids"]
 
     # WordPiece (empty continuing-subword prefix over byte-level input) without the Split: the whole text is one
     # WordPiece word, and tokenizers' WordPiece tries every end position for every start (cubic).
-    spec = json.loads(fast.backend_tokenizer.to_str())
+    spec = json.loads(pieces_only.backend_tokenizer.to_str())  # byte-level keys for every token
     wp = Tokenizer(models.WordPiece(spec["model"]["vocab"], unk_token="<unk>", continuing_subword_prefix="",
                                     max_input_chars_per_word=1 << 30))
     wp.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -203,7 +190,8 @@ def main() -> int:
         "throughput_MB_s": {"fast_call_2_threads": fast_mb_s, "slow_call_2_threads": slow_mb_s,
                             "slow_encode_ordinary_1_thread": ordinary_mb_s,
                             "fast_call_2_threads_char_offsets": rates["fast_char_offsets"],
-                            "fast_call_2_threads_previous": rates["fast_previous"]},
+                            "fast_call_2_threads_pieces_only": rates["fast_pieces"]},
+        "greedy_tokens_matched_as_added_tokens": matched,
         "fast_equals_slow_on_heldout": identical,
         "exact_variants_by_text_chars": variants,
         "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "load": os.getloadavg()},
@@ -214,8 +202,8 @@ def main() -> int:
         print(f"{name:28s} {row['train_s']:8.1f} {row['tokens_per_byte']:12.4f}")
     print(f"Length-MAX uses {100 * result['fewer_tokens_than_bpe_regex']:.1f}% fewer tokens than byte-level BPE, "
           f"{100 * result['fewer_tokens_than_bpe_noregex']:.1f}% fewer than BPE without the regex split")
-    print(f"throughput MB/s: fast {fast_mb_s:.2f} (with character offsets: {rates['fast_char_offsets']:.2f}; the "
-          f"previous pipeline, one token a piece, with character offsets: {rates['fast_previous']:.2f}), "
+    print(f"throughput MB/s: fast {fast_mb_s:.2f} (greedy tokens matched as added tokens: {matched}; with character "
+          f"offsets: {rates['fast_char_offsets']:.2f}; the piece pipeline alone: {rates['fast_pieces']:.2f}), "
           f"slow {slow_mb_s:.2f} (slow encode_ordinary {ordinary_mb_s:.2f}); identical ids: {identical}; "
           f"load average {os.getloadavg()[0]:.1f}")
     for size, row in variants.items():
