@@ -158,12 +158,12 @@ def build_backend(data: Mapping, match_text: bool = True) -> Tokenizer:
             matched[text] = vocab.pop(token.translate(_LATIN1_TO_BYTE_LEVEL))
         vocab.update(matched)
     pieces = [t.translate(_LATIN1_TO_BYTE_LEVEL) for t in greedy if texts is None or t not in texts]
-    others = {key: idx for key, idx in vocab.items() if key not in matched}
     backend = Tokenizer(models.WordPiece(vocab, unk_token=UNK_TOKEN, continuing_subword_prefix="",
                                          max_input_chars_per_word=PIECE_TOKENS * max_token_len))
     backend.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-        pre_tokenizers.Split(Regex(piece_pattern(pieces, others, PIECE_TOKENS)), behavior="isolated"),
+        # every model key counts for the own-piece rule: a matched text such as "Ã©" is also a byte-level spelling
+        pre_tokenizers.Split(Regex(piece_pattern(pieces, vocab, PIECE_TOKENS)), behavior="isolated"),
     ])
     # A matched token spelled only in the byte alphabet but not ASCII ("España") would be read as bytes by the
     # ByteLevel decoder: it is respelled as its bytes first (whole-token match, so no other token is touched).
