@@ -973,18 +973,12 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
             raise ValueError(
                 "use_mtp=True verifies drafts against the cache and rolls it back; it needs use_cache=True."
             )
-        if draft_tokens is not None and not 1 <= int(draft_tokens) <= len(model.mtp_heads):
-            raise ValueError(
-                f"mtp_draft_tokens={draft_tokens}: this model has {len(model.mtp_heads)} MTP head(s), one per "
-                f"drafted token, so use 1..{len(model.mtp_heads)}."
-            )
         kwargs["custom_generate"] = mtp_speculative_generate
         kwargs["mtp_streamer"] = kwargs.pop("streamer", None)
-        # Read here, before transformers fills its global default (0.4, meant for a separate assistant model) for
-        # every call: unset by the caller and by generation_config.json means no gate.
+        # Read here, before transformers fills its global defaults (0.4 and 20, meant for a separate assistant model)
+        # for every call: unset by the caller and by generation_config.json means no gate and one draft per head.
         kwargs["mtp_confidence_threshold"] = mtp_gate_threshold(eff.assistant_confidence_threshold)
-        if draft_tokens is not None:
-            kwargs["mtp_draft_tokens"] = int(draft_tokens)
+        kwargs["mtp_draft_tokens"] = mtp_draft_count(draft_tokens, eff.num_assistant_tokens, len(model.mtp_heads))
     elif draft_tokens is not None:
         raise ValueError("mtp_draft_tokens only applies with use_mtp=True.")
     return parent_generate(inputs, generation_config=generation_config, **kwargs)
@@ -1003,6 +997,21 @@ def mtp_gate_threshold(value) -> float:
     return float(value)
 
 
+def mtp_draft_count(draft_tokens, num_assistant_tokens, heads: int) -> int:
+    """Drafts per MTP step: `mtp_draft_tokens`, else `num_assistant_tokens` (the caller's or generation_config.json's),
+    else one per MTP head; drafts beyond the heads chain the first head (`mtp_speculative_generate`)."""
+    for name, value in (("mtp_draft_tokens", draft_tokens), ("num_assistant_tokens", num_assistant_tokens)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"{name}={value!r}: use_mtp=True drafts that many tokens per step (MTP head k drafts the k-th, the "
+                f"first head chained drafts those past this model's {heads} MTP head(s)), so it must be an int >= 1."
+            )
+        return value
+    return heads
+
+
 def mtp_speculative_generate(
     model,
     input_ids: torch.LongTensor,
@@ -1017,27 +1026,32 @@ def mtp_speculative_generate(
     """Greedy or sampling decoding with MTP self-speculation: greedy ids are those of plain greedy decoding, sampled
     ids follow plain sampling's distribution (speculative sampling's accept/reject rule, below).
 
-    Each step feeds the pending token plus K drafts (MTP head k, applied to the final normed hidden state of
-    the last accepted position, drafts the token k+1 places past the pending one) through one multi-token
-    forward; the main head's greedy choices are emitted one at a time through the library's logits processors
-    and stopping criteria, as in `GenerationMixin._sample`, until the first disagreement; the rejected drafts
-    are then removed from the cache (`activate_past_recording` + `crop`), which restores the Memory-Cache
-    state exactly. Rows of a batch advance in lockstep (a step keeps the drafts every unfinished row accepted).
-    Called by `GenerationMixin.generate` through `custom_generate` (after all of its input preparation).
+    Each step feeds the pending token plus K drafts through one multi-token forward; the main head's greedy
+    choices are emitted one at a time through the library's logits processors and stopping criteria, as in
+    `GenerationMixin._sample`, until the first disagreement; the rejected drafts are then removed from the cache
+    (`activate_past_recording` + `crop`), which restores the Memory-Cache state exactly. Rows of a batch advance in
+    lockstep (a step keeps the drafts every unfinished row accepted). Called by `GenerationMixin.generate` through
+    `custom_generate` (after all of its input preparation).
 
-    With `do_sample=True` each draft is sampled from its MTP head's processed distribution q, and the main head's
-    processed distribution p at that place accepts it with probability min(1, p(d)/q(d)); a rejected draft is
-    replaced by a sample of norm(max(0, p - q)) and ends the step; after the last draft, a token is sampled from p.
-    Each emitted token is then distributed as plain sampling's (Leviathan et al. 2023, Chen et al. 2023).
+    Drafts: MTP head k, applied to the final normed hidden state h of the place that chose the pending token,
+    drafts the token k+1 places past the pending one; drafts beyond the model's heads chain head 1 on the final
+    norm of the previous draft's state, y_{k+1} = head_1(norm(y_k)) (y_k stands in for the hidden state of the place
+    before its token). The next step drafts from the place of the last emitted token; a verify step's main logits
+    and the draft logits of its last place come from one `lm_head` product.
+
+    With `do_sample=True` each draft is sampled from its processed distribution q, and the main head's processed
+    distribution p at that place accepts it with probability min(1, p(d)/q(d)); a rejected draft is replaced by
+    a sample of norm(max(0, p - q)) and ends the step; after the last draft, a token is sampled from p. Each
+    emitted token is then distributed as plain sampling's (Leviathan et al. 2023, Chen et al. 2023).
 
     Confidence gate (`assistant_confidence_threshold`, resolved by `spike_whale_generate`): drafting stops at the
-    first head whose confidence - the top probability of the distribution its draft is taken from - is not above
-    the threshold in every unfinished row; a step without drafts is a plain one-token step. The gate depends on
-    the context only, so greedy ids and the sampling distribution are unchanged.
+    first draft whose confidence - the top probability of the distribution it is taken from - is not above the
+    threshold in every unfinished row; a step without drafts is a plain one-token step. The gate depends on the
+    context only, so greedy ids and the sampling distribution are unchanged.
     """
     streamer = mtp_streamer
     do_sample = bool(generation_config.do_sample)
-    heads = model.mtp_heads
+    heads, norm = model.mtp_heads, model.model.norm
     K = int(mtp_draft_tokens or len(heads))
     threshold = mtp_confidence_threshold
     cache = model_kwargs.get(CACHE_FIELD)
@@ -1098,18 +1112,32 @@ def mtp_speculative_generate(
     def sample(next_scores: torch.Tensor) -> torch.Tensor:
         return torch.multinomial(torch.softmax(next_scores, dim=-1), num_samples=1).squeeze(1)
 
-    def draft(h_last: torch.Tensor, k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Up to k MTP drafts [B, k'] from the hidden state [B, H] that produced the pending token (fewer where the
-        confidence gate stops), and (sampling) the distribution [B, V] each was drawn from. A greedy draft is the
-        head's raw argmax: a head trained on the model's own processed greedy text (train_default's MTP
+    def draft_states(h: torch.Tensor) -> torch.Tensor:
+        """[B, K, H] from the final hidden state h [B, H] of a place: head k's output for the k-th draft, head 1
+        chained on the final norm of the previous state past the model's heads; `lm_head` turns them into drafts."""
+        states = [heads[i](h) for i in range(min(K, len(heads)))]
+        while len(states) < K:
+            states.append(heads[0](norm(states[-1])))
+        return torch.stack(states, 1)
+
+    def logits_and_draft_logits(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The main logits [B, S, V] at each place of h [B, S, H] and the draft logits [B, K, V] of its last place, in
+        one `lm_head` product: when every draft is kept, a step reads the `lm_head` weight once."""
+        both = model.lm_head(torch.cat([h, draft_states(h[:, -1])], 1))
+        return both[:, : h.shape[1]], both[:, h.shape[1]:]
+
+    def draft(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Up to k drafts [B, k'] from the draft logits [B, K, V] of the place that chose the pending token (fewer
+        where the confidence gate stops), and (sampling) the distribution [B, V] each was drawn from. A greedy draft
+        is the head's raw argmax: a head trained on the model's own processed greedy text (train_default's MTP
         self-distillation) has learnt the processors' effect, and a repetition penalty applied again would count
         it twice."""
         ctx, out, dists = input_ids, [], []
         for i in range(k):
-            draft_logits = model.lm_head(heads[i](h_last)).float()
+            draft_logits_i = draft_logits[:, i].float()
             dist = None
             if do_sample or threshold > 0:  # without a gate a greedy draft needs no distribution and no host check
-                dist = torch.softmax(draft_processor(ctx, draft_logits) if do_sample else draft_logits, dim=-1)
+                dist = torch.softmax(draft_processor(ctx, draft_logits_i) if do_sample else draft_logits_i, dim=-1)
             if threshold > 0 and not bool(((dist.amax(-1) > threshold) | (unfinished == 0)).all()):
                 stats.withheld += 1
                 break
@@ -1117,7 +1145,7 @@ def mtp_speculative_generate(
                 dists.append(dist)
                 d = torch.multinomial(dist, num_samples=1).squeeze(1)
             else:
-                d = torch.argmax(draft_logits, dim=-1)
+                d = torch.argmax(draft_logits_i, dim=-1)
             if has_eos_stopping_criteria:
                 d = d * unfinished + pad * (1 - unfinished)
             out.append(d)
@@ -1146,19 +1174,22 @@ def mtp_speculative_generate(
             f"The cache already holds {past} positions, as many as the prompt; to continue a conversation pass the "
             "full ids (previous turns + the new tokens) together with the returned cache."
         )
-    out = model(**prompt, attention_mask=attention_mask, cache=cache, use_cache=True, logits_to_keep=1)
+    no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)  # `logits_and_draft_logits` makes them
+    out = model(**prompt, attention_mask=attention_mask, cache=cache, use_cache=True, logits_to_keep=no_logits)
     stats.forwards += 1
-    tok = emit(out.logits[:, -1], sample if do_sample else None)
-    h_last = out.last_hidden_state[:, -1]
+    logits, draft_logits = logits_and_draft_logits(out.last_hidden_state[:, -1:])
+    tok = emit(logits[:, 0], sample if do_sample else None)
     max_length = generation_config.max_length
     cache.activate_past_recording()  # after the prefill: per-position states of the verification chunks only
     try:
         while unfinished.max() > 0:
             cur = input_ids.shape[1]  # the cache holds cur - 1 positions; `tok` (the last id) is pending
             k = max(0, min(K, max_length - cur - 1, cache.max_cache_len - cur))
-            drafts, dists = draft(h_last, k)
+            drafts, dists = draft(draft_logits, k)
             k = drafts.shape[1]
-            out = model(input_ids=torch.cat([tok[:, None], drafts], dim=1), cache=cache, use_cache=True)
+            out = model(input_ids=torch.cat([tok[:, None], drafts], dim=1), cache=cache, use_cache=True,
+                        logits_to_keep=no_logits)
+            logits, draft_logits = logits_and_draft_logits(out.last_hidden_state)
             stats.forwards += 1
             stats.verify_steps += int(k > 0)
             emitted, rejected = 0, False
@@ -1170,7 +1201,7 @@ def mtp_speculative_generate(
                     pick = accept_or_resample(drafts[:, j], dists[j], accepted)
                 else:
                     pick = sample
-                tok = emit(out.logits[:, j], pick)
+                tok = emit(logits[:, j], pick)
                 emitted += 1
                 if unfinished.max() == 0 or j == k:
                     break
@@ -1181,7 +1212,8 @@ def mtp_speculative_generate(
                 stats.accepted += 1
             cache.crop(-(k + 1 - emitted))  # drop the rejected drafts (crop(0) just trims the recorded states)
             stats.rollbacks += int(rejected)
-            h_last = out.last_hidden_state[:, emitted - 1]
+            if emitted < k + 1:  # the next drafts come from the place of the last emitted token
+                draft_logits = model.lm_head(draft_states(out.last_hidden_state[:, emitted - 1]))
     finally:
         cache.deactivate_past_recording()
     if streamer is not None:

@@ -35,15 +35,15 @@ def exact_distribution(model, prompt, n):
     return probs
 
 
-def chi_square(model, rows: int = 250, rounds: int = 6) -> tuple[float, float]:
+def chi_square(model, rows: int = 250, rounds: int = 6, n_new: int = N_NEW, **extra) -> tuple[float, float]:
     """(statistic, its 99.9% quantile) of MTP sampling's paths against `exact_distribution`."""
-    exact = exact_distribution(model, PROMPT, N_NEW)
+    exact = exact_distribution(model, PROMPT, n_new)
     counts = dict.fromkeys(exact, 0)
     torch.manual_seed(0)
     for _ in range(rounds):  # rows of a batch are independent samples (they advance in lockstep)
         ids = PROMPT.expand(rows, -1)
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), use_mtp=True,
-                             max_new_tokens=N_NEW, min_new_tokens=N_NEW, **SETTINGS)
+                             max_new_tokens=n_new, min_new_tokens=n_new, **SETTINGS, **extra)
         for row in out[:, PROMPT.shape[1]:].tolist():
             counts[tuple(row)] += 1  # a path outside the exact support raises KeyError
     total = rows * rounds
@@ -80,3 +80,23 @@ def test_the_check_catches_a_sampler_that_keeps_every_allowed_draft(monkeypatch)
     monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.zeros(*args, **kwargs))
     chi2, limit = chi_square(model)
     assert chi2 > limit, (chi2, limit)
+
+
+def test_chained_drafts_keep_plain_sampling_distribution():
+    # 4 new tokens: t1 from the prefill, then one step drafting 2 (head 1, then head 1 chained on its own state)
+    # whose q's come from the processed chained logits, so t2 and t3 each pass the accept/reject rule.
+    model = tiny_model(seed=3)
+    chi2, limit = chi_square(model, n_new=4, mtp_draft_tokens=2)
+    assert chi2 < limit, (chi2, limit)
+    widths = []
+    handle = model.register_forward_pre_hook(lambda mod, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                             with_kwargs=True)
+    try:
+        accepted = 0
+        for _ in range(20):
+            model.generate(input_ids=PROMPT, attention_mask=torch.ones_like(PROMPT), use_mtp=True,
+                           max_new_tokens=4, min_new_tokens=4, mtp_draft_tokens=2, **SETTINGS)
+            accepted += model.last_mtp_stats.accepted
+    finally:
+        handle.remove()
+    assert 3 in widths and accepted > 20  # two drafts fed, and more kept than one per run
