@@ -16,7 +16,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    GenerationConfig, LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor, StoppingCriteria,
+    StoppingCriteriaList,
+)
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.utils import logging
@@ -1126,15 +1129,24 @@ def mtp_speculative_generate(
         both = model.lm_head(torch.cat([h, draft_states(h[:, -1])], 1))
         return both[:, : h.shape[1]], both[:, h.shape[1]:]
 
+    # A greedy draft is the head's argmax after the square root of the repetition penalty: a head trained on the
+    # model's own processed greedy text (train_default's MTP self-distillation) has learnt part of the penalty's
+    # effect. On the demo model's held-out greedy text (penalty 1.3) its drafts agree 0.563 raw, 0.589 with
+    # penalty**0.5 and 0.461 with the full penalty.
+    draft_penalty = None
+    for p in logits_processor:
+        if isinstance(p, RepetitionPenaltyLogitsProcessor) and not do_sample:
+            draft_penalty = copy.copy(p)
+            draft_penalty.penalty = p.penalty ** 0.5
+
     def draft(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Up to k drafts [B, k'] from the draft logits [B, K, V] of the place that chose the pending token (fewer
-        where the confidence gate stops), and (sampling) the distribution [B, V] each was drawn from. A greedy draft
-        is the head's raw argmax: a head trained on the model's own processed greedy text (train_default's MTP
-        self-distillation) has learnt the processors' effect, and a repetition penalty applied again would count
-        it twice."""
+        where the confidence gate stops), and (sampling) the distribution [B, V] each was drawn from."""
         ctx, out, dists = input_ids, [], []
         for i in range(k):
             draft_logits_i = draft_logits[:, i].float()
+            if draft_penalty is not None:
+                draft_logits_i = draft_penalty(ctx, draft_logits_i)
             dist = None
             if do_sample or threshold > 0:  # without a gate a greedy draft needs no distribution and no host check
                 dist = torch.softmax(draft_processor(ctx, draft_logits_i) if do_sample else draft_logits_i, dim=-1)

@@ -1,6 +1,6 @@
-"""How `generate(use_mtp=True)` drafts: greedy drafts are the MTP head's raw argmax (the head is trained on the model's
-own processed greedy text, so the repetition penalty is not applied again), the confidence gate
-(`assistant_confidence_threshold`), and chained drafts past the model's heads (`mtp_draft_tokens`,
+"""How `generate(use_mtp=True)` drafts: a greedy draft is the MTP head's argmax after the square root of the repetition
+penalty (the head is trained on the model's own processed greedy text and has learnt part of the penalty), the
+confidence gate (`assistant_confidence_threshold`), and chained drafts past the model's heads (`mtp_draft_tokens`,
 `num_assistant_tokens`): y_{k+1} = head_1(norm(y_k))."""
 
 from __future__ import annotations
@@ -56,36 +56,39 @@ def _steps(model, forwards, k):
     return steps
 
 
-def test_greedy_draft_is_the_heads_raw_argmax_under_a_repetition_penalty():
+def test_greedy_draft_is_the_heads_argmax_under_the_square_root_of_the_repetition_penalty():
     # With a zero MTP projection the head's raw argmax is the main head's raw argmax at the same place, an id the
-    # context already holds (the pending token, or one the penalty pushed aside), so a penalised draft differs.
+    # context already holds (the pending token, or one the penalty pushed aside), so the penalties change drafts.
     model = tiny_model(seed=3)
     with torch.no_grad():
         model.mtp_heads[0].proj.weight.zero_()
-    settings = dict(max_new_tokens=12, repetition_penalty=1000.0)
+    settings = dict(max_new_tokens=12, repetition_penalty=2.0)
     mtp, forwards = _recorded_run(model, IDS, **settings)
     with torch.no_grad():
         plain = model.generate(IDS, do_sample=False, **settings)
     assert torch.equal(mtp, plain)
     verify = [(length, logits, chunk) for length, logits, chunk in _steps(model, forwards, 1) if chunk.shape[1] == 2]
     assert len(verify) > 3
-    penalty = RepetitionPenaltyLogitsProcessor(1000.0)
-    penalised_differs = 0
+    half, full = RepetitionPenaltyLogitsProcessor(2.0 ** 0.5), RepetitionPenaltyLogitsProcessor(2.0)
+    raw_differs = full_differs = 0
     for length, logits, chunk in verify:
         context = mtp[:, : length + 1]  # the cached positions and the pending token
-        assert torch.equal(chunk[:, 1], logits[:, 0].argmax(-1))
-        penalised_differs += int(penalty(context, logits[:, 0].clone()).argmax(-1).item() != chunk[0, 1].item())
-    assert penalised_differs > 0
+        assert torch.equal(chunk[:, 1], half(context, logits[:, 0].clone()).argmax(-1))
+        raw_differs += int(logits[:, 0].argmax(-1).item() != chunk[0, 1].item())
+        full_differs += int(full(context, logits[:, 0].clone()).argmax(-1).item() != chunk[0, 1].item())
+    assert raw_differs > 0 and full_differs > 0
 
 
 def _gated_run(model, ids, **settings):
-    """Greedy MTP ids, the MTP head's top probability at each draft decision, and whether that step fed a draft."""
+    """Greedy MTP ids, the top probability of each draft decision's distribution, and whether that step fed a draft."""
     out, forwards = _recorded_run(model, ids, **settings)
     max_length = ids.shape[1] + settings["max_new_tokens"]
+    penalty = RepetitionPenaltyLogitsProcessor(settings["repetition_penalty"] ** 0.5) \
+        if "repetition_penalty" in settings else (lambda ids, scores: scores)
     probs, fed = [], []
     for length, logits, chunk in _steps(model, forwards, 1):
         if max_length - (length + 1) - 1 > 0:  # room for a draft before max_length
-            probs.append(torch.softmax(logits[:, 0].float(), -1).amax(-1).item())
+            probs.append(torch.softmax(penalty(out[:, : length + 1], logits[:, 0].float()), -1).amax(-1).item())
             fed.append(chunk.shape[1] == 2)
         else:
             assert chunk.shape[1] == 1
