@@ -450,6 +450,80 @@ def test_greedy_tokens_are_added_tokens_when_that_is_exact(pair):
     assert fast._matches_text and fast(texts)["input_ids"] == slow(texts)["input_ids"]
 
 
+def text_holding(token: str) -> str | None:
+    """A valid UTF-8 text whose bytes hold `token` (latin-1 string), completing its first and last characters; None if
+    no character can (bytes that never occur in UTF-8)."""
+    raw = token.encode("latin-1")
+    for head in (b"", b"\xc3", b"\xe4", b"\xe4\x80", b"\xf1", b"\xf1\x80", b"\xf1\x80\x80"):
+        for fill in (b"", b"\x80", b"\x90", b"\xa0", b"\x80\x80", b"\x90\x80", b"\xa0\x80", b"\x90\x80\x80"):
+            try:
+                return "q " + (head + raw + fill).decode("utf-8") + " q"
+            except UnicodeDecodeError:
+                pass
+    return None
+
+
+def test_crossing_tokens_route_rows_to_the_pipeline_that_is_exact(pieces_pair):
+    """Issue 14 throughput for vocabs with tokens across a character boundary (the demo model's b"d \xe2\x80"): their
+    tokenizer.json stays the pieces pipeline, and a call sends each row whose bytes hold no such token (one `re`
+    search) to the added-token matcher built without them (`CrossingRoute`), the others to the pieces: the slow ids
+    in every mix, with padding, truncation, tensors and offsets; not once tokens were added."""
+    slow, fast = pieces_pair
+    route = fast._route()
+    assert not fast._matches_text and route is not None
+    crossing = [t for t in slow.greedy_vocab if crosses_a_character(t)]
+    hold = [t for t in map(text_holding, crossing) if t is not None]
+    assert "\xe4\xb8\xad\xe6" in crossing and len(hold) >= 3 and all(map(route.holds_crossing, hold))
+    # the route's matcher alone is wrong on some of them, so the check is what makes the call exact
+    assert any(route.backend.encode(t, add_special_tokens=False).ids != slow.encode_ordinary(t) for t in hold)
+    rng = random.Random(7)
+    plain = [random_text(rng) for _ in range(300)]
+    assert sum(map(route.holds_crossing, plain)) < len(plain) // 2
+    free = [t for t in plain if not route.holds_crossing(t)]
+    assert [e.ids for e in route.backend.encode_batch(free, add_special_tokens=False)] == \
+        slow(free, add_special_tokens=False)["input_ids"]
+    texts = plain[:40] + hold + ["<bos>" + hold[0], "中文", "x中文中文y"]
+    rng.shuffle(texts)
+    for kwargs in ({}, {"add_special_tokens": False}, {"split_special_tokens": True}, {"padding": True},
+                   {"padding": True, "padding_side": "right", "pad_to_multiple_of": 8},
+                   {"padding": "max_length", "max_length": 40, "truncation": True},
+                   {"truncation": True, "max_length": 5}, {"padding": True, "return_special_tokens_mask": True}):
+        a, b = slow(texts, **kwargs), fast(texts, **kwargs)
+        for key in a:
+            assert b[key] == a[key], (kwargs, key)
+    for one in (hold[0], plain[1]):
+        assert fast(one)["input_ids"] == slow(one)["input_ids"]
+    a, b = slow(texts, padding=True, return_tensors="pt"), fast(texts, padding=True, return_tensors="pt")
+    assert (a["input_ids"] == b["input_ids"]).all() and (a["attention_mask"] == b["attention_mask"]).all()
+    enc = fast(texts, padding=True)
+    with_offsets = fast(texts, padding=True, return_offsets_mapping=True)
+    assert [e.ids for e in enc.encodings] == enc["input_ids"] == with_offsets["input_ids"]
+    assert enc.encodings[0].offsets == with_offsets.encodings[0].offsets
+    added = SpikeTokenizerFast(fast.vocab_data)
+    added.add_tokens(["q 中"])
+    slow_added = SpikeTokenizer(fast.vocab_data)
+    slow_added.add_tokens(["q 中"])
+    assert added._route() is None and added(texts)["input_ids"] == slow_added(texts)["input_ids"]
+
+
+def test_demo_model_routes_rows_without_crossing_tokens():
+    """The shipped demo folder's vocab has two crossing tokens (b"d \xe2\x80", b"or \xe2\x80"): its held-out text in
+    ~2 KB rows, some holding them and most not, gives the slow ids through the route."""
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "spike-whale-demo")
+    slow, fast = SpikeTokenizer.from_pretrained(folder), SpikeTokenizerFast.from_pretrained(folder)
+    route = fast._route()
+    assert not fast._matches_text and route is not None
+    with open(os.path.join(folder, "heldout.txt"), encoding="utf-8") as handle:
+        text = handle.read()
+    rows = [text[i:i + 2048] for i in range(0, len(text), 2048)]
+    rows.insert(3, "d “x” or “y”")  # greedy takes b"d \xe2\x80" here, the route's matcher alone "d "
+    assert route.backend.encode(rows[3], add_special_tokens=False).ids != slow.encode_ordinary(rows[3])
+    held = sum(map(route.holds_crossing, rows))
+    assert 0 < held < len(rows) // 2
+    for kwargs in ({}, {"padding": True}):
+        assert fast(rows, **kwargs)["input_ids"] == slow(rows, **kwargs)["input_ids"]
+
+
 def test_long_token_refused_clearly():
     """Issue 11 item 8: a ~1,000-character token no longer loads and then fails every encode with RecursionError."""
     vocab = {chr(b): b + 4 for b in range(256)}
