@@ -16,7 +16,9 @@ the fast one with Rust batching (`TOKENIZERS_PARALLELISM=true`, `RAYON_NUM_THREA
 Python threads (the GIL makes that about one core). Best of `--repeats`, interleaved; for the ratios, the fast
 pipeline also runs through transformers' plain `PreTrainedTokenizerFast` (which always computes character offsets),
 and the same vocab's piece pipeline (`build_backend(match_text=False)`: every token found by the piece regex and
-WordPiece, as a vocab with a partial-UTF-8 token across a character boundary gets) runs through SpikeTokenizerFast.
+WordPiece, what a vocab with a partial-UTF-8 token across a character boundary saves) runs through SpikeTokenizerFast.
+The demo model's own tokenizer (models/spike-whale-demo, what users get by default; its vocab has two such tokens) is
+measured on the same documents, with and without its crossing-token route (`CrossingRoute`).
 Issue 14 targets: fast >= 10 MB/s, slow >= 4 MB/s, Length-MAX >= 10% fewer tokens than BPE.
 Results: a table on stdout and JSON (default benchmarks/results/tokenizer.json).
 """
@@ -145,6 +147,14 @@ def main() -> int:
     plain.model_max_length = fast.model_max_length
     pieces_only = SpikeTokenizerFast(data, tokenizer_object=build_backend(data, match_text=False))
     matched = fast._matches_text
+    # the demo model's tokenizer (what users get by default): its vocab has tokens across a character boundary, so
+    # texts that hold none of them take its CrossingRoute; the same tokenizer without the route for the ratio
+    demo_dir = Path(__file__).resolve().parent.parent / "models" / "spike-whale-demo"
+    demo = SpikeTokenizerFast.from_pretrained(demo_dir)
+    demo_pieces = SpikeTokenizerFast.from_pretrained(demo_dir)
+    demo_pieces._route_built, demo_pieces._crossing_route = True, None
+    demo_route = demo._route()
+    demo_crossing_rows = sum(map(demo_route.holds_crossing, docs)) if demo_route is not None else len(docs)
 
     def slow_two_threads():
         with ThreadPoolExecutor(2) as pool:
@@ -154,12 +164,15 @@ def main() -> int:
         "fast": lambda: fast(docs)["input_ids"],
         "fast_char_offsets": lambda: plain(docs)["input_ids"],
         "fast_pieces": lambda: pieces_only(docs)["input_ids"],
+        "demo": lambda: demo(docs)["input_ids"],
+        "demo_pieces": lambda: demo_pieces(docs)["input_ids"],
         "slow": slow_two_threads,
         "ordinary": lambda: [slow.encode_ordinary(d) for d in docs],
     }, n_bytes, args.repeats)
     fast_mb_s, slow_mb_s, ordinary_mb_s = rates["fast"], rates["slow"], rates["ordinary"]
     identical = fast(docs)["input_ids"] == slow(docs)["input_ids"] == plain(docs)["input_ids"] == pieces_only(docs)[
         "input_ids"]
+    demo_identical = demo(docs)["input_ids"] == SpikeTokenizer.from_pretrained(demo_dir)(docs)["input_ids"]
 
     # WordPiece (empty continuing-subword prefix over byte-level input) without the Split: the whole text is one
     # WordPiece word, and tokenizers' WordPiece tries every end position for every start (cubic).
@@ -190,7 +203,11 @@ def main() -> int:
         "throughput_MB_s": {"fast_call_2_threads": fast_mb_s, "slow_call_2_threads": slow_mb_s,
                             "slow_encode_ordinary_1_thread": ordinary_mb_s,
                             "fast_call_2_threads_char_offsets": rates["fast_char_offsets"],
-                            "fast_call_2_threads_pieces_only": rates["fast_pieces"]},
+                            "fast_call_2_threads_pieces_only": rates["fast_pieces"],
+                            "demo_vocab_fast_call_2_threads": rates["demo"],
+                            "demo_vocab_fast_call_2_threads_without_route": rates["demo_pieces"]},
+        "demo_vocab": {"crossing_route": demo_route is not None, "rows_holding_crossing_tokens": demo_crossing_rows,
+                       "rows": len(docs), "fast_equals_slow_on_heldout": demo_identical},
         "greedy_tokens_matched_as_added_tokens": matched,
         "fast_equals_slow_on_heldout": identical,
         "exact_variants_by_text_chars": variants,
@@ -206,6 +223,9 @@ def main() -> int:
           f"offsets: {rates['fast_char_offsets']:.2f}; the piece pipeline alone: {rates['fast_pieces']:.2f}), "
           f"slow {slow_mb_s:.2f} (slow encode_ordinary {ordinary_mb_s:.2f}); identical ids: {identical}; "
           f"load average {os.getloadavg()[0]:.1f}")
+    print(f"demo model's vocab ({demo_dir.name}): fast {rates['demo']:.2f} MB/s, without its crossing-token route "
+          f"{rates['demo_pieces']:.2f} ({demo_crossing_rows} of {len(docs)} rows hold a crossing token); identical "
+          f"ids: {demo_identical}")
     for size, row in variants.items():
         print(f"{size:5d}-char texts: WordPiece over the whole text {row['wordpiece_MB_s']:.3f} MB/s, shipped "
               f"{row['shipped_pipeline_MB_s']:.2f} MB/s, identical ids: {row['identical']}")
