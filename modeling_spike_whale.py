@@ -1960,7 +1960,9 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         - `use_mtp=True`: greedy MTP self-speculative decoding, ids identical to `do_sample=False`; the draft
           statistics are in `model.last_mtp_stats` and, with `return_dict_in_generate=True`, in
           `mtp_acceptance_rate` / `mtp_drafted_tokens` / `mtp_accepted_tokens` of the output.
-          `mtp_draft_tokens=k` drafts with the first k MTP heads (default: all);
+          `mtp_draft_tokens=k` drafts k tokens per step, MTP head j the j-th and, past the heads, the first head
+          chained on the previous draft's final norm (default: transformers' `num_assistant_tokens` from the call or
+          generation_config.json, else one per head);
           `assistant_confidence_threshold=t` drafts only where the MTP head's top probability is above t (unset: every
           step).
         - a conversation continues from a previous call's cache: pass the full ids and `cache=out.cache`.
