@@ -159,8 +159,7 @@ class SpikeWhaleRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        return F.rms_norm(x, weight.shape, weight, self.eps)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(rope_dim: int, theta: float, fractal: bool, gamma: float) -> torch.Tensor:
@@ -275,9 +274,11 @@ class SegmentLayout:
         return cls(rel, n_rel, seg_len, onehot, base, new_segment, n_fin, valid, valid_f, padded, first, fin_mask,
                    chunk_mask, own_mask, own_count, block_idx)
 
+    @functools.cached_property
     def reached(self) -> torch.Tensor:
         """[B, S]: the relative segment each row has reached after each chunk position, that of its last real token so
-        far (0 before any); `rel` itself is 0 at padding."""
+        far (0 before any); `rel` itself is 0 at padding. Read only where states are recorded for `crop`, by every
+        slot: computed once."""
         return self.rel.cummax(1).values
 
     def on_device(self, device: torch.device) -> "SegmentLayout":
@@ -579,7 +580,7 @@ class MemoryCacheBranch(nn.Module):
             return [MemoryCacheState(new_state.fin_M, new_state.fin_z, new_state.fin_g, *(t[:, j] for t in run))
                     for j in range(S)]
         # A padding position keeps the state after the row's last real token: its segment's sums so far.
-        reached = lay.reached()
+        reached = lay.reached
         causal = torch.ones(S, S, dtype=torch.bool, device=fk.device).tril()
         m = ((reached[:, :, None] == lay.rel[:, None, :]) & causal & lay.valid[:, None, :]).float()
         run_M = torch.einsum("bst,bthd,bthe->bshde", m, fk, v)
@@ -1801,7 +1802,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         steps = [self.norm(h) for h in steps]
         if cache is not None:
             seg = ctx.segments
-            per_pos = (seg.base[:, None] + seg.reached()) if (seg is not None and cache.record_past) else None
+            per_pos = (seg.base[:, None] + seg.reached) if (seg is not None and cache.record_past) else None
             cache.commit(ctx.valid, engram_c, seg.new_segment if seg is not None else None, per_pos)
         moe_aux = torch.stack(aux_terms).mean() if aux_terms else None
         return SpikeWhaleModelOutput(

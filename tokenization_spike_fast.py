@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from tokenizers import AddedToken as BackendAddedToken
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -203,23 +203,30 @@ def matched_texts(greedy: list[str]) -> dict[str, str] | None:
     token that is not valid UTF-8 and crosses a character boundary (``b"d \xe2\x80"``) cannot be matched as text,
     and leaving it out would let a shorter matched token win where greedy takes it: None.
     """
+    if crossing_tokens(greedy):
+        return None
     texts = {}
     for token in greedy:
         try:
             text = token.encode("latin-1").decode("utf-8")
-        except UnicodeDecodeError:
-            if _crosses_a_character(token):
-                return None
+        except UnicodeDecodeError:  # inside one character: left to the pieces
             continue
         if len(text) > 1 or _decodes_as_itself(text):
             texts[token] = text
     return texts
 
 
-def _crosses_a_character(token: str) -> bool:
-    """A token (latin-1 string) that is not valid UTF-8 (checked by the caller) with a character start after its first
-    byte: part of a character and another one, such as b"d \xe2\x80"."""
-    return any(not 0x80 <= ord(ch) < 0xC0 for ch in token[1:])
+def crossing_tokens(greedy: Iterable[str]) -> list[str]:
+    """The tokens (latin-1 strings) that are not valid UTF-8 and have a character start after their first byte: part
+    of a character and another one, such as b"d \xe2\x80"."""
+    crossing = []
+    for token in greedy:
+        try:
+            token.encode("latin-1").decode("utf-8")
+        except UnicodeDecodeError:
+            if any(not 0x80 <= ord(ch) < 0xC0 for ch in token[1:]):
+                crossing.append(token)
+    return crossing
 
 
 class CrossingRoute:
@@ -234,13 +241,7 @@ class CrossingRoute:
     the whole token); they take the pieces pipeline."""
 
     def __init__(self, data: Mapping):
-        crossing = []
-        for token in greedy_tokens(data):
-            try:
-                token.encode("latin-1").decode("utf-8")
-            except UnicodeDecodeError:
-                if _crosses_a_character(token):
-                    crossing.append(token)
+        crossing = crossing_tokens(greedy_tokens(data))
         if not crossing:
             raise ValueError("no token crosses a character boundary: build_backend already matches every token")
         self.backend = build_backend(data, leave_out=frozenset(crossing))
