@@ -1359,11 +1359,11 @@ class PersistentDecodeWalk:
     Each graph is compiled ahead of time by torch (`torch.compile(walk_run, fullgraph=True).aot_compile`, inductor's
     code bundled in) and written to `<torch cache dir>/spike_whale_decode/<key>/`, the directory inductor uses
     (`TORCHINDUCTOR_CACHE_DIR`, by default /tmp/torchinductor_<user>); nothing is written next to the model. The key
-    hashes the torch and Python versions, the source of this package, the compile options, the thread count (CPU
-    kernels specialise on it) and every layer parameter's name, shape, stride, dtype and device, since the stored
-    guards cannot check what identity guards check in-process (`stored_decode_guards`). A call runs the first stored
-    graph whose guards pass, else compiles, stores and runs a new one (a new batch size, say). `options` and
-    `compile_kwargs` are `torch.compile`'s (inductor backend; the walk is always one graph, `fullgraph`)."""
+    hashes the torch and Python versions, the source and module name of this package, the compile options, the
+    thread count (CPU kernels specialise on it) and every layer parameter's name, shape, stride, dtype and device,
+    since the stored guards cannot check what identity guards check in-process (`stored_decode_guards`). A call runs
+    the first stored graph whose guards pass, else compiles, stores and runs a new one (a new batch size, say).
+    `options` and `compile_kwargs` are `torch.compile`'s (inductor backend; the walk is always one graph, `fullgraph`)."""
 
     def __init__(self, model: "SpikeWhaleModel", options: dict, compile_kwargs: dict):
         from torch._inductor.runtime.cache_dir_utils import cache_dir
@@ -1378,8 +1378,10 @@ class PersistentDecodeWalk:
 
     @staticmethod
     def key(model: "SpikeWhaleModel", options: dict, compile_kwargs: dict) -> str:
-        digest = hashlib.sha256(repr((torch.__version__, sys.version, torch.get_num_threads(), sorted(options.items()),
-                                      sorted(compile_kwargs.items()))).encode())
+        # The module's name too: the stored code imports this package's modules by name (`spike_whale.*`, or
+        # transformers_modules.* under trust_remote_code).
+        digest = hashlib.sha256(repr((torch.__version__, sys.version, walk_run.__module__, torch.get_num_threads(),
+                                      sorted(options.items()), sorted(compile_kwargs.items()))).encode())
         package = os.path.dirname(os.path.abspath(sys.modules[walk_run.__module__].__file__))
         for path in sorted(glob.glob(os.path.join(package, "*.py"))):
             with open(path, "rb") as f:
