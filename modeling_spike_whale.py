@@ -13,10 +13,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import glob
+import hashlib
 import json
 import math
 import os
 import re
+import sys
+import uuid
 from dataclasses import dataclass, fields
 
 import torch
@@ -1334,6 +1337,80 @@ def compiled_decode_guards(entries) -> list[bool]:
     ]
 
 
+def stored_decode_guards(entries) -> list[bool]:
+    """`compiled_decode_guards` less the identity checks torch cannot store (`PersistentDecodeWalk`): that a
+    function, class or module is the very object traced (the namedtuple constructors' scopes included). Its key
+    holds the package's source instead; guards on values, shapes and structure stay."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unstorable = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+    return [
+        keep and e.guard_type not in unstorable and not unstorable.intersection(e.derived_guard_types or ())
+        and "___unnamed_scope" not in e.name
+        for keep, e in zip(compiled_decode_guards(entries), entries)
+    ]
+
+
+class PersistentDecodeWalk:
+    """`walk_run` compiled for decode steps and kept in torch's cache directory, so that a later process decoding
+    with the same model skips dynamo's trace of the walk (most of a first compiled step once inductor's own caches
+    are warm; issue 12: 12.6 s for the 114M preset).
+
+    Each graph is compiled ahead of time by torch (`torch.compile(walk_run, fullgraph=True).aot_compile`, inductor's
+    code bundled in) and written to `<torch cache dir>/spike_whale_decode/<key>/`, the directory inductor uses
+    (`TORCHINDUCTOR_CACHE_DIR`, by default /tmp/torchinductor_<user>); nothing is written next to the model. The key
+    hashes the torch and Python versions, the source and module name of this package, the compile options, the
+    thread count (CPU kernels specialise on it) and every layer parameter's name, shape, stride, dtype and device,
+    since the stored guards cannot check what identity guards check in-process (`stored_decode_guards`). A call runs
+    the first stored graph whose guards pass, else compiles, stores and runs a new one (a new batch size, say).
+    `options` and `compile_kwargs` are `torch.compile`'s (inductor backend; the walk is always one graph, `fullgraph`)."""
+
+    def __init__(self, model: "SpikeWhaleModel", options: dict, compile_kwargs: dict):
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        options = {k: v for k, v in options.items() if k != "guard_filter_fn"}
+        compile_kwargs = {k: v for k, v in compile_kwargs.items() if k not in ("fullgraph", "backend")}
+        self.compile = torch.compile(walk_run, fullgraph=True, **compile_kwargs,
+                                     options={**options, "guard_filter_fn": stored_decode_guards})
+        self.folder = os.path.join(cache_dir(), "spike_whale_decode", self.key(model, options, compile_kwargs))
+        self.graphs = []
+        self.unread: list[str] | None = None  # stored graphs not read yet, listed on the first call
+
+    @staticmethod
+    def key(model: "SpikeWhaleModel", options: dict, compile_kwargs: dict) -> str:
+        # The module's name too: the stored code imports this package's modules by name (`spike_whale.*`, or
+        # transformers_modules.* under trust_remote_code).
+        digest = hashlib.sha256(repr((torch.__version__, sys.version, walk_run.__module__, torch.get_num_threads(),
+                                      sorted(options.items()), sorted(compile_kwargs.items()))).encode())
+        package = os.path.dirname(os.path.abspath(sys.modules[walk_run.__module__].__file__))
+        for path in sorted(glob.glob(os.path.join(package, "*.py"))):
+            with open(path, "rb") as f:
+                digest.update(f.read())
+        for name, p in model.layers.named_parameters():
+            digest.update(repr((name, tuple(p.shape), p.stride(), p.dtype, p.device.type, type(p.data))).encode())
+        return digest.hexdigest()[:32]
+
+    def __call__(self, *args):
+        for graph in self.graphs:
+            if graph.guard_check(*args):
+                return graph.fn(*args)
+        if self.unread is None:
+            self.unread = sorted(glob.glob(os.path.join(self.folder, "*.bin")))
+        # Read only as far as the first stored graph that fits (other batch sizes' wait until they are needed).
+        while self.unread:
+            with open(self.unread.pop(0), "rb") as f:
+                graph = torch.compiler.load_compiled_function(f, f_globals=walk_run.__globals__)
+            self.graphs.append(graph)
+            if graph.guard_check(*args):
+                return graph.fn(*args)
+        with torch._dynamo.config.patch(specialize_float=True):  # as compile_decode's in-process walk
+            graph = self.compile.aot_compile((args, {}))
+        os.makedirs(self.folder, exist_ok=True)
+        graph.save_compiled_function(os.path.join(self.folder, f"{uuid.uuid4().hex}.bin"))
+        self.graphs.append(graph)
+        return graph.fn(*args)
+
+
 class HRMRefinement(nn.Module):
     """h_{t+1} = h_t + tanh(g_t) · up(silu(down([norm(h_t); x])))  for t < steps (up zero-init, g non-zero)."""
 
@@ -1971,7 +2048,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         """
         return spike_whale_generate(self, super().generate, inputs, generation_config, **kwargs)
 
-    def compile_decode(self, enable: bool = True, **compile_kwargs) -> None:
+    def compile_decode(self, enable: bool = True, persistent: bool = True, **compile_kwargs) -> None:
         """Run one-token decode steps through `torch.compile` (the gpt-fast recipe, on the loop-slot cache). This is
         what transformers' standard switch, `generate(..., compile_config=CompileConfig(...))`, calls
         (`get_compiled_call`); calling it directly is a convenience for forwards outside generate.
@@ -1979,8 +2056,14 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         The walk of one run of the loop plan (`walk_run`, a loop pass) becomes one graph with dynamic shapes, traced
         on the first decode step and reused by every pass and step after it; prefill, multi-token chunks and the
         steps `SpikeWhaleModel._decode_step_compiles` leaves out run the same walk eagerly. The first compiled step takes about a minute
-        for the 114M preset on 2 CPU cores (inductor caches the result on disk for later processes).
-        `compile_kwargs` go to `torch.compile` (e.g. `mode=...`, `options={"cpp_wrapper": True}`). To keep the
+        for the 114M preset on 2 CPU cores; a later process reuses it (below).
+        `compile_kwargs` go to `torch.compile` (e.g. `mode=...`, `options={"cpp_wrapper": True}`).
+
+        With inductor (the default backend) the compiled walk persists (`PersistentDecodeWalk`): a later process
+        loading the same model with the same code, torch, options and thread count reads it from torch's cache
+        directory instead of tracing again (the 114M preset's first compiled step in a second process, 2 threads:
+        see README "Every path"). `persistent=False`, another backend, CUDA graphs (`mode="reduce-overhead"` on CUDA),
+        quantized weights or `torch._inductor.config.force_disable_caches` compile in this process only. To keep the
         per-pass dispatch cheap, the guards on built-in modules and on parameter tensors are skipped
         (`compiled_decode_guards`): moving or re-typing the model afterwards raises until this is called again;
         call it again too after giving weights another layout or registering module hooks. `enable=False` returns
@@ -2014,6 +2097,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             "alignment_asserts": False,
             "scalar_asserts": False,
         }
+        plain_weights = all(type(p.data) is torch.Tensor for p in self.parameters())  # not quantized (a subclass)
         if self.device.type == "cpu":
             with torch.no_grad():
                 for linear in self._column_major_linears():
@@ -2022,21 +2106,25 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             # Its attention rewrite swaps in a CPU SDPA kernel slower than the two small matmuls of one query; but it
             # also holds inductor's int8 weight-only lowering (`_weight_int8pack_mm`), so quantized (tensor-subclass)
             # weights keep it on.
-            if all(type(p.data) is torch.Tensor for p in self.parameters()):
+            if plain_weights:
                 options["pattern_matcher"] = False
         for layer in self.model.layers:
             layer.attn.fuse_input_projections()
         options.update(compile_kwargs.pop("options", None) or {})
         compile_kwargs.setdefault("dynamic", True)
-        compiled = torch.compile(walk_run, options=options, **compile_kwargs)
+        if (persistent and plain_weights and compile_kwargs.get("backend", "inductor") == "inductor"
+                and not torch._inductor.config.force_disable_caches and not options.get("triton.cudagraphs")):
+            self.model._compiled_run = PersistentDecodeWalk(self.model, options, compile_kwargs)
+        else:
+            compiled = torch.compile(walk_run, options=options, **compile_kwargs)
 
-        def compiled_run(*args):
-            # The blocks' Python floats (RMSNorm eps, ...) are constants of the model: traced as constants, they are
-            # guarded in C++ rather than by per-call Python shape guards.
-            with torch._dynamo.config.patch(specialize_float=True):
-                return compiled(*args)
+            def compiled_run(*args):
+                # The blocks' Python floats (RMSNorm eps, ...) are constants of the model: traced as constants, they
+                # are guarded in C++ rather than by per-call Python shape guards.
+                with torch._dynamo.config.patch(specialize_float=True):
+                    return compiled(*args)
 
-        self.model._compiled_run = compiled_run
+            self.model._compiled_run = compiled_run
         self.model._compiled_for = (self.model.embed_tokens.weight.dtype, self.model.embed_tokens.weight.device)
 
     def _column_major_linears(self) -> list[nn.Linear]:
