@@ -579,9 +579,9 @@ class MemoryCacheBranch(nn.Module):
         B, S = lay.valid.shape
         if S == 1:
             return [new_state]
-        if run is not None:
+        if run is not None:  # the state after the last token is new_state itself (its running sums are run's last)
             return [MemoryCacheState(new_state.fin_M, new_state.fin_z, new_state.fin_g, *(t[:, j] for t in run))
-                    for j in range(S)]
+                    for j in range(S - 1)] + [new_state]
         # A padding position keeps the state after the row's last real token: its segment's sums so far.
         reached = lay.reached
         causal = torch.ones(S, S, dtype=torch.bool, device=fk.device).tril()
@@ -1069,14 +1069,15 @@ FEW_ROWS_MIN_WEIGHT = 1 << 16
 
 
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x·Wᵀ + b, as F.linear. Eagerly, a product of 1-3 rows with a plain float32 row-major W of at least
+    """x·Wᵀ + b, as F.linear. Eagerly, a product of 1-4 rows with a plain float32 row-major W of at least
     `FEW_ROWS_MIN_WEIGHT` elements on CPU runs as (W·Xᵀ)ᵀ, one row padded with a zero row to two: MKL's kernel for
     that streams W at about memory bandwidth, where its x·Wᵀ reaches ~2/3 of it for one row (a decode step; except
     rows of 2048+ inputs, where its GEMV is the faster) and costs ~1.8× that for 2-3 (a speculative verify step's
-    chunk). Under torch.compile inductor picks its own GEMM."""
+    chunk) and ~1.3× for 4 (the `lm_head` product of an MTP verify step: 2 places and a draft from each). Under
+    torch.compile inductor picks its own GEMM."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
-    if not (0 < rows <= 3 and (rows > 1 or K < 2048) and weight.numel() >= FEW_ROWS_MIN_WEIGHT and x.is_cpu
+    if not (0 < rows <= 4 and (rows > 1 or K < 2048) and weight.numel() >= FEW_ROWS_MIN_WEIGHT and x.is_cpu
             and weight.dtype == x.dtype == torch.float32 and type(weight) in (torch.Tensor, nn.Parameter)
             and weight.stride(-1) == 1 and not torch.compiler.is_compiling()):
         return F.linear(x, weight, bias)

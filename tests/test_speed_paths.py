@@ -141,7 +141,7 @@ def test_memory_cache_read_mixes_reads_not_memories():
 
 
 def test_linear_forward_of_a_few_rows_equals_f_linear(monkeypatch):
-    """`linear_forward` computes 1-3 rows with a weight of 64K+ elements as (W·xᵀ)ᵀ (one row padded to two; one row
+    """`linear_forward` computes 1-4 rows with a weight of 64K+ elements as (W·xᵀ)ᵀ (one row padded to two; one row
     of 2048+ inputs and smaller weights keep F.linear); values and gradients are F.linear's, and SpikeWhaleLinear
     keeps nn.Linear's state dict."""
     import torch.nn.functional as F
@@ -165,8 +165,8 @@ def test_linear_forward_of_a_few_rows_equals_f_linear(monkeypatch):
     calls = []
     monkeypatch.setattr(F, "linear", lambda *a: calls.append(tuple(a[1].shape)) or a[0] @ a[1].t())
     with torch.no_grad():
-        for rows in (1, 2, 3, 4):
-            linear_forward(torch.randn(rows, 1, 208), w)  # a decode step's / a verify chunk's rows: (W·xᵀ)ᵀ up to 3
+        for rows in (1, 2, 3, 4, 5):
+            linear_forward(torch.randn(rows, 1, 208), w)  # a decode step's / a verify chunk's rows: (W·xᵀ)ᵀ up to 4
         linear_forward(torch.randn(1, 1, 2048), torch.randn(64, 2048))  # one row of 2048 inputs: MKL's GEMV
         linear_forward(torch.randn(2, 1, 40), layer.weight)  # a small weight: F.linear
     assert calls == [(320, 208), (64, 2048), (48, 40)]
