@@ -1066,18 +1066,24 @@ class SpikeWhaleAttention(nn.Module):
 
 # Weights of fewer elements stay in cache, where `linear_forward`'s few-row kernel costs more than it saves.
 FEW_ROWS_MIN_WEIGHT = 1 << 16
+# The most rows `linear_forward` computes as (W·Xᵀ)ᵀ with more than one thread (a decode step of a batch of up to 16);
+# with one, 3.
+FEW_ROWS_MAX = 16
 
 
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x·Wᵀ + b, as F.linear. Eagerly, a product of 1-4 rows with a plain float32 row-major W of at least
-    `FEW_ROWS_MIN_WEIGHT` elements on CPU runs as (W·Xᵀ)ᵀ, one row padded with a zero row to two: MKL's kernel for
-    that streams W at about memory bandwidth, where its x·Wᵀ reaches ~2/3 of it for one row (a decode step; except
-    rows of 2048+ inputs, where its GEMV is the faster) and costs ~1.8× that for 2-3 (a speculative verify step's
-    chunk) and ~1.3× for 4 (the `lm_head` product of an MTP verify step: 2 places and a draft from each). Under
-    torch.compile inductor picks its own GEMM."""
+    """x·Wᵀ + b, as F.linear. Eagerly, a product of 1-4 rows (1-`FEW_ROWS_MAX` with more than one torch thread) with
+    a plain float32 row-major W of at least `FEW_ROWS_MIN_WEIGHT` elements on CPU runs as (W·Xᵀ)ᵀ, one row padded
+    with a zero row to two: MKL's kernel for that streams W at about memory bandwidth, where its x·Wᵀ reaches ~2/3 of
+    it for one row (a decode step; except rows of 2048+ inputs, where its GEMV is the faster) and costs ~1.8× that
+    for 2-3 (a speculative verify step's chunk) and ~1.3× for 4 (the `lm_head` product of an MTP verify step: 2
+    places and a draft from each). For 5-16 rows (a decode step at batch 8) MKL splits W·Xᵀ over W's rows between
+    threads but x·Wᵀ hardly (8 rows, [2048, 768]: 842 -> 755 us from 1 to 2 threads, W·Xᵀ 1001 -> 588), so with one
+    thread x·Wᵀ stays. Under torch.compile inductor picks its own GEMM."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
-    if not (0 < rows <= 4 and (rows > 1 or K < 2048) and weight.numel() >= FEW_ROWS_MIN_WEIGHT and x.is_cpu
+    few = rows <= 4 or (rows <= FEW_ROWS_MAX and torch.get_num_threads() > 1)
+    if not (0 < rows and few and (rows > 1 or K < 2048) and weight.numel() >= FEW_ROWS_MIN_WEIGHT and x.is_cpu
             and weight.dtype == x.dtype == torch.float32 and type(weight) in (torch.Tensor, nn.Parameter)
             and weight.stride(-1) == 1 and not torch.compiler.is_compiling()):
         return F.linear(x, weight, bias)

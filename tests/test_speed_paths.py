@@ -141,16 +141,16 @@ def test_memory_cache_read_mixes_reads_not_memories():
 
 
 def test_linear_forward_of_a_few_rows_equals_f_linear(monkeypatch):
-    """`linear_forward` computes 1-4 rows with a weight of 64K+ elements as (W·xᵀ)ᵀ (one row padded to two; one row
-    of 2048+ inputs and smaller weights keep F.linear); values and gradients are F.linear's, and SpikeWhaleLinear
-    keeps nn.Linear's state dict."""
+    """`linear_forward` computes 1-16 rows (1-4 with one thread) with a weight of 64K+ elements as (W·xᵀ)ᵀ (one row
+    padded to two; one row of 2048+ inputs and smaller weights keep F.linear); values and gradients are F.linear's,
+    and SpikeWhaleLinear keeps nn.Linear's state dict."""
     import torch.nn.functional as F
 
     from spike_whale.modeling_spike_whale import SpikeWhaleLinear, linear_forward
 
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(320, 208, generator=g, requires_grad=True), torch.randn(320, generator=g, requires_grad=True)
-    for shape in ((1, 208), (2, 208), (1, 2, 208), (3, 1, 208), (1, 1, 208), (1, 4, 208), (2, 1, 8, 208)):
+    for shape in ((1, 208), (2, 208), (1, 2, 208), (3, 1, 208), (1, 1, 208), (1, 4, 208), (2, 1, 8, 208), (17, 208)):
         x = torch.randn(*shape, generator=g, requires_grad=True)
         for bias in (None, b):
             got = linear_forward(x, w, bias)
@@ -164,12 +164,17 @@ def test_linear_forward_of_a_few_rows_equals_f_linear(monkeypatch):
     assert list(layer.state_dict()) == ["weight", "bias"]
     calls = []
     monkeypatch.setattr(F, "linear", lambda *a: calls.append(tuple(a[1].shape)) or a[0] @ a[1].t())
+    threads = [2]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads[0])
     with torch.no_grad():
-        for rows in (1, 2, 3, 4, 5):
-            linear_forward(torch.randn(rows, 1, 208), w)  # a decode step's / a verify chunk's rows: (W·xᵀ)ᵀ up to 4
+        for rows in (1, 2, 3, 4, 8, 16, 17):
+            linear_forward(torch.randn(rows, 1, 208), w)  # a decode step's / a verify chunk's rows: (W·xᵀ)ᵀ up to 16
         linear_forward(torch.randn(1, 1, 2048), torch.randn(64, 2048))  # one row of 2048 inputs: MKL's GEMV
         linear_forward(torch.randn(2, 1, 40), layer.weight)  # a small weight: F.linear
-    assert calls == [(320, 208), (64, 2048), (48, 40)]
+        threads[0] = 1
+        for rows in (4, 5):
+            linear_forward(torch.randn(rows, 1, 208), w)  # one thread: (W·xᵀ)ᵀ up to 4 rows only
+    assert calls == [(320, 208), (64, 2048), (48, 40), (320, 208)]
 
 
 def test_short_cached_chunks_take_the_short_chunk_kernels_and_equal_the_general_ones(monkeypatch):
@@ -237,6 +242,7 @@ def test_one_token_decode_through_the_few_row_kernel_equals_a_full_recompute(mon
     monkeypatch.setattr(torch, "mm", lambda a, b: rows.append(b.shape[1]) or mm(a, b))
     with torch.no_grad():
         out = model(ids[:, :5], use_cache=True)
+        rows.clear()  # the 5-token prefill takes the few-row kernel too; the decode steps are checked
         got = [out.logits]
         for t in range(5, ids.shape[1]):
             got.append(model(ids[:, t:t + 1], cache=out.cache, use_cache=True).logits)

@@ -1,0 +1,163 @@
+"""A/B decode speed of this checkout against an earlier revision (issue 10: "speed must not drop"), in one process.
+
+    python benchmarks/bench_ab.py                       # against 781e662, every row, 3 rounds, 2 threads
+    python benchmarks/bench_ab.py --rows eager_b8 --rounds 11
+
+The base revision's package files (the repo root's *.py) are taken with `git archive REV` into a temporary folder
+as a package named `spike_whale_base` (nothing is written into the checkout or .git). Both models are the 114M
+preset with the SAME random state dict (seed 0). Rows: eager batch 1 / 8 (plain `generate`), compiled batch 1 / 8
+(base: the API it had -- `model.compile_decode()` at 781e662, or `compile_config` if the base has no
+`compile_decode`; new: `generate(..., compile_config=CompileConfig())`; each compiled model is its own twin, since
+compiling re-stores weights, and its compile is done before timing). Greedy, prompt 128, 32 new tokens; decode time
+only (prefill excluded, generate's per-step overhead included; `_common.time_generate`). Rounds alternate which
+model goes first. Every row asserts the two models emit the same ids. Only the ratios mean anything when other
+processes share the machine: each round's two runs are back to back.
+
+Output: per-round ms/step, median ms/step of each side, new/old speed ratio of the medians and the median of the
+per-round (paired) ratios; JSON in benchmarks/results/ab.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from _common import PRESET, time_generate
+from spike_whale import SpikeWhaleConfig, SpikeWhaleForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = ("eager_b1", "eager_b8", "compiled_b1", "compiled_b8")
+
+
+def import_base(rev: str, folder: Path):
+    """The revision's package as `spike_whale_base` (its top-level *.py files, from `git archive`)."""
+    tar = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", rev], check=True,
+                         capture_output=True).stdout
+    package = folder / "spike_whale_base"
+    package.mkdir()
+    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+        for member in archive.getmembers():
+            if member.isfile() and "/" not in member.name and member.name.endswith(".py"):
+                (package / member.name).write_bytes(archive.extractfile(member).read())
+    sys.path.insert(0, str(folder))
+    return importlib.import_module("spike_whale_base.modeling_spike_whale"), \
+        importlib.import_module("spike_whale_base.configuration_spike_whale")
+
+
+def prompt_ids(batch: int, prompt: int) -> torch.Tensor:
+    ids = torch.randint(10, 16000, (batch, prompt), generator=torch.Generator().manual_seed(batch))
+    ids[:, 0] = 2
+    return ids
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", default="781e662", help="git revision to compare against (default 781e662)")
+    p.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ab.json"))
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from transformers import CompileConfig
+
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True).stdout.strip())
+    with tempfile.TemporaryDirectory(prefix="bench_ab_") as tmp:
+        base_modeling, base_configuration = import_base(args.base, Path(tmp))
+        BaseLM = base_modeling.SpikeWhaleForCausalLM
+        torch.manual_seed(0)
+        state = SpikeWhaleForCausalLM(SpikeWhaleConfig.from_preset(PRESET)).eval().state_dict()
+
+        def build(new: bool):
+            cls, cfg = ((SpikeWhaleForCausalLM, SpikeWhaleConfig) if new
+                        else (BaseLM, base_configuration.SpikeWhaleConfig))
+            model = cls(cfg.from_preset(PRESET)).eval()
+            model.load_state_dict(state)
+            return model
+
+        base_compiles = hasattr(BaseLM, "compile_decode")
+        compiled_rows = [r for r in args.rows if r.startswith("compiled")]
+        models = {"old": {"eager": build(False)}, "new": {"eager": build(True)}}
+        kwargs = {"old": {"eager": {}, "compiled": {} if base_compiles else {"compile_config": CompileConfig()}},
+                  "new": {"eager": {}, "compiled": {"compile_config": CompileConfig()}}}
+        load_before = os.getloadavg()
+        print(f"{PRESET}, float32, {torch.get_num_threads()} threads, load average {load_before[0]:.2f}; "
+              f"old = {args.base}, new = {head}{' (dirty)' if dirty else ''}; prompt {args.prompt}, "
+              f"{args.new_tokens} new tokens, {args.rounds} rounds", flush=True)
+        compile_s = {}
+        if compiled_rows:
+            models["old"]["compiled"], models["new"]["compiled"] = build(False), build(True)
+            if base_compiles:
+                models["old"]["compiled"].compile_decode()
+            for side in ("old", "new"):
+                for row in compiled_rows:
+                    batch = int(row.split("_b")[1])
+                    t = time.perf_counter()
+                    time_generate(models[side]["compiled"], prompt_ids(batch, args.prompt), 3,
+                                  **kwargs[side]["compiled"])
+                    compile_s[f"{side}_{row}"] = time.perf_counter() - t
+                    print(f"  {side} {row}: first 3 tokens (compile) {compile_s[f'{side}_{row}']:.0f} s", flush=True)
+        for side in ("old", "new"):  # warm-up of the eager paths (allocator, first calls)
+            time_generate(models[side]["eager"], prompt_ids(1, 16), 3)
+
+        results = {}
+        for row in args.rows:
+            kind, batch = row.split("_b")[0], int(row.split("_b")[1])
+            ids = prompt_ids(batch, args.prompt)
+            ms = {"old": [], "new": []}
+            for r in range(args.rounds):
+                order = ("old", "new") if r % 2 == 0 else ("new", "old")
+                out = {}
+                for side in order:
+                    res = time_generate(models[side][kind], ids, args.new_tokens, **kwargs[side][kind])
+                    ms[side].append(res["ms_per_step"])
+                    out[side] = res["ids"]
+                if not torch.equal(out["old"], out["new"]):
+                    raise AssertionError(f"{row}, round {r + 1}: the two models emitted different ids")
+                print(f"  {row} round {r + 1} ({order[0]} first): old {ms['old'][-1]:.1f} ms/step, "
+                      f"new {ms['new'][-1]:.1f} ms/step, new/old speed {ms['old'][-1] / ms['new'][-1]:.3f}x",
+                      flush=True)
+            old_ms, new_ms = statistics.median(ms["old"]), statistics.median(ms["new"])
+            results[row] = {
+                "old_ms_per_step": ms["old"], "new_ms_per_step": ms["new"],
+                "old_median_ms": old_ms, "new_median_ms": new_ms, "speed_ratio_of_medians": old_ms / new_ms,
+                "paired_median_speed_ratio": statistics.median(o / n for o, n in zip(ms["old"], ms["new"])),
+                "same_ids": True,
+            }
+        load_after = os.getloadavg()
+
+    print(f"\n{'row':<14}{'old ms/step':>13}{'new ms/step':>13}{'new/old':>10}{'paired':>10}")
+    for row, res in results.items():
+        print(f"{row:<14}{res['old_median_ms']:>13.1f}{res['new_median_ms']:>13.1f}"
+              f"{res['speed_ratio_of_medians']:>9.3f}x{res['paired_median_speed_ratio']:>9.3f}x")
+    print(f"(new/old: speed ratio, > 1 means the new code is faster; load average {load_before[0]:.2f} -> "
+          f"{load_after[0]:.2f}; same ids in every row)")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({
+        "base": args.base, "head": head, "dirty": dirty, "preset": PRESET, "threads": torch.get_num_threads(),
+        "prompt": args.prompt, "new_tokens": args.new_tokens, "rounds": args.rounds,
+        "load_average": [load_before[0], load_after[0]], "compile_s": compile_s, "rows": results,
+        "torch": torch.__version__,
+    }, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
