@@ -1067,7 +1067,7 @@ class SpikeWhaleAttention(nn.Module):
 # Weights of fewer elements stay in cache, where `linear_forward`'s few-row kernel costs more than it saves.
 FEW_ROWS_MIN_WEIGHT = 1 << 16
 # The most rows `linear_forward` computes as (W·Xᵀ)ᵀ with more than one thread (a decode step of a batch of up to 16);
-# with one, 3.
+# with one, 4.
 FEW_ROWS_MAX = 16
 
 
@@ -1082,10 +1082,10 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     thread x·Wᵀ stays. Under torch.compile inductor picks its own GEMM."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
-    few = rows <= 4 or (rows <= FEW_ROWS_MAX and torch.get_num_threads() > 1)
-    if not (0 < rows and few and (rows > 1 or K < 2048) and weight.numel() >= FEW_ROWS_MIN_WEIGHT and x.is_cpu
-            and weight.dtype == x.dtype == torch.float32 and type(weight) in (torch.Tensor, nn.Parameter)
-            and weight.stride(-1) == 1 and not torch.compiler.is_compiling()):
+    if not (0 < rows <= FEW_ROWS_MAX and (rows > 1 or K < 2048) and weight.numel() >= FEW_ROWS_MIN_WEIGHT
+            and x.is_cpu and weight.dtype == x.dtype == torch.float32 and type(weight) in (torch.Tensor, nn.Parameter)
+            and weight.stride(-1) == 1 and not torch.compiler.is_compiling()
+            and (rows <= 4 or torch.get_num_threads() > 1)):  # last: dynamo cannot trace get_num_threads
         return F.linear(x, weight, bias)
     if rows == 1:  # column 0 of W·[x; 0]ᵀ
         y = torch.mm(weight, F.pad(x.reshape(1, K), (0, 0, 0, 1)).t())[:, 0].contiguous()

@@ -177,6 +177,21 @@ def test_linear_forward_of_a_few_rows_equals_f_linear(monkeypatch):
     assert calls == [(320, 208), (64, 2048), (48, 40), (320, 208)]
 
 
+def test_linear_forward_traces_into_one_graph_for_every_row_count():
+    """Under torch.compile every row count takes F.linear inside one graph: the thread-count check of the eager few-row
+    path must not be traced (dynamo cannot trace `torch.get_num_threads`; batch 8 under compile_config broke on it)."""
+    import torch.nn.functional as F
+
+    from spike_whale.modeling_spike_whale import linear_forward
+
+    torch._dynamo.reset()
+    w = torch.randn(320, 208, generator=torch.Generator().manual_seed(1))
+    traced = torch.compile(linear_forward, fullgraph=True, backend="eager", dynamic=False)
+    for rows in (1, 4, 8, 16):
+        x = torch.randn(rows, 208)
+        assert torch.allclose(traced(x, w), F.linear(x, w), atol=1e-5)
+
+
 def test_short_cached_chunks_take_the_short_chunk_kernels_and_equal_the_general_ones(monkeypatch):
     """Verify-sized chunks (2-4 tokens on a cache, recording for `crop`, a padded row, segment boundaries inside a chunk
     and not) read attention with `decode_attention`, the Memory Cache through per-token running sums and the few-row
