@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
+import transformers
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache
@@ -2070,7 +2071,8 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         loading the same model with the same code, torch, options and thread count reads it from torch's cache
         directory instead of tracing again (the 114M preset's first compiled step in a second process, 2 threads:
         see README "Every path"). `persistent=False`, another backend, CUDA graphs (`mode="reduce-overhead"` on CUDA),
-        quantized weights or `torch._inductor.config.force_disable_caches` compile in this process only. To keep the
+        quantized weights, `torch._inductor.config.force_disable_caches` or transformers < 5.24 compile in this
+        process only. To keep the
         per-pass dispatch cheap, the guards on built-in modules and on parameter tensors are skipped
         (`compiled_decode_guards`): moving or re-typing the model afterwards raises until this is called again;
         call it again too after giving weights another layout or registering module hooks. `enable=False` returns
@@ -2119,7 +2121,11 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             layer.attn.fuse_input_projections()
         options.update(compile_kwargs.pop("options", None) or {})
         compile_kwargs.setdefault("dynamic", True)
-        if (persistent and plain_weights and compile_kwargs.get("backend", "inductor") == "inductor"
+        # Below transformers 5.24 the decoder layers' wrapped forward holds closures whose guards a stored walk cannot
+        # rebuild (torch raises creating them), so the walk is compiled in this process there.
+        stored_guards_hold = tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (5, 24)
+        if (persistent and stored_guards_hold and plain_weights
+                and compile_kwargs.get("backend", "inductor") == "inductor"
                 and not torch._inductor.config.force_disable_caches and not options.get("triton.cudagraphs")):
             self.model._compiled_run = PersistentDecodeWalk(self.model, options, compile_kwargs)
         else:
