@@ -19,6 +19,7 @@ import math
 import os
 import re
 import sys
+import time
 import uuid
 from dataclasses import dataclass, fields
 
@@ -1067,34 +1068,73 @@ class SpikeWhaleAttention(nn.Module):
 
 # Weights of fewer elements stay in cache, where `linear_forward`'s few-row kernel costs more than it saves.
 FEW_ROWS_MIN_WEIGHT = 1 << 16
-# The most rows `linear_forward` computes as (W·Xᵀ)ᵀ with more than one thread (a decode step of a batch of up to 16);
-# with one, 4.
+# The most rows for which `linear_forward` weighs (W·Xᵀ)ᵀ against F.linear: a decode step of a batch of up to 16.
 FEW_ROWS_MAX = 16
 
 
+class FewRowsKernel:
+    """Picks, per (weight shape, rows, torch threads), the faster of F.linear's x·Wᵀ and (W·Xᵀ)ᵀ for an eager CPU
+    product of a few rows, as `torch.backends.cudnn.benchmark` picks convolution kernels: the winner differs between
+    CPUs (one row: MKL's GEMM of W·[x; 0]ᵀ streamed W ~1.5× faster than its GEMV on an EPYC with AVX-512, while on
+    an AVX2 EPYC the GEMV is as fast for [2048, 768] and 1.3-1.5× faster for [384, 768] and [768, 2048]), and with the
+    thread count (MKL splits W·Xᵀ over W's rows between threads but x·Wᵀ of 8 rows hardly). The first `trials` calls of
+    each key alternate the two on the model's own weights, timed where they run, so W is as cold as in a decode
+    step; the lower median wins from then on. `forced` (True: (W·Xᵀ)ᵀ, False: F.linear) skips the timing."""
+
+    trials = 5
+    forced: bool | None = None
+
+    def __init__(self):
+        self.chosen: dict[tuple[int, ...], bool] = {}
+        self.timings: dict[tuple[int, ...], tuple[list[float], list[float]]] = {}
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+        if self.forced is not None:
+            return self.product(x, weight, bias, rows, self.forced)
+        key = (*weight.shape, rows, torch.get_num_threads())
+        transposed = self.chosen.get(key)
+        if transposed is not None:
+            return self.product(x, weight, bias, rows, transposed)
+        plain, trans = self.timings.setdefault(key, ([], []))
+        transposed = len(trans) < len(plain)
+        start = time.perf_counter()
+        y = self.product(x, weight, bias, rows, transposed)
+        (trans if transposed else plain).append(time.perf_counter() - start)
+        if len(trans) == self.trials:
+            self.chosen[key] = sorted(trans)[self.trials // 2] < sorted(plain)[self.trials // 2]
+            del self.timings[key]
+        return y
+
+    @staticmethod
+    def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, transposed: bool):
+        """x·Wᵀ + b by F.linear, or as (W·Xᵀ)ᵀ (one row padded with a zero row to two: MKL's GEMM, not its GEMV)."""
+        if not transposed:
+            return F.linear(x, weight, bias)
+        K = x.shape[-1]
+        if rows == 1:  # column 0 of W·[x; 0]ᵀ
+            y = torch.mm(weight, F.pad(x.reshape(1, K), (0, 0, 0, 1)).t())[:, 0].contiguous()
+        else:
+            y = torch.mm(weight, x.reshape(rows, K).contiguous().t()).t().contiguous()
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+
+FEW_ROWS_KERNEL = FewRowsKernel()
+
+
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x·Wᵀ + b, as F.linear. Eagerly, a product of 1-4 rows (1-`FEW_ROWS_MAX` with more than one torch thread) with
-    a plain float32 row-major W of at least `FEW_ROWS_MIN_WEIGHT` elements on CPU runs as (W·Xᵀ)ᵀ, one row padded
-    with a zero row to two: MKL's kernel for that streams W at about memory bandwidth, where its x·Wᵀ reaches ~2/3 of
-    it for one row (a decode step; except rows of 2048+ inputs, where its GEMV is the faster) and costs ~1.8× that
-    for 2-3 (a speculative verify step's chunk) and ~1.3× for 4 (the `lm_head` product of an MTP verify step: 2
-    places and a draft from each). For 5-16 rows (a decode step at batch 8) MKL splits W·Xᵀ over W's rows between
-    threads but x·Wᵀ hardly (8 rows, [2048, 768]: 842 -> 755 us from 1 to 2 threads, W·Xᵀ 1001 -> 588), so with one
-    thread x·Wᵀ stays. Under torch.compile inductor picks its own GEMM."""
+    """x·Wᵀ + b, as F.linear. Eagerly, a product of 1-`FEW_ROWS_MAX` rows with a plain float32 row-major W of at least
+    `FEW_ROWS_MIN_WEIGHT` elements on CPU (a decode step; a speculative verify chunk; an MTP verify step's `lm_head`
+    product) runs through `FEW_ROWS_KERNEL`, the faster of x·Wᵀ and (W·Xᵀ)ᵀ on this machine. Under torch.compile
+    inductor picks its own GEMM."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
-    if not (0 < rows <= FEW_ROWS_MAX and (rows > 1 or K < 2048) and weight.numel() >= FEW_ROWS_MIN_WEIGHT
-            and x.is_cpu and weight.dtype == x.dtype == torch.float32 and type(weight) in (torch.Tensor, nn.Parameter)
-            and weight.stride(-1) == 1 and not torch.compiler.is_compiling()
-            and (rows <= 4 or torch.get_num_threads() > 1)):  # last: dynamo cannot trace get_num_threads
+    if not (0 < rows <= FEW_ROWS_MAX and weight.numel() >= FEW_ROWS_MIN_WEIGHT and x.is_cpu
+            and weight.dtype == x.dtype == torch.float32 and type(weight) in (torch.Tensor, nn.Parameter)
+            and weight.stride(-1) == 1 and not torch.compiler.is_compiling()):
         return F.linear(x, weight, bias)
-    if rows == 1:  # column 0 of W·[x; 0]ᵀ
-        y = torch.mm(weight, F.pad(x.reshape(1, K), (0, 0, 0, 1)).t())[:, 0].contiguous()
-    else:
-        y = torch.mm(weight, x.reshape(rows, K).contiguous().t()).t().contiguous()
-    if bias is not None:
-        y = y + bias
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return FEW_ROWS_KERNEL(x, weight, bias, rows)  # after the compile check: dynamo cannot trace get_num_threads
 
 
 class SpikeWhaleLinear(nn.Linear):
@@ -2026,13 +2066,9 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             return self.__call__
         config = compile_config.to_dict() if compile_config is not None else {}
         if config != getattr(self, "_decode_compile_config", None) or self.model._compiled_for is None:
-            kwargs = {k: v for k, v in config.items() if k in ("fullgraph", "backend") or (k == "dynamic" and v is not None)}
-            # torch.compile takes `mode` or `options`, not both; compile_decode needs options, so the mode becomes them.
-            options = dict(torch._inductor.list_mode_options(config.get("mode") or "default", kwargs.get("dynamic")))
-            if self.device.type != "cuda":
-                options.pop("triton.cudagraphs", None)  # CUDA graphs only exist on CUDA
-            options.update(config.get("options") or {})
-            self.compile_decode(**kwargs, options=options)
+            kwargs = {k: v for k, v in config.items() if k in ("fullgraph", "backend", "mode", "options")
+                      or (k == "dynamic" and v is not None)}
+            self.compile_decode(**kwargs)
             self._decode_compile_config = config
         return self.__call__
 
@@ -2065,7 +2101,8 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         on the first decode step and reused by every pass and step after it; prefill, multi-token chunks and the
         steps `SpikeWhaleModel._decode_step_compiles` leaves out run the same walk eagerly. The first compiled step takes about a minute
         for the 114M preset on 2 CPU cores; a later process reuses it (below).
-        `compile_kwargs` go to `torch.compile` (e.g. `mode=...`, `options={"cpp_wrapper": True}`).
+        `compile_kwargs` go to `torch.compile` (e.g. `options={"cpp_wrapper": True}`); a `mode` becomes its inductor
+        options (`torch._inductor.list_mode_options`), without CUDA graphs off CUDA, under explicit `options`.
 
         With inductor (the default backend) the compiled walk persists (`PersistentDecodeWalk`): a later process
         loading the same model with the same code, torch, options and thread count reads it from torch's cache
@@ -2119,8 +2156,13 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
                 options["pattern_matcher"] = False
         for layer in self.model.layers:
             layer.attn.fuse_input_projections()
-        options.update(compile_kwargs.pop("options", None) or {})
         compile_kwargs.setdefault("dynamic", True)
+        # torch.compile takes `mode` or `options`, not both; this walk needs options, so a mode becomes them.
+        mode = compile_kwargs.pop("mode", None) or "default"
+        options.update(torch._inductor.list_mode_options(mode, compile_kwargs["dynamic"]))
+        if self.device.type != "cuda":
+            options.pop("triton.cudagraphs", None)  # CUDA graphs only exist on CUDA
+        options.update(compile_kwargs.pop("options", None) or {})
         # Below transformers 5.24 the decoder layers' wrapped forward holds closures whose guards a stored walk cannot
         # rebuild (torch raises creating them), so the walk is compiled in this process there.
         stored_guards_hold = tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (5, 24)

@@ -269,6 +269,26 @@ def test_the_walk_compiles_without_graph_breaks():
     assert float((compiled - eager)[mask.bool()].abs().max()) <= TOL
 
 
+def test_compile_decode_turns_a_mode_into_options(monkeypatch):
+    """torch.compile takes `mode` or `options`, not both, and the walk needs options: `compile_decode(mode=...)` hands
+    torch the mode's inductor options (on CPU without CUDA graphs) under the caller's own, and decodes eager's ids."""
+    seen, compile_ = [], torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or compile_(fn, **kw))
+    model = tiny_model(seed=3)
+    ids = torch.randint(5, 200, (1, 9), generator=torch.Generator().manual_seed(3))
+    eager = model.generate(ids, max_new_tokens=4, do_sample=False)
+    model.compile_decode(mode="max-autotune-no-cudagraphs", backend="eager", options={"max_autotune": False})
+    try:
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), eager)
+        model.compile_decode(mode="reduce-overhead", backend="eager")
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), eager)
+    finally:
+        model.compile_decode(enable=False)
+    assert all("mode" not in kw for kw in seen) and len(seen) == 2
+    assert seen[0]["options"]["coordinate_descent_tuning"] is True and seen[0]["options"]["max_autotune"] is False
+    assert "triton.cudagraphs" not in seen[1]["options"]
+
+
 @pytest.mark.skipif(
     version.parse(transformers.__version__) < version.parse("5.24"),
     reason="transformers < 5.24 refuses assisted decoding with a compileable cache, so the loop-slot cache declares "

@@ -141,40 +141,71 @@ def test_memory_cache_read_mixes_reads_not_memories():
 
 
 def test_linear_forward_of_a_few_rows_equals_f_linear(monkeypatch):
-    """`linear_forward` computes 1-16 rows (1-4 with one thread) with a weight of 64K+ elements as (W·xᵀ)ᵀ (one row
-    padded to two; one row of 2048+ inputs and smaller weights keep F.linear); values and gradients are F.linear's,
-    and SpikeWhaleLinear keeps nn.Linear's state dict."""
+    """`linear_forward` sends 1-16 rows with a float32 weight of 64K+ elements to `FEW_ROWS_KERNEL`; both of its
+    products (x·Wᵀ and (W·xᵀ)ᵀ, one row padded to two) give F.linear's values and gradients; more rows, smaller
+    weights and other dtypes keep F.linear; SpikeWhaleLinear keeps nn.Linear's state dict."""
     import torch.nn.functional as F
 
-    from spike_whale.modeling_spike_whale import SpikeWhaleLinear, linear_forward
+    import spike_whale.modeling_spike_whale as msw
 
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(320, 208, generator=g, requires_grad=True), torch.randn(320, generator=g, requires_grad=True)
-    for shape in ((1, 208), (2, 208), (1, 2, 208), (3, 1, 208), (1, 1, 208), (1, 4, 208), (2, 1, 8, 208), (17, 208)):
-        x = torch.randn(*shape, generator=g, requires_grad=True)
-        for bias in (None, b):
-            got = linear_forward(x, w, bias)
-            want = F.linear(x, w, bias)
-            assert got.shape == want.shape and got.is_contiguous()
-            r = torch.randn(want.shape, generator=g)
-            grads = torch.autograd.grad((got * r).sum(), (x, w))
-            for a, ref in zip((got, *grads), (want, *torch.autograd.grad((want * r).sum(), (x, w)))):
-                assert (a - ref).abs().max() <= 1e-6 * ref.abs().max()
-    layer = SpikeWhaleLinear(40, 48)
+    for transposed in (True, False):
+        monkeypatch.setattr(msw.FewRowsKernel, "forced", transposed)
+        for shape in ((1, 208), (2, 208), (1, 2, 208), (3, 1, 208), (1, 1, 208), (1, 4, 208), (2, 1, 8, 208), (17, 208)):
+            x = torch.randn(*shape, generator=g, requires_grad=True)
+            for bias in (None, b):
+                got = msw.linear_forward(x, w, bias)
+                want = F.linear(x, w, bias)
+                assert got.shape == want.shape and got.is_contiguous()
+                r = torch.randn(want.shape, generator=g)
+                grads = torch.autograd.grad((got * r).sum(), (x, w))
+                for a, ref in zip((got, *grads), (want, *torch.autograd.grad((want * r).sum(), (x, w)))):
+                    assert (a - ref).abs().max() <= 1e-6 * ref.abs().max()
+    layer = msw.SpikeWhaleLinear(40, 48)
     assert list(layer.state_dict()) == ["weight", "bias"]
-    calls = []
-    monkeypatch.setattr(F, "linear", lambda *a: calls.append(tuple(a[1].shape)) or a[0] @ a[1].t())
-    threads = [2]
-    monkeypatch.setattr(torch, "get_num_threads", lambda: threads[0])
+    routed = []
+    monkeypatch.setattr(msw, "FEW_ROWS_KERNEL", lambda x, w, b, rows: routed.append((tuple(w.shape), rows)) or x @ w.t())
     with torch.no_grad():
-        for rows in (1, 2, 3, 4, 8, 16, 17):
-            linear_forward(torch.randn(rows, 1, 208), w)  # a decode step's / a verify chunk's rows: (W·xᵀ)ᵀ up to 16
-        linear_forward(torch.randn(1, 1, 2048), torch.randn(64, 2048))  # one row of 2048 inputs: MKL's GEMV
-        linear_forward(torch.randn(2, 1, 40), layer.weight)  # a small weight: F.linear
+        for rows in (1, 2, 8, 16, 17):
+            msw.linear_forward(torch.randn(rows, 1, 208), w)  # up to 16 rows: the kernel that is faster here
+        msw.linear_forward(torch.randn(2, 1, 40), layer.weight)  # a small weight: F.linear
+        msw.linear_forward(torch.randn(2, 208, dtype=torch.bfloat16), w.detach().bfloat16())  # bf16: F.linear
+    assert routed == [((320, 208), 1), ((320, 208), 2), ((320, 208), 8), ((320, 208), 16)]
+
+
+def test_few_rows_kernel_times_both_products_on_first_use_and_keeps_the_faster(monkeypatch):
+    """For each (weight shape, rows, threads), the first `trials` calls of each product alternate and are timed; the
+    lower median is used from then on; a new thread count is timed anew."""
+    import torch.nn.functional as F
+
+    import spike_whale.modeling_spike_whale as msw
+
+    kernel, clock, threads = msw.FewRowsKernel(), [0.0], [2]
+    cost = {(1, False): 3.0, (1, True): 2.0, (8, False): 1.0, (8, True): 4.0}  # seconds per call, by (rows, kind)
+    ran = []
+
+    def product(x, w, b, rows, transposed):
+        ran.append((rows, transposed))
+        clock[0] += cost[rows, transposed] * (10 if ran.count((rows, transposed)) == 1 else 1)  # a cold first call
+        return F.linear(x, w, b)
+
+    monkeypatch.setattr(msw, "FEW_ROWS_KERNEL", kernel)
+    monkeypatch.setattr(kernel, "product", product)
+    monkeypatch.setattr(msw.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads[0])
+    w, n = torch.randn(320, 208), 2 * kernel.trials
+    with torch.no_grad():
+        for _ in range(n + 3):
+            msw.linear_forward(torch.randn(1, 208), w)
+            msw.linear_forward(torch.randn(8, 208), w)
         threads[0] = 1
-        for rows in (4, 5):
-            linear_forward(torch.randn(rows, 1, 208), w)  # one thread: (W·xᵀ)ᵀ up to 4 rows only
-    assert calls == [(320, 208), (64, 2048), (48, 40), (320, 208)]
+        msw.linear_forward(torch.randn(1, 208), w)
+    one = [t for r, t in ran[:-1] if r == 1]
+    eight = [t for r, t in ran[:-1] if r == 8]
+    assert one == [False, True] * kernel.trials + [True] * 3  # (W·xᵀ)ᵀ is faster for 1 row
+    assert eight == [False, True] * kernel.trials + [False] * 3  # x·Wᵀ for 8
+    assert kernel.chosen == {(320, 208, 1, 2): True, (320, 208, 8, 2): False} and ran[-1] == (1, False)
 
 
 def test_linear_forward_traces_into_one_graph_for_every_row_count():
@@ -202,6 +233,7 @@ def test_short_cached_chunks_take_the_short_chunk_kernels_and_equal_the_general_
     import spike_whale.modeling_spike_whale as msw
 
     monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
+    monkeypatch.setattr(msw.FewRowsKernel, "forced", True)
     model = tiny_model(seed=6)
     ids = prompt(batch=2, length=2 * L + 9)
     mask = torch.ones_like(ids)
@@ -251,6 +283,7 @@ def test_one_token_decode_through_the_few_row_kernel_equals_a_full_recompute(mon
     import spike_whale.modeling_spike_whale as msw
 
     monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
+    monkeypatch.setattr(msw.FewRowsKernel, "forced", True)
     model = tiny_model(seed=7)
     ids = prompt(length=3 * L + 5)
     rows, mm = [], torch.mm
