@@ -1079,7 +1079,8 @@ class FewRowsKernel:
     an AVX2 EPYC the GEMV is as fast for [2048, 768] and 1.3-1.5× faster for [384, 768] and [768, 2048]), and with the
     thread count (MKL splits W·Xᵀ over W's rows between threads but x·Wᵀ of 8 rows hardly). The first `trials` calls of
     each key alternate the two on the model's own weights, timed where they run, so W is as cold as in a decode
-    step; the lower median wins from then on. `forced` (True: (W·Xᵀ)ᵀ, False: F.linear) skips the timing."""
+    step; the lower median wins from then on. `forced` (True: (W·Xᵀ)ᵀ, False: F.linear) skips the timing; under
+    `torch.use_deterministic_algorithms(True)` F.linear runs, so that no result depends on a timing."""
 
     trials = 5
     forced: bool | None = None
@@ -1091,6 +1092,8 @@ class FewRowsKernel:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
         if self.forced is not None:
             return self.product(x, weight, bias, rows, self.forced)
+        if torch.are_deterministic_algorithms_enabled():
+            return F.linear(x, weight, bias)
         key = (*weight.shape, rows, torch.get_num_threads())
         transposed = self.chosen.get(key)
         if transposed is not None:

@@ -176,7 +176,7 @@ def test_linear_forward_of_a_few_rows_equals_f_linear(monkeypatch):
 
 def test_few_rows_kernel_times_both_products_on_first_use_and_keeps_the_faster(monkeypatch):
     """For each (weight shape, rows, threads), the first `trials` calls of each product alternate and are timed; the
-    lower median is used from then on; a new thread count is timed anew."""
+    lower median is used from then on; a new thread count is timed anew; deterministic algorithms take F.linear."""
     import torch.nn.functional as F
 
     import spike_whale.modeling_spike_whale as msw
@@ -201,6 +201,13 @@ def test_few_rows_kernel_times_both_products_on_first_use_and_keeps_the_faster(m
             msw.linear_forward(torch.randn(8, 208), w)
         threads[0] = 1
         msw.linear_forward(torch.randn(1, 208), w)
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            want = F.linear(x := torch.randn(1, 208), w)
+            assert torch.equal(msw.linear_forward(x, w), want)  # no timing: F.linear itself
+        finally:
+            torch.use_deterministic_algorithms(deterministic)
     one = [t for r, t in ran[:-1] if r == 1]
     eight = [t for r, t in ran[:-1] if r == 8]
     assert one == [False, True] * kernel.trials + [True] * 3  # (W·xᵀ)ᵀ is faster for 1 row
