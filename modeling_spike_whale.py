@@ -1126,13 +1126,31 @@ class FewRowsKernel:
 FEW_ROWS_KERNEL = FewRowsKernel()
 
 
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether oneDNN has bf16 instructions on this CPU (AVX512-BF16 or AMX)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+# The fewest rows whose bf16 CPU product runs in float32 where the CPU has no bf16 instructions: there MKL's bf16
+# GEMM is ~4-7× slower than converting both sides and running its float32 one (512 × 768 → 2048: 338 against 94 ms),
+# while one row stays bf16 (half the weight bytes to stream). Rows 2-7 were not measured.
+BF16_AS_FLOAT32_MIN_ROWS = 8
+
+
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x·Wᵀ + b, as F.linear. Eagerly, a product of 1-`FEW_ROWS_MAX` rows with a plain float32 row-major W of at least
     `FEW_ROWS_MIN_WEIGHT` elements on CPU (a decode step; a speculative verify chunk; an MTP verify step's `lm_head`
-    product) runs through `FEW_ROWS_KERNEL`, the faster of x·Wᵀ and (W·Xᵀ)ᵀ on this machine. Under torch.compile
-    inductor picks its own GEMM."""
+    product) runs through `FEW_ROWS_KERNEL`, the faster of x·Wᵀ and (W·Xᵀ)ᵀ on this machine; a bf16 product of
+    `BF16_AS_FLOAT32_MIN_ROWS`+ rows on a CPU without bf16 instructions runs in float32 and is rounded to bf16 once,
+    the function of a native bf16 GEMM (float32 accumulation, one rounding). Under torch.compile inductor picks its
+    own GEMM."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
+    if (rows >= BF16_AS_FLOAT32_MIN_ROWS and x.dtype == weight.dtype == torch.bfloat16 and x.is_cpu
+            and type(weight) in (torch.Tensor, nn.Parameter) and not torch.compiler.is_compiling()
+            and not cpu_has_native_bf16()):
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
     if not (0 < rows <= FEW_ROWS_MAX and weight.numel() >= FEW_ROWS_MIN_WEIGHT and x.is_cpu
             and weight.dtype == x.dtype == torch.float32 and type(weight) in (torch.Tensor, nn.Parameter)
             and weight.stride(-1) == 1 and not torch.compiler.is_compiling()):

@@ -174,6 +174,33 @@ def test_linear_forward_of_a_few_rows_equals_f_linear(monkeypatch):
     assert routed == [((320, 208), 1), ((320, 208), 2), ((320, 208), 8), ((320, 208), 16)]
 
 
+def test_bf16_products_of_many_rows_run_in_float32_on_a_cpu_without_bf16_instructions(monkeypatch):
+    """Without bf16 instructions (MKL's bf16 GEMM is several times slower there), a bf16 product of 8+ rows is the
+    float32 product rounded to bf16 once, gradients included; one row, and any CPU with bf16 instructions, keep
+    F.linear in bf16."""
+    import torch.nn.functional as F
+
+    import spike_whale.modeling_spike_whale as msw
+
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(96, 40, generator=g).bfloat16().requires_grad_()
+    b = torch.randn(96, generator=g).bfloat16()
+    native, ran, linear = [False], [], F.linear
+    monkeypatch.setattr(msw, "cpu_has_native_bf16", lambda: native[0])
+    monkeypatch.setattr(F, "linear", lambda x, *a: ran.append(x.dtype) or linear(x, *a))
+    for rows, lifted in ((8, True), (33, True), (1, False)):
+        x = torch.randn(rows, 40, generator=g).bfloat16()
+        got = msw.linear_forward(x, w, b)
+        assert ran.pop() == (torch.float32 if lifted else torch.bfloat16)
+        want = linear(x.float(), w.float(), b.float()).bfloat16() if lifted else linear(x, w, b)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+        grad, = torch.autograd.grad(got.float().sum(), w)
+        assert grad.dtype == torch.bfloat16 and torch.equal(grad, x.float().sum(0).expand(96, 40).bfloat16())
+    native[0] = True
+    msw.linear_forward(torch.randn(8, 40, generator=g).bfloat16(), w, b)
+    assert ran == [torch.bfloat16]
+
+
 def test_few_rows_kernel_times_both_products_on_first_use_and_keeps_the_faster(monkeypatch):
     """For each (weight shape, rows, threads), the first `trials` calls of each product alternate and are timed; the
     lower median is used from then on; a new thread count is timed anew; deterministic algorithms take F.linear."""
