@@ -1128,8 +1128,12 @@ FEW_ROWS_KERNEL = FewRowsKernel()
 
 @functools.cache
 def cpu_has_native_bf16() -> bool:
-    """Whether oneDNN has bf16 instructions on this CPU (AVX512-BF16 or AMX)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether oneDNN has bf16 instructions on this CPU (AVX512-BF16 or AMX); a torch built without oneDNN cannot
+    tell, and keeps its bf16 kernels."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True
 
 
 # The fewest rows whose bf16 CPU product runs in float32 where the CPU has no bf16 instructions: there MKL's bf16
