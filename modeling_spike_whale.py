@@ -231,7 +231,9 @@ class SegmentLayout:
     rel[b, t]: segment of token t relative to the row's current segment `base[b]` (0 = the one the cache is
     filling); onehot[b, t, r] = [rel == r] for real tokens. Own-segment causal sums use `own_mask`
     ([B, S, S]: same segment, earlier or equal, real) for short chunks, or the aligned block buffer
-    (`block_idx`) for long ones, so prefill costs O(S·segment_len), not O(S²).
+    (`block_idx`) for long ones, so prefill costs O(S·segment_len), not O(S²). blocks_in_order: every token t
+    sits at buffer row t (no padding, the chunk starts a segment: a prompt's prefill), so the buffer is the chunk
+    itself, zero-padded to whole segments.
     """
 
     rel: torch.Tensor
@@ -250,6 +252,7 @@ class SegmentLayout:
     own_mask: torch.Tensor | None
     own_count: torch.Tensor | None
     block_idx: torch.Tensor | None
+    blocks_in_order: bool
 
     @classmethod
     def build(cls, positions, valid, base, seg_len: int, n_fin: int) -> "SegmentLayout":
@@ -268,6 +271,7 @@ class SegmentLayout:
         fin_mask = torch.arange(n_fin, device=positions.device)[None, :] < base[:, None]
         chunk_mask = torch.arange(n_rel, device=positions.device)[None, None, :] < rel[..., None]
         own_mask = own_count = block_idx = None
+        in_order = False
         if S <= seg_len:
             causal = torch.ones(S, S, dtype=torch.bool, device=positions.device).tril()
             own_mask = ((rel[:, :, None] == rel[:, None, :]) & causal & valid[:, None, :]).float()
@@ -275,9 +279,11 @@ class SegmentLayout:
         else:
             idx = positions - base[:, None] * seg_len
             block_idx = torch.where(valid, idx, torch.full_like(idx, n_rel * seg_len))
+            in_order = not torch.compiler.is_compiling() and bool(
+                (block_idx == torch.arange(S, device=positions.device)).all())
         padded = torch.compiler.is_compiling() or not bool(valid.all())
         return cls(rel, n_rel, seg_len, onehot, base, new_segment, n_fin, valid, valid_f, padded, first, fin_mask,
-                   chunk_mask, own_mask, own_count, block_idx)
+                   chunk_mask, own_mask, own_count, block_idx, in_order)
 
     @functools.cached_property
     def reached(self) -> torch.Tensor:
@@ -532,18 +538,23 @@ class MemoryCacheBranch(nn.Module):
             return lay.block_idx.view(B, S, *[1] * (t.dim() - 2)).expand_as(t)
 
         def to_blocks(t):
-            buf = t.new_zeros(B, n_buf + 1, *t.shape[2:]).scatter_(1, index_like(t), t)
-            return buf[:, :n_buf].reshape(B, lay.n_rel, L, *t.shape[2:])
+            if lay.blocks_in_order:  # no scatter: the chunk is the buffer's first S rows
+                buf = t if n_buf == S else torch.cat([t, t.new_zeros(B, n_buf - S, *t.shape[2:])], 1)
+            else:
+                buf = t.new_zeros(B, n_buf + 1, *t.shape[2:]).scatter_(1, index_like(t), t)[:, :n_buf]
+            return buf.reshape(B, lay.n_rel, L, *t.shape[2:])
 
         def from_blocks(t):
             flat = t.reshape(B, n_buf, *t.shape[3:])
+            if lay.blocks_in_order:
+                return flat[:, :S]
             flat = torch.cat([flat, flat.new_zeros(B, 1, *flat.shape[2:])], 1)
             idx = lay.block_idx.view(B, S, *[1] * (flat.dim() - 2)).expand(B, S, *flat.shape[2:])
             return flat.gather(1, idx)
 
         tri = torch.ones(L, L, device=vf.device).tril()
         fqb, fkb, vb, gkb, nb = (to_blocks(t) for t in (fq, fk, v, gk, vf[..., None]))
-        A = torch.einsum("brlhd,brmhd->brhlm", fqb, fkb) * tri
+        A = torch.einsum("brlhd,brmhd->brhlm", fqb, fkb).mul_(tri)  # in place: A is [B, n_rel, nh, L, L]
         num = torch.einsum("brhlm,brmhe->brlhe", A, vb)
         den = A.sum(-1).transpose(2, 3)
         own = from_blocks(num), from_blocks(den), from_blocks(gkb.cumsum(2)), from_blocks(nb.cumsum(2)).squeeze(-1)
@@ -729,7 +740,8 @@ class HyperConnection(nn.Module):
         return torch.matmul(w, X.flatten(2)).view(X.shape[0], *X.shape[2:])
 
     def post_op(self, X: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return X + _as(self.post_scale, X.dtype)[None, :, None, None] * out[:, None]
+        # one pass over the m streams (X + b·out as two ops writes an m-stream temporary first)
+        return torch.addcmul(X, _as(self.post_scale, X.dtype)[None, :, None, None], out[:, None])
 
 
 class HCOutputMix(nn.Module):
@@ -1063,7 +1075,7 @@ class SpikeWhaleAttention(nn.Module):
         vhat = v_self / (v_self.norm(dim=-1, keepdim=True) + 1e-8)
         yg = y.view(B, v_self.shape[1], -1, S, hd)  # this rank's KV heads (tensor parallel)
         vhat = vhat[:, :, None]
-        return (yg - (yg * vhat).sum(-1, keepdim=True) * vhat).view(B, nh, S, hd)
+        return torch.addcmul(yg, (yg * vhat).sum(-1, keepdim=True), vhat, value=-1).view(B, nh, S, hd)
 
 
 # Weights of fewer elements stay in cache, where `linear_forward`'s few-row kernel costs more than it saves.
@@ -1180,7 +1192,11 @@ class SpikeWhaleMLP(nn.Module):
         self.down_proj = SpikeWhaleLinear(F_, H, bias=False)
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(u)) * self.up_proj(u))
+        # Without autograd, silu and ⊙ run in place on the gate projection's output: a long prefill's [S, F]
+        # temporaries are fresh page-faulted buffers each (32 MiB at 4096 tokens), which cost about as much as the ops.
+        inplace = not torch.is_grad_enabled()
+        h, up = F.silu(self.gate_proj(u), inplace=inplace), self.up_proj(u)
+        return self.down_proj(h.mul_(up) if inplace else h * up)
 
 
 def hash_expert_ids(token_ids: torch.Tensor, n_experts: int, top_k: int) -> torch.Tensor:

@@ -339,18 +339,20 @@ def test_one_token_decode_through_the_few_row_kernel_equals_a_full_recompute(mon
         assert torch.equal(greedy, model.generate(ids[:, :9], max_new_tokens=12, do_sample=False))
 
 
-def test_long_chunk_sums_match_a_per_segment_reference():
+@pytest.mark.parametrize("S, left_pad", [(29, 5), (29, 0), (32, 0)])
+def test_long_chunk_sums_match_a_per_segment_reference(S, left_pad):
     """A long chunk's Memory-Cache sums come from the aligned block buffer (no one-hot [S, segments] products): each
-    token's causal own-segment sums and each segment's totals equal float64 loops, left padding included."""
+    token's causal own-segment sums and each segment's totals equal float64 loops, left padding included. Without
+    padding (a prompt's prefill) the buffer is the chunk itself, zero-padded to whole segments (`blocks_in_order`)."""
     from spike_whale.modeling_spike_whale import MemoryCacheBranch, SegmentLayout
 
-    B, S, Lseg, nh, hd, gd = 2, 29, 8, 2, 4, 3
+    B, Lseg, nh, hd, gd = 2, 8, 2, 4, 3
     g = torch.Generator().manual_seed(3)
     valid = torch.ones(B, S, dtype=torch.bool)
-    valid[1, :5] = False
+    valid[1, :left_pad] = False
     positions = (valid.long().cumsum(1) - 1).clamp(min=0)
     lay = SegmentLayout.build(positions, valid, torch.zeros(B, dtype=torch.long), Lseg, 0)
-    assert lay.block_idx is not None and lay.n_rel == 4
+    assert lay.block_idx is not None and lay.n_rel == 4 and lay.blocks_in_order == (left_pad == 0)
     vf = valid.float()
     fq, fk, v = (torch.rand(B, S, nh, hd, generator=g) for _ in range(3))
     fk, v, gk = fk * vf[..., None, None], v * vf[..., None, None], torch.randn(B, S, gd, generator=g) * vf[..., None]
