@@ -18,7 +18,9 @@ VENV=.venv${VERSION:+-transformers-$VERSION}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export HF_HOME="${HF_HOME:-$(mktemp -d)}"
 echo "testing with $("$VENV/bin/python" -c 'import transformers, torch; print("transformers", transformers.__version__, "torch", torch.__version__)')"
-"$VENV/bin/python" -m pytest tests -q "$@"
+# Two workers (the CI machine has 2 cores; the tests run single-threaded), whole files per worker so that module
+# fixtures are built once.
+"$VENV/bin/python" -m pytest tests -q -n 2 --dist loadfile "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: failing" >&2

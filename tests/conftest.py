@@ -47,6 +47,11 @@ def tiny_model(seed: int = 0, gates_open: bool = True, **overrides) -> SpikeWhal
     return open_gates(model) if gates_open else model
 
 
+# The child processes the tests start (CLI runs, fresh interpreters) are single-threaded too: under pytest-xdist two
+# workers share the 2 cores, and children with a thread per core would oversubscribe them.
+os.environ["OMP_NUM_THREADS"] = "1"
+
+
 @pytest.fixture(autouse=True, scope="session")
 def one_thread():
     """Tiny models gain nothing from intra-op threads, and when the 2 cores are shared OpenMP's spinning makes

@@ -19,10 +19,19 @@ def test_help_lists_commands(tmp_path):
     assert "init-tiny" in out and "generate" in out
 
 
-@pytest.mark.parametrize("chat", [False, True])
-def test_init_tiny_then_generate_in_fresh_process(tmp_path, chat):
+@pytest.fixture(scope="module")
+def init_tiny(tmp_path_factory):
+    """One `init-tiny` run, fitted for 4 steps, shared by the tests of what it prints and of what it wrote (each run is
+    a fresh interpreter: several seconds)."""
+    tmp_path = tmp_path_factory.mktemp("init_tiny")
     folder = tmp_path / "tiny"
-    made = _run(["init-tiny", str(folder), "--seed", "1"], tmp_path).stdout
+    out = _run(["init-tiny", str(folder), "--seed", "1", "--train-steps", "4"], tmp_path).stdout
+    return folder, out
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_init_tiny_then_generate_in_fresh_process(init_tiny, tmp_path, chat):
+    folder, made = init_tiny
     assert "loop slots" in made
     for f in ("config.json", "model.safetensors", "tokenizer_config.json", "spike_vocab.json", "generation_config.json",
               "chat_template.jinja", "modeling_spike_whale.py"):
@@ -40,9 +49,8 @@ def test_generate_reports_missing_folder(tmp_path):
     assert proc.returncode != 0 and "error" in proc.stderr.lower()
 
 
-def test_init_tiny_can_fit_the_demo_corpus(tmp_path):
-    out = _run(["init-tiny", str(tmp_path / "t"), "--train-steps", "4"], tmp_path).stdout
-    line = next(l for l in out.splitlines() if l.startswith("trained 4 steps"))
+def test_init_tiny_can_fit_the_demo_corpus(init_tiny):
+    line = next(l for l in init_tiny[1].splitlines() if l.startswith("trained 4 steps"))
     first, last = (float(x) for x in line.split("loss ")[1].split(" -> "))
     assert last < first
 

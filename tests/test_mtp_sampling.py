@@ -14,6 +14,9 @@ from conftest import tiny_model
 SETTINGS = dict(do_sample=True, top_k=4, temperature=0.15, repetition_penalty=1.0)
 PROMPT = torch.tensor([[2, 300, 301, 302, 303, 304, 305]])
 N_NEW = 3  # t1 from the prefill, t2 accepted or resampled against the MTP draft, t3 after either
+# The rule does not depend on the vocabulary's size; a small one keeps the 1,500 sampled rows' sampling cheap (with the
+# tokenizer's 16,512 ids, torch.multinomial over every row was most of these tests' time).
+VOCAB = 512
 
 
 def exact_distribution(model, prompt, n):
@@ -22,15 +25,16 @@ def exact_distribution(model, prompt, n):
 
     warp = LogitsProcessorList([TemperatureLogitsWarper(SETTINGS["temperature"]), TopKLogitsWarper(SETTINGS["top_k"])])
     probs = {(): 1.0}
-    for _ in range(n):
+    for depth in range(n):
+        paths = list(probs)  # every path of this depth in one batch: same length, so no padding
+        tails = torch.tensor(paths, dtype=torch.long).reshape(len(paths), depth)
+        ids = torch.cat([prompt.expand(len(paths), -1), tails], 1)
+        with torch.no_grad():
+            scores = warp(ids, model(input_ids=ids, use_cache=False).logits[:, -1].float())
         nxt = {}
-        for path, p in probs.items():
-            ids = torch.cat([prompt, torch.tensor([path], dtype=torch.long).reshape(1, -1)], 1)
-            with torch.no_grad():
-                scores = warp(ids, model(input_ids=ids, use_cache=False).logits[:, -1].float())
-            dist = torch.softmax(scores, -1)[0]
+        for path, dist in zip(paths, torch.softmax(scores, -1)):
             for t in torch.nonzero(dist > 0).flatten().tolist():
-                nxt[path + (t,)] = p * dist[t].item()
+                nxt[path + (t,)] = probs[path] * dist[t].item()
         probs = nxt
     return probs
 
@@ -62,7 +66,7 @@ def chi_square(model, rows: int = 250, rounds: int = 6, n_new: int = N_NEW, **ex
 
 
 def test_mtp_sampling_matches_plain_sampling_distribution():
-    model = tiny_model(seed=3)
+    model = tiny_model(seed=3, vocab_size=VOCAB)
     chi2, limit = chi_square(model)
     assert chi2 < limit, (chi2, limit)
     drafted = accepted = 0
@@ -75,7 +79,7 @@ def test_mtp_sampling_matches_plain_sampling_distribution():
 
 
 def test_the_check_catches_a_sampler_that_keeps_every_allowed_draft(monkeypatch):
-    model = tiny_model(seed=3)
+    model = tiny_model(seed=3, vocab_size=VOCAB)
     # u = 0 makes the rule keep every draft with p > 0, i.e. the draft distribution wherever the main head allows it.
     monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.zeros(*args, **kwargs))
     chi2, limit = chi_square(model)
@@ -85,7 +89,7 @@ def test_the_check_catches_a_sampler_that_keeps_every_allowed_draft(monkeypatch)
 def test_chained_drafts_keep_plain_sampling_distribution():
     # 4 new tokens: t1 from the prefill, then one step drafting 2 (head 1, then head 1 chained on its own state)
     # whose q's come from the processed chained logits, so t2 and t3 each pass the accept/reject rule.
-    model = tiny_model(seed=3)
+    model = tiny_model(seed=3, vocab_size=VOCAB)
     chi2, limit = chi_square(model, n_new=4, mtp_draft_tokens=2)
     assert chi2 < limit, (chi2, limit)
     widths = []
