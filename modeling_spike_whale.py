@@ -1149,7 +1149,7 @@ def cpu_has_native_bf16() -> bool:
 
 
 # The fewest rows whose bf16 CPU product runs in float32 where the CPU has no bf16 instructions: there MKL's bf16
-# GEMM is ~4-7× slower than converting both sides and running its float32 one (512 × 768 → 2048: 338 against 94 ms),
+# GEMM is ~3.5-7× slower than converting both sides and running its float32 one (512 × 768 → 2048: 338 against 94 ms),
 # while one row stays bf16 (half the weight bytes to stream). Rows 2-7 were not measured.
 BF16_AS_FLOAT32_MIN_ROWS = 8
 
@@ -1161,17 +1161,18 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     `BF16_AS_FLOAT32_MIN_ROWS`+ rows on a CPU without bf16 instructions runs in float32 and is rounded to bf16 once,
     the function of a native bf16 GEMM (float32 accumulation, one rounding). Under torch.compile inductor picks its
     own GEMM."""
+    # First: under compile a test of the (symbolic) row count would guard the graph on it, and dynamo cannot trace
+    # the kernel's get_num_threads.
+    if torch.compiler.is_compiling() or not x.is_cpu or type(weight) not in (torch.Tensor, nn.Parameter):
+        return F.linear(x, weight, bias)
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
-    if (rows >= BF16_AS_FLOAT32_MIN_ROWS and x.dtype == weight.dtype == torch.bfloat16 and x.is_cpu
-            and type(weight) in (torch.Tensor, nn.Parameter) and not torch.compiler.is_compiling()
-            and not cpu_has_native_bf16()):
+    if rows >= BF16_AS_FLOAT32_MIN_ROWS and x.dtype == weight.dtype == torch.bfloat16 and not cpu_has_native_bf16():
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
-    if not (0 < rows <= FEW_ROWS_MAX and weight.numel() >= FEW_ROWS_MIN_WEIGHT and x.is_cpu
-            and weight.dtype == x.dtype == torch.float32 and type(weight) in (torch.Tensor, nn.Parameter)
-            and weight.stride(-1) == 1 and not torch.compiler.is_compiling()):
+    if not (0 < rows <= FEW_ROWS_MAX and weight.numel() >= FEW_ROWS_MIN_WEIGHT
+            and weight.dtype == x.dtype == torch.float32 and weight.stride(-1) == 1):
         return F.linear(x, weight, bias)
-    return FEW_ROWS_KERNEL(x, weight, bias, rows)  # after the compile check: dynamo cannot trace get_num_threads
+    return FEW_ROWS_KERNEL(x, weight, bias, rows)
 
 
 class SpikeWhaleLinear(nn.Linear):

@@ -244,7 +244,8 @@ def test_few_rows_kernel_times_both_products_on_first_use_and_keeps_the_faster(m
 
 def test_linear_forward_traces_into_one_graph_for_every_row_count():
     """Under torch.compile every row count takes F.linear inside one graph: the thread-count check of the eager few-row
-    path must not be traced (dynamo cannot trace `torch.get_num_threads`; batch 8 under compile_config broke on it)."""
+    path must not be traced (dynamo cannot trace `torch.get_num_threads`; batch 8 under compile_config broke on it),
+    nor the row-count rules of the eager paths."""
     import torch.nn.functional as F
 
     from spike_whale.modeling_spike_whale import linear_forward
@@ -255,6 +256,16 @@ def test_linear_forward_traces_into_one_graph_for_every_row_count():
     for rows in (1, 4, 8, 16):
         x = torch.randn(rows, 208)
         assert torch.allclose(traced(x, w), F.linear(x, w), atol=1e-5)
+    # With a dynamic row count no eager-path rule (8+ bf16 rows, up to 16 few rows) may guard the graph: 2-40 rows, one
+    # graph (a compiled decode step at another batch size must not recompile).
+    torch._dynamo.reset()
+    graphs = []
+    traced = torch.compile(linear_forward, fullgraph=True, backend=lambda gm, _: graphs.append(gm) or gm.forward,
+                           dynamic=True)
+    for rows in (2, 5, 8, 16, 17, 40):
+        x = torch.randn(rows, 208)
+        assert torch.allclose(traced(x, w), F.linear(x, w), atol=1e-5)
+    assert len(graphs) == 1
 
 
 def test_short_cached_chunks_take_the_short_chunk_kernels_and_equal_the_general_ones(monkeypatch):
