@@ -2151,8 +2151,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         directory instead of tracing again (the 114M preset's first compiled step in a second process, 2 threads:
         see README "Every path"). `persistent=False`, another backend, CUDA graphs (`mode="reduce-overhead"` on CUDA),
         quantized weights, `torch._inductor.config.force_disable_caches` or transformers < 5.24 compile in this
-        process only. To keep the
-        per-pass dispatch cheap, the guards on built-in modules and on parameter tensors are skipped
+        process only. To keep the per-pass dispatch cheap, the guards on built-in modules and on parameter tensors are skipped
         (`compiled_decode_guards`): moving or re-typing the model afterwards raises until this is called again;
         call it again too after giving weights another layout or registering module hooks. `enable=False` returns
         to eager decoding.
