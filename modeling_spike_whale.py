@@ -1110,12 +1110,13 @@ class FewRowsKernel:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
         if self.forced is not None:
             return self.product(x, weight, bias, rows, self.forced)
-        if torch.are_deterministic_algorithms_enabled():
-            return F.linear(x, weight, bias)
         key = (*weight.shape, rows, torch.get_num_threads())
         transposed = self.chosen.get(key)
-        if transposed is not None:
-            return self.product(x, weight, bias, rows, transposed)
+        # F.linear first and without another call: it is the choice for most keys, and this runs ~500 times a step.
+        if transposed is False or torch.are_deterministic_algorithms_enabled():
+            return F.linear(x, weight, bias)
+        if transposed:
+            return self.product(x, weight, bias, rows, True)
         plain, trans = self.timings.setdefault(key, ([], []))
         transposed = len(trans) < len(plain)
         start = time.perf_counter()
@@ -1176,8 +1177,8 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     rows = x.numel() // K if K else 0
     if rows >= BF16_AS_FLOAT32_MIN_ROWS and x.dtype == weight.dtype == torch.bfloat16 and not cpu_has_native_bf16():
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
-    if not (0 < rows <= FEW_ROWS_MAX and weight.numel() >= FEW_ROWS_MIN_WEIGHT
-            and weight.dtype == x.dtype == torch.float32 and weight.stride(-1) == 1):
+    if not (0 < rows <= FEW_ROWS_MAX and x.dtype == weight.dtype == torch.float32
+            and weight.numel() >= FEW_ROWS_MIN_WEIGHT and weight.stride(-1) == 1):
         return F.linear(x, weight, bias)
     return FEW_ROWS_KERNEL(x, weight, bias, rows)
 
