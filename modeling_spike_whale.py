@@ -1093,9 +1093,8 @@ class FewRowsKernel:
     thread count (MKL splits W·Xᵀ over W's rows between threads but x·Wᵀ of 8 rows hardly). The first `trials` calls of
     each key alternate the two on the model's own weights, timed where they run, so W is as cold as in a decode
     step; (W·Xᵀ)ᵀ wins from then on only if its median is below `margin` × F.linear's: per-call times on a shared
-    machine scatter by about 10%, and with 5 trials and no margin the AVX2 EPYC kept (W·[x; 0]ᵀ)ᵀ for the [2048, 768]
-    FFN products although F.linear ran its decode steps ~4% faster (20 interleaved rounds). `medians` keeps both
-    medians per key (diagnostics). `forced` (True: (W·Xᵀ)ᵀ, False: F.linear) skips the timing; under
+    machine scatter by about 10%, so a near-tie (the AVX2 EPYC's one-row [2048, 768] FFN products: 553 against
+    559 µs) keeps the standard kernel. `medians` keeps both medians per key (diagnostics). `forced` (True: (W·Xᵀ)ᵀ, False: F.linear) skips the timing; under
     `torch.use_deterministic_algorithms(True)` F.linear runs, so that no result depends on a timing."""
 
     trials = 9
