@@ -1094,8 +1094,9 @@ class FewRowsKernel:
     each key alternate the two on the model's own weights, timed where they run, so W is as cold as in a decode
     step; (W·Xᵀ)ᵀ wins from then on only if its median is below `margin` × F.linear's: per-call times on a shared
     machine scatter by about 10%, so a near-tie (the AVX2 EPYC's one-row [2048, 768] FFN products: 553 against
-    559 µs) keeps the standard kernel. `medians` keeps both medians per key (diagnostics). `forced` (True: (W·Xᵀ)ᵀ, False: F.linear) skips the timing; under
-    `torch.use_deterministic_algorithms(True)` F.linear runs, so that no result depends on a timing."""
+    559 µs) keeps the standard kernel. `medians` keeps both medians per key (diagnostics). `forced` (True: (W·Xᵀ)ᵀ,
+    False: F.linear) skips the timing; under `torch.use_deterministic_algorithms(True)` F.linear runs, so that no
+    result depends on a timing."""
 
     trials = 9
     margin = 0.9
@@ -1111,7 +1112,7 @@ class FewRowsKernel:
             return self.product(x, weight, bias, rows, self.forced)
         key = (*weight.shape, rows, torch.get_num_threads())
         transposed = self.chosen.get(key)
-        # F.linear first and without another call: it is the choice for most keys, and this runs ~500 times a step.
+        # F.linear first and without another call: it is the choice for most keys, and this runs ~580 times a step.
         if transposed is False or torch.are_deterministic_algorithms_enabled():
             return F.linear(x, weight, bias)
         if transposed:
@@ -1156,8 +1157,8 @@ def cpu_has_native_bf16() -> bool:
 
 
 # The fewest rows whose bf16 CPU product runs in float32 where the CPU has no bf16 instructions: there MKL's bf16
-# GEMM is ~3.5-7× slower than converting both sides and running its float32 one (512 × 768 → 2048: 338 against 94 ms),
-# while one row stays bf16 (half the weight bytes to stream). Rows 2-7 were not measured.
+# GEMM is ~3.5-7× slower than converting both sides and running its float32 one (512 × 768 → 2048: 338 against
+# 94 ms), while one row stays bf16 (half the weight bytes to stream). Rows 2-7 were not measured.
 BF16_AS_FLOAT32_MIN_ROWS = 8
 
 
@@ -2158,8 +2159,8 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         directory instead of tracing again (the 114M preset's first compiled step in a second process, 2 threads:
         see README "Every path"). `persistent=False`, another backend, CUDA graphs (`mode="reduce-overhead"` on CUDA),
         quantized weights, `torch._inductor.config.force_disable_caches` or transformers < 5.24 compile in this
-        process only. To keep the per-pass dispatch cheap, the guards on built-in modules and on parameter tensors are skipped
-        (`compiled_decode_guards`): moving or re-typing the model afterwards raises until this is called again;
+        process only. To keep the per-pass dispatch cheap, the guards on built-in modules and on parameter tensors are
+        skipped (`compiled_decode_guards`): moving or re-typing the model afterwards raises until this is called again;
         call it again too after giving weights another layout or registering module hooks. `enable=False` returns
         to eager decoding.
 

@@ -131,8 +131,9 @@ def test_elo_decodes_through_forward_and_refuses_compile_decode(monkeypatch):
 
 def test_compile_decode_stores_only_float32_weights_column_major():
     """The column-major re-store is for float32 weights, where MKL reads it faster: a bf16 model keeps its weights
-    row-major (column-major bf16 weights made the compiled 114M decode step on a CPU without bf16 instructions 4.5x
-    slower than eager bf16, 1,028 against 234 ms: there a one-row bf16 GEMM on a column-major weight is ~28x slower)."""
+    row-major (column-major bf16 weights made the compiled 114M decode step on a CPU without bf16 instructions
+    4.4x slower than eager bf16, 1,028 against 234 ms: there a one-row bf16 GEMM on a column-major weight is ~28x
+    slower)."""
     model = tiny_model(seed=3).to(torch.bfloat16)
     gate = model.model.layers[0].ffn.gate_proj.weight
     try:
