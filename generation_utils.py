@@ -243,6 +243,7 @@ class SpikeWhaleCache(Cache):
         self.record_past = False
         self._history: dict[str, list] = {}  # "segment" -> [(length, each row's segment)]; slots keep their own
         self._chunk_start = 0
+        self.holds_inference_states = False  # see `leave_inference_mode`
 
     @property
     def seq_len(self) -> int:
@@ -371,6 +372,28 @@ class SpikeWhaleCache(Cache):
             self.mc_segment = mc_segment
         self._chunk_start = start
         self._set_length(start + s)
+
+    def leave_inference_mode(self) -> None:
+        """Make the slots' recurrent states (and their recorded history) normal tensors again after no-grad steps
+        left them as inference tensors (`SpikeWhaleModel._run_slots`), so that a forward outside inference mode
+        may save them for backward or update them in place. Positional buffers are never made in inference mode."""
+        if not self.holds_inference_states:
+            return
+
+        clones = {}  # by id: states and their history share tensors (fin_*), and must go on sharing the clones
+
+        def normal(state):
+            if isinstance(state, torch.Tensor):
+                if state.is_inference() and id(state) not in clones:
+                    clones[id(state)] = state.clone()
+                return clones.get(id(state), state)
+            return state.map(normal) if isinstance(state, MemoryCacheState) else state
+
+        for layer in self.layers:
+            for kind in LoopSlotLayer.STATES:
+                setattr(layer, kind, normal(getattr(layer, kind)))
+            layer.history = {kind: [(p, normal(s)) for p, s in entries] for kind, entries in layer.history.items()}
+        self.holds_inference_states = False
 
     def engram_prefix(self, n: int) -> torch.Tensor | None:
         """The last `n` cached compressed vectors (zeros before position 0), or None on an empty cache."""

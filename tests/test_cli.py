@@ -125,5 +125,7 @@ def test_sigint_prints_one_line_and_leaves_nothing(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
-    assert err.strip().splitlines() == ["spike-whale init-tiny: interrupted"], err
+    # Third-party import chatter may come first (torchao, from the int8 extra, logs its missing CUDA kernels); the
+    # interrupt itself adds one line and no traceback.
+    assert err.strip().splitlines()[-1:] == ["spike-whale init-tiny: interrupted"] and "Traceback" not in err, err
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".t.")]

@@ -505,3 +505,72 @@ def test_compile_decode_keeps_the_pattern_matcher_for_quantized_weights_on_cpu(m
     model.compile_decode(options={"pattern_matcher": not quantized})
     model.compile_decode(enable=False)
     assert [o.get("pattern_matcher", True) for o in seen] == [quantized, not quantized]
+
+
+def test_no_grad_chunks_on_a_warm_cache_walk_in_inference_mode_and_return_normal_tensors(model, monkeypatch):
+    """The walk of a no-grad chunk on a warm cache runs in inference mode (faster eager decode); a prefill, a step
+    with gradients on or one asked for per-slot outputs does not, and no output is ever an inference tensor."""
+    modes = []
+    attention_forward = msw.SpikeWhaleAttention.forward
+
+    def recorded(self, u, ctx, state, depth_sources):
+        modes.append(torch.is_inference_mode_enabled())
+        return attention_forward(self, u, ctx, state, depth_sources)
+
+    monkeypatch.setattr(msw.SpikeWhaleAttention, "forward", recorded)
+    ids, mask = batch(seed=7)
+    slots = model.config.num_loop_slots
+    with torch.no_grad():
+        out = model(ids[:, :5], attention_mask=mask[:, :5], use_cache=True)
+        cache = out.cache
+        steps = [model(ids[:, 5:6], attention_mask=mask[:, :6], cache=cache, use_cache=True),
+                 model(ids[:, 6:9], attention_mask=mask[:, :9], cache=cache, use_cache=True),
+                 model(ids[:, 9:10], attention_mask=mask[:, :10], cache=cache, use_cache=True,
+                       output_hidden_states=True)]
+    assert modes == [False] * slots + [True] * (2 * slots) + [False] * slots
+    for o in [out, *steps]:
+        tensors = [o.logits, *(o.hidden_states or ())]
+        assert not any(t.is_inference() for t in tensors)
+    full = model(ids[:, :10], attention_mask=mask[:, :10], use_cache=False).logits.detach()
+    got = torch.cat([out.logits, *(o.logits for o in steps)], 1)
+    assert float((got - full)[mask[:, :10].bool()].abs().max()) <= TOL
+
+
+def test_a_cache_left_by_inference_mode_steps_serves_forwards_with_gradients(model):
+    """What inference-mode steps leave in the cache (the slots' recurrent states and their rollback history) becomes
+    normal tensors before a forward with gradients saves it for backward; a crop still restores recorded states."""
+    ids, mask = batch(seed=8)
+    with torch.no_grad():
+        cache = model(ids[:, :6], attention_mask=mask[:, :6], use_cache=True).cache
+        cache.activate_past_recording()
+        for t in range(6, 9):
+            model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache, use_cache=True)
+    assert cache.holds_inference_states and cache.layers[0].mc.run_M.is_inference()
+    cache.crop(-1)
+    model.zero_grad()
+    out = model(ids[:, 8:10], attention_mask=mask[:, :10], cache=cache, use_cache=True)
+    out.logits.sum().backward()
+    assert model.model.layers[0].attn.mc.qkv_proj.weight.grad.abs().sum() > 0
+    states = [t for layer in cache.layers for _, s in layer.history["mc"] for t in s] + [
+        t for layer in cache.layers for t in layer.mc]
+    assert not cache.holds_inference_states and not any(t.is_inference() for t in states)
+    full = model(ids[:, :10], attention_mask=mask[:, :10], use_cache=False).logits
+    assert float((out.logits - full[:, 8:10])[mask[:, 8:10].bool()].abs().max()) <= TOL
+    model.zero_grad()
+
+
+def test_input_projections_fused_again_inside_an_inference_mode_step_stay_trainable_parameters():
+    model = tiny_model(seed=6)
+    for layer in model.model.layers:
+        layer.attn.fuse_input_projections()
+    attn = model.model.layers[0].attn
+    ids, mask = batch(seed=3)
+    with torch.no_grad():
+        cache = model(ids[:, :4], attention_mask=mask[:, :4], use_cache=True).cache
+        attn.k_proj.weight.data = attn.k_proj.weight.data * 1.5  # new storage: the next step fuses again
+        model(ids[:, 4:5], attention_mask=mask[:, :5], cache=cache, use_cache=True)
+    assert attn.fused_input.intact()
+    assert not any(p.is_inference() for p in model.parameters()) and not attn.fused_input.weight.is_inference()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(ids, attention_mask=mask, labels=ids).loss.backward()
+    optimizer.step()  # in place on every parameter: refused on an inference tensor
