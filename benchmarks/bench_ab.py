@@ -2,6 +2,7 @@
 
     python benchmarks/bench_ab.py                       # against 781e662, every row, 3 rounds, 2 threads
     python benchmarks/bench_ab.py --rows eager_b8 --rounds 11
+    python benchmarks/bench_ab.py --rows eager_b1 --interleave steps --rounds 10   # 10 × 32 alternating steps
 
 The base revision's package files (the repo root's *.py) are taken with `git archive REV` into a temporary folder
 as a package named `spike_whale_base` (nothing is written into the checkout or .git). Both models are the 114M
@@ -13,8 +14,13 @@ only (prefill excluded, generate's per-step overhead included; `_common.time_gen
 model goes first. Every row asserts the two models emit the same ids. Only the ratios mean anything when other
 processes share the machine: each round's two runs are back to back.
 
+`--interleave steps` (eager rows only) alternates single decode steps instead of whole `generate` calls: each
+round is a fresh prefill per model and then `--new-tokens` greedy `forward` steps, old and new one after the other
+(order flipping every step), so drift on a shared VM hits both sides of every pair; the ratios are then over steps
+(model forward only, generate's per-step overhead excluded).
+
 Output: per-round ms/step, median ms/step of each side, new/old speed ratio of the medians and the median of the
-per-round (paired) ratios; JSON in benchmarks/results/ab.json.
+per-round (or, with `--interleave steps`, per-step) paired ratios; JSON in benchmarks/results/ab.json.
 """
 
 from __future__ import annotations
@@ -62,6 +68,23 @@ def prompt_ids(batch: int, prompt: int) -> torch.Tensor:
     return ids
 
 
+def interleaved_steps(models: dict, ids: torch.Tensor, steps: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """`steps` greedy decode steps of the "old" and "new" models after a prefill of `ids` each, alternating one by one
+    (order flipping every step): (the seconds of each side's steps, old's ids, new's ids)."""
+    caches, tokens, seconds = {}, {}, {"old": [], "new": []}
+    with torch.no_grad():
+        for side, model in models.items():
+            out = model(ids, use_cache=True)
+            caches[side], tokens[side] = out.cache, [out.logits[:, -1:].argmax(-1)]
+        for i in range(steps):
+            for side in (("old", "new") if i % 2 == 0 else ("new", "old")):
+                start = time.perf_counter()
+                out = models[side](tokens[side][-1], cache=caches[side], use_cache=True)
+                tokens[side].append(out.logits[:, -1:].argmax(-1))
+                seconds[side].append(time.perf_counter() - start)
+    return seconds, torch.cat(tokens["old"], 1), torch.cat(tokens["new"], 1)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", default="781e662", help="git revision to compare against (default 781e662)")
@@ -70,8 +93,12 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--interleave", choices=("generate", "steps"), default="generate",
+                   help="alternate whole generate calls (default) or single decode steps (eager rows only)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ab.json"))
     args = p.parse_args(argv)
+    if args.interleave == "steps" and any(not row.startswith("eager") for row in args.rows):
+        p.error("--interleave steps times eager forwards; pass --rows eager_b1 and/or eager_b8")
     torch.set_num_threads(args.threads)
     from transformers import CompileConfig
 
@@ -122,7 +149,17 @@ def main(argv=None):
             kind, batch = row.split("_b")[0], int(row.split("_b")[1])
             ids = prompt_ids(batch, args.prompt)
             ms = {"old": [], "new": []}
-            for r in range(args.rounds):
+            for r in range(args.rounds if args.interleave == "steps" else 0):
+                seconds, old_ids, new_ids = interleaved_steps({side: models[side][kind] for side in ms}, ids,
+                                                              args.new_tokens)
+                if not torch.equal(old_ids, new_ids):
+                    raise AssertionError(f"{row}, round {r + 1}: the two models emitted different ids")
+                for side in ms:
+                    ms[side] += [1000 * t for t in seconds[side]]
+                print(f"  {row} round {r + 1} ({args.new_tokens} alternating steps): old "
+                      f"{1000 * statistics.median(seconds['old']):.1f} ms/step, new "
+                      f"{1000 * statistics.median(seconds['new']):.1f} ms/step (medians)", flush=True)
+            for r in range(args.rounds if args.interleave == "generate" else 0):
                 order = ("old", "new") if r % 2 == 0 else ("new", "old")
                 out = {}
                 for side in order:
@@ -139,20 +176,22 @@ def main(argv=None):
                 "old_ms_per_step": ms["old"], "new_ms_per_step": ms["new"],
                 "old_median_ms": old_ms, "new_median_ms": new_ms, "speed_ratio_of_medians": old_ms / new_ms,
                 "paired_median_speed_ratio": statistics.median(o / n for o, n in zip(ms["old"], ms["new"])),
+                "pairs_new_faster": sum(o > n for o, n in zip(ms["old"], ms["new"])), "pairs": len(ms["old"]),
                 "same_ids": True,
             }
         load_after = os.getloadavg()
 
-    print(f"\n{'row':<14}{'old ms/step':>13}{'new ms/step':>13}{'new/old':>10}{'paired':>10}")
+    print(f"\n{'row':<14}{'old ms/step':>13}{'new ms/step':>13}{'new/old':>10}{'paired':>10}{'new faster':>12}")
     for row, res in results.items():
         print(f"{row:<14}{res['old_median_ms']:>13.1f}{res['new_median_ms']:>13.1f}"
-              f"{res['speed_ratio_of_medians']:>9.3f}x{res['paired_median_speed_ratio']:>9.3f}x")
+              f"{res['speed_ratio_of_medians']:>9.3f}x{res['paired_median_speed_ratio']:>9.3f}x"
+              f"{res['pairs_new_faster']:>6} of {res['pairs']}")
     print(f"(new/old: speed ratio, > 1 means the new code is faster; load average {load_before[0]:.2f} -> "
           f"{load_after[0]:.2f}; same ids in every row)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "base": args.base, "head": head, "dirty": dirty, "preset": PRESET, "threads": torch.get_num_threads(),
-        "prompt": args.prompt, "new_tokens": args.new_tokens, "rounds": args.rounds,
+        "prompt": args.prompt, "new_tokens": args.new_tokens, "rounds": args.rounds, "interleave": args.interleave,
         "load_average": [load_before[0], load_after[0]], "compile_s": compile_s, "rows": results,
         "torch": torch.__version__,
     }, indent=2))
