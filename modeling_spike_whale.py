@@ -888,8 +888,9 @@ class FusedLinears:
     def __init__(self, linears: tuple[nn.Linear, ...]):
         self.linears = linears
         self.sizes = [linear.out_features for linear in linears]
-        # Never an inference tensor (the weights become views of it), even when re-fused in an inference-mode step.
-        with torch.no_grad(), torch.inference_mode(False):
+        # Never an inference tensor (the weights become views of it), even when re-fused in an inference-mode step;
+        # no_grad innermost, since inference_mode(False) turns gradients back on.
+        with torch.inference_mode(False), torch.no_grad():
             self.weight = torch.cat([linear.weight for linear in linears])
             for linear, block in zip(linears, self.weight.split(self.sizes)):
                 linear.weight.data = block

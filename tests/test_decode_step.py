@@ -571,6 +571,7 @@ def test_input_projections_fused_again_inside_an_inference_mode_step_stay_traina
         model(ids[:, 4:5], attention_mask=mask[:, :5], cache=cache, use_cache=True)
     assert attn.fused_input.intact()
     assert not any(p.is_inference() for p in model.parameters()) and not attn.fused_input.weight.is_inference()
+    assert attn.fused_input.weight.grad_fn is None  # a copy of the weights, not a node of an autograd graph
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model(ids, attention_mask=mask, labels=ids).loss.backward()
     optimizer.step()  # in place on every parameter: refused on an inference tensor
