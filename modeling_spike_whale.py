@@ -1825,7 +1825,9 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         compiling = torch.compiler.is_compiling()  # first: under compile `ctx.past` is a tensor
         inference = (not compiling and cache is not None and ctx.past > 0 and not compiled
                      and not torch.is_grad_enabled() and hidden_states is None and attentions is None)
-        if cache is not None and not inference and not compiling:
+        if inference:  # set first: a walk that raises halfway has stored some states already
+            cache.holds_inference_states = True
+        elif cache is not None and not compiling:
             cache.leave_inference_mode()
         with torch.inference_mode() if inference else contextlib.nullcontext():
             for lo, hi, loop_pass in self.loop_plan.runs:
@@ -1845,8 +1847,6 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                         attentions.append(weights)
                     if update is not None:
                         cache.store_slot(slot, update, end)
-        if inference:
-            cache.holds_inference_states = True
         return X, aux_terms
 
     def _decode_step_compiles(self, ctx: ForwardContext, cache: SpikeWhaleCache | None) -> bool:
