@@ -1083,66 +1083,83 @@ class SpikeWhaleAttention(nn.Module):
 
 # Weights of fewer elements stay in cache, where `linear_forward`'s few-row kernel costs more than it saves.
 FEW_ROWS_MIN_WEIGHT = 1 << 16
-# The most rows for which `linear_forward` weighs (W·Xᵀ)ᵀ against F.linear: a decode step of a batch of up to 16.
+# The most rows for which `linear_forward` weighs other products against F.linear: a decode step of a batch of up to 16.
 FEW_ROWS_MAX = 16
 
 
 class FewRowsKernel:
-    """Picks, per (weight shape, rows, torch threads), the faster of F.linear's x·Wᵀ and (W·Xᵀ)ᵀ for an eager CPU
-    product of a few rows, as `torch.backends.cudnn.benchmark` picks convolution kernels: the winner differs between
-    CPUs (one row: MKL's GEMM of W·[x; 0]ᵀ streamed W ~1.5× faster than its GEMV on an EPYC with AVX-512, while on
-    an AVX2 EPYC the GEMV is as fast for [2048, 768] and 1.3-1.5× faster for [384, 768] and [768, 2048]), and with the
-    thread count (MKL splits W·Xᵀ over W's rows between threads but x·Wᵀ of 8 rows hardly). The first `trials` calls of
-    each key alternate the two on the model's own weights, timed where they run, so W is as cold as in a decode
-    step; (W·Xᵀ)ᵀ wins from then on only if its median is below `margin` × F.linear's: per-call times on a shared
-    machine scatter by about 10%, so a near-tie (the AVX2 EPYC's one-row [2048, 768] FFN products: 553 against
-    559 µs) keeps the standard kernel. `medians` keeps both medians per key (diagnostics). `forced` (True: (W·Xᵀ)ᵀ,
-    False: F.linear) skips the timing; under `torch.use_deterministic_algorithms(True)` F.linear runs, so that no
-    result depends on a timing."""
+    """Picks, per (weight shape, rows, torch threads), the fastest of equal products for an eager CPU product of a
+    few rows, as `torch.backends.cudnn.benchmark` picks convolution kernels: F.linear's x·Wᵀ ("linear"); (W·Xᵀ)ᵀ
+    ("transposed": MKL's GEMM of W·[x; 0]ᵀ streamed W ~1.5× faster than its GEMV on an EPYC with AVX-512, while on an
+    AVX2 EPYC the GEMV is as fast); and x·Wᵀ as one batched GEMM over s blocks of W's rows ("blocks2/4/8"), whose
+    blocks MKL streams on separate threads where its GEMV of one row keeps to one (AVX2 EPYC, 2 threads, W cold:
+    14-27 GB/s against F.linear's 8-13 for the 114M model's products). The winner differs between CPUs, row counts
+    and thread counts. The first `trials` calls of each candidate per key take turns on the model's own weights,
+    timed where they run, so W is as cold as in a decode step; another product wins from then on only if its median
+    is below `margin` × F.linear's: per-call times on a shared machine scatter by about 10%, so a near-tie keeps the
+    standard kernel. `medians` keeps every candidate's median per key (diagnostics). `forced` (a product's name;
+    F.linear where it does not apply) skips the timing; under `torch.use_deterministic_algorithms(True)` F.linear runs, so that no result depends on a
+    timing."""
 
     trials = 9
     margin = 0.9
-    forced: bool | None = None
+    forced: str | None = None
+    blocks = {"blocks2": 2, "blocks4": 4, "blocks8": 8}
+    min_block_rows = 64
 
     def __init__(self):
-        self.chosen: dict[tuple[int, ...], bool] = {}
-        self.medians: dict[tuple[int, ...], tuple[float, float]] = {}  # (F.linear, (W·Xᵀ)ᵀ) seconds per call
-        self.timings: dict[tuple[int, ...], tuple[list[float], list[float]]] = {}
+        self.chosen: dict[tuple[int, ...], str] = {}
+        self.medians: dict[tuple[int, ...], dict[str, float]] = {}  # seconds per call, by product
+        self.timings: dict[tuple[int, ...], dict[str, list[float]]] = {}
+
+    @classmethod
+    def candidates(cls, weight: torch.Tensor) -> tuple[str, ...]:
+        """F.linear first, then the products that apply to this weight (blocks of `min_block_rows`+ whole rows)."""
+        N = weight.shape[0]
+        blocks = (k for k, s in cls.blocks.items() if N % s == 0 and N // s >= cls.min_block_rows)
+        return ("linear", "transposed", *blocks)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
         if self.forced is not None:
-            return self.product(x, weight, bias, rows, self.forced)
+            kind = self.forced if self.forced in self.candidates(weight) else "linear"
+            return self.product(x, weight, bias, rows, kind)
         key = (*weight.shape, rows, torch.get_num_threads())
-        transposed = self.chosen.get(key)
-        # F.linear first and without another call: it is the choice for most keys, and this runs ~580 times a step.
-        if transposed is False or torch.are_deterministic_algorithms_enabled():
+        kind = self.chosen.get(key)
+        # F.linear first and without another call: it is the choice for many keys, and this runs ~580 times a step.
+        if kind == "linear" or torch.are_deterministic_algorithms_enabled():
             return F.linear(x, weight, bias)
-        if transposed:
-            return self.product(x, weight, bias, rows, True)
-        plain, trans = self.timings.setdefault(key, ([], []))
-        transposed = len(trans) < len(plain)
+        if kind is not None:
+            return self.product(x, weight, bias, rows, kind)
+        timings = self.timings.setdefault(key, {k: [] for k in self.candidates(weight)})
+        kind = min(timings, key=lambda k: len(timings[k]))  # take turns, in candidate order
         start = time.perf_counter()
-        y = self.product(x, weight, bias, rows, transposed)
-        (trans if transposed else plain).append(time.perf_counter() - start)
-        if len(trans) == self.trials:
-            self.medians[key] = statistics.median(plain), statistics.median(trans)
-            self.chosen[key] = self.medians[key][1] < self.margin * self.medians[key][0]
+        y = self.product(x, weight, bias, rows, kind)
+        timings[kind].append(time.perf_counter() - start)
+        if all(len(t) == self.trials for t in timings.values()):
+            medians = self.medians[key] = {k: statistics.median(t) for k, t in timings.items()}
+            best = min(medians, key=medians.get)
+            self.chosen[key] = best if medians[best] < self.margin * medians["linear"] else "linear"
             del self.timings[key]
         return y
 
-    @staticmethod
-    def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, transposed: bool):
-        """x·Wᵀ + b by F.linear, or as (W·Xᵀ)ᵀ (one row padded with a zero row to two: MKL's GEMM, not its GEMV)."""
-        if not transposed:
+    @classmethod
+    def product(cls, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, kind: str):
+        """x·Wᵀ + b by the product named `kind` (see the class)."""
+        if kind == "linear":
             return F.linear(x, weight, bias)
-        K = x.shape[-1]
-        if rows == 1:  # column 0 of W·[x; 0]ᵀ
-            y = torch.mm(weight, F.pad(x.reshape(1, K), (0, 0, 0, 1)).t())[:, 0].contiguous()
+        K, N = x.shape[-1], weight.shape[0]
+        if kind == "transposed":
+            if rows == 1:  # column 0 of W·[x; 0]ᵀ
+                y = torch.mm(weight, F.pad(x.reshape(1, K), (0, 0, 0, 1)).t())[:, 0].contiguous()
+            else:
+                y = torch.mm(weight, x.reshape(rows, K).contiguous().t()).t().contiguous()
         else:
-            y = torch.mm(weight, x.reshape(rows, K).contiguous().t()).t().contiguous()
+            s = cls.blocks[kind]
+            y = torch.bmm(x.reshape(1, rows, K).expand(s, rows, K), weight.unflatten(0, (s, N // s)).transpose(1, 2))
+            y = y.transpose(0, 1).reshape(rows, N)
         if bias is not None:
             y = y + bias
-        return y.view(*x.shape[:-1], weight.shape[0])
+        return y.view(*x.shape[:-1], N)
 
 
 FEW_ROWS_KERNEL = FewRowsKernel()
@@ -1167,7 +1184,7 @@ BF16_AS_FLOAT32_MIN_ROWS = 8
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x·Wᵀ + b, as F.linear. Eagerly, a product of 1-`FEW_ROWS_MAX` rows with a plain float32 row-major W of at least
     `FEW_ROWS_MIN_WEIGHT` elements on CPU (a decode step; a speculative verify chunk; an MTP verify step's `lm_head`
-    product) runs through `FEW_ROWS_KERNEL`, the faster of x·Wᵀ and (W·Xᵀ)ᵀ on this machine; a bf16 product of
+    product) runs through `FEW_ROWS_KERNEL`, the fastest of its equal products on this machine; a bf16 product of
     `BF16_AS_FLOAT32_MIN_ROWS`+ rows on a CPU without bf16 instructions runs in float32 and is rounded to bf16 once,
     the function of a native bf16 GEMM (float32 accumulation, one rounding). Under torch.compile inductor picks its
     own GEMM."""

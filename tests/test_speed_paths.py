@@ -141,17 +141,30 @@ def test_memory_cache_read_mixes_reads_not_memories():
 
 
 def test_linear_forward_of_a_few_rows_equals_f_linear(monkeypatch):
-    """`linear_forward` sends 1-16 rows with a float32 weight of 64K+ elements to `FEW_ROWS_KERNEL`; both of its
-    products (x·Wᵀ and (W·xᵀ)ᵀ, one row padded to two) give F.linear's values and gradients; more rows, smaller
-    weights and other dtypes keep F.linear; SpikeWhaleLinear keeps nn.Linear's state dict."""
+    """`linear_forward` sends 1-16 rows with a float32 weight of 64K+ elements to `FEW_ROWS_KERNEL`; each of its
+    products (x·Wᵀ, (W·xᵀ)ᵀ with one row padded to two, and the batched GEMM over 2, 4 or 8 blocks of W's rows, also
+    of a W that is a row slice of a wider matrix) gives F.linear's values and gradients; more rows, smaller weights and
+    other dtypes keep F.linear; SpikeWhaleLinear keeps nn.Linear's state dict."""
     import torch.nn.functional as F
 
     import spike_whale.modeling_spike_whale as msw
 
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(320, 208, generator=g, requires_grad=True), torch.randn(320, generator=g, requires_grad=True)
-    for transposed in (True, False):
-        monkeypatch.setattr(msw.FewRowsKernel, "forced", transposed)
+    wide = torch.randn(320, 416, generator=g)[:, 8:216]  # stride 416: blocks are views of W's rows, not of its storage
+    assert msw.FewRowsKernel.candidates(w) == ("linear", "transposed", "blocks2", "blocks4")  # 8: 40-row blocks
+    assert msw.FewRowsKernel.candidates(w[:100]) == ("linear", "transposed")  # 50-row blocks are too small to pay
+    monkeypatch.setattr(msw.FewRowsKernel, "min_block_rows", 1)
+    kinds = msw.FewRowsKernel.candidates(w)
+    assert kinds == ("linear", "transposed", "blocks2", "blocks4", "blocks8")
+    assert msw.FewRowsKernel.candidates(w[:300]) == ("linear", "transposed", "blocks2", "blocks4")  # 300 rows: not 8
+    with torch.no_grad():
+        for kind in kinds[2:]:
+            x = torch.randn(3, 208, generator=g)
+            got = msw.FewRowsKernel.product(x, wide, None, 3, kind)
+            assert (got - F.linear(x, wide)).abs().max() <= 1e-6 * got.abs().max()
+    for kind in kinds:
+        monkeypatch.setattr(msw.FewRowsKernel, "forced", kind)
         for shape in ((1, 208), (2, 208), (1, 2, 208), (3, 1, 208), (1, 1, 208), (1, 4, 208), (2, 1, 8, 208), (17, 208)):
             x = torch.randn(*shape, generator=g, requires_grad=True)
             for bias in (None, b):
@@ -201,29 +214,33 @@ def test_bf16_products_of_many_rows_run_in_float32_on_a_cpu_without_bf16_instruc
     assert ran == [torch.bfloat16]
 
 
-def test_few_rows_kernel_times_both_products_on_first_use_and_keeps_the_faster(monkeypatch):
-    """For each (weight shape, rows, threads), the first `trials` calls of each product alternate and are timed;
-    (W·Xᵀ)ᵀ is used from then on only if its median is below `margin` × F.linear's (4 rows: 5% faster is within the
-    noise, F.linear stays); a new thread count is timed anew; deterministic algorithms take F.linear."""
+def test_few_rows_kernel_times_every_product_on_first_use_and_keeps_the_fastest(monkeypatch):
+    """For each (weight shape, rows, threads), the first `trials` calls of each applicable product take turns and are
+    timed; the fastest is used from then on only if its median is below `margin` × F.linear's (4 rows: 5% faster is
+    within the noise, F.linear stays); a new thread count is timed anew; deterministic algorithms take F.linear."""
     import torch.nn.functional as F
 
     import spike_whale.modeling_spike_whale as msw
 
     kernel, clock, threads = msw.FewRowsKernel(), [0.0], [2]
-    cost = {(1, False): 3.0, (1, True): 2.0, (8, False): 1.0, (8, True): 4.0,  # seconds per call, by (rows, kind)
-            (4, False): 2.0, (4, True): 1.9}
+    cost = {  # seconds per call, by rows and product; 320 rows make blocks of 64+ rows in 2, 4 (not 8)
+        1: {"linear": 3.0, "transposed": 2.0, "blocks2": 2.5, "blocks4": 1.5},
+        8: {"linear": 1.0, "transposed": 4.0, "blocks2": 4.0, "blocks4": 4.0},
+        4: {"linear": 2.0, "transposed": 1.9, "blocks2": 2.2, "blocks4": 2.1},
+    }
     ran = []
 
-    def product(x, w, b, rows, transposed):
-        ran.append((rows, transposed))
-        clock[0] += cost[rows, transposed] * (10 if ran.count((rows, transposed)) == 1 else 1)  # a cold first call
+    def product(x, w, b, rows, kind):
+        ran.append((rows, kind))
+        clock[0] += cost[rows][kind] * (10 if ran.count((rows, kind)) == 1 else 1)  # a cold first call
         return F.linear(x, w, b)
 
     monkeypatch.setattr(msw, "FEW_ROWS_KERNEL", kernel)
     monkeypatch.setattr(kernel, "product", product)
     monkeypatch.setattr(msw.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads[0])
-    w, n = torch.randn(320, 208), 2 * kernel.trials
+    w, kinds = torch.randn(320, 208), ["linear", "transposed", "blocks2", "blocks4"]
+    n = len(kinds) * kernel.trials
     with torch.no_grad():
         for _ in range(n + 3):
             msw.linear_forward(torch.randn(1, 208), w)
@@ -239,13 +256,11 @@ def test_few_rows_kernel_times_both_products_on_first_use_and_keeps_the_faster(m
         finally:
             torch.use_deterministic_algorithms(deterministic)
     # After the trials a key that keeps F.linear calls it directly (not through `product`).
-    one = [t for r, t in ran[:-1] if r == 1]
-    eight = [t for r, t in ran[:-1] if r == 8]
-    assert one == [False, True] * kernel.trials + [True] * 3  # (W·xᵀ)ᵀ is faster for 1 row
-    assert eight == [False, True] * kernel.trials  # x·Wᵀ for 8
-    assert [t for r, t in ran if r == 4] == [False, True] * kernel.trials  # within the margin
-    assert kernel.chosen == {(320, 208, 1, 2): True, (320, 208, 8, 2): False, (320, 208, 4, 2): False}
-    assert kernel.medians[320, 208, 4, 2] == pytest.approx((2.0, 1.9)) and ran[-1] == (1, False)
+    assert [k for r, k in ran[:-1] if r == 1] == kinds * kernel.trials + ["blocks4"] * 3  # the fastest, for 1 row
+    assert [k for r, k in ran[:-1] if r == 8] == kinds * kernel.trials  # x·Wᵀ for 8
+    assert [k for r, k in ran if r == 4] == kinds * kernel.trials  # within the margin
+    assert kernel.chosen == {(320, 208, 1, 2): "blocks4", (320, 208, 8, 2): "linear", (320, 208, 4, 2): "linear"}
+    assert kernel.medians[320, 208, 4, 2] == pytest.approx(cost[4]) and ran[-1] == (1, "linear")
 
 
 def test_linear_forward_traces_into_one_graph_for_every_row_count():
@@ -274,17 +289,19 @@ def test_linear_forward_traces_into_one_graph_for_every_row_count():
     assert len(graphs) == 1
 
 
-def test_short_cached_chunks_take_the_short_chunk_kernels_and_equal_the_general_ones(monkeypatch):
+@pytest.mark.parametrize("kind", ["transposed", "blocks4"])
+def test_short_cached_chunks_take_the_short_chunk_kernels_and_equal_the_general_ones(monkeypatch, kind):
     """Verify-sized chunks (2-4 tokens on a cache, recording for `crop`, a padded row, segment boundaries inside a chunk
     and not) read attention with `decode_attention`, the Memory Cache through per-token running sums and the few-row
-    products with (W·xᵀ)ᵀ (every weight, for the test); their logits and rolled-back states equal those of the general
-    kernels, and a full recompute."""
+    products with (W·xᵀ)ᵀ or over blocks of W's rows (every weight, for the test); their logits and rolled-back states
+    equal those of the general kernels, and a full recompute."""
     import torch.nn.functional as F
 
     import spike_whale.modeling_spike_whale as msw
 
     monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
-    monkeypatch.setattr(msw.FewRowsKernel, "forced", True)
+    monkeypatch.setattr(msw.FewRowsKernel, "forced", kind)
+    monkeypatch.setattr(msw.FewRowsKernel, "min_block_rows", 1)
     model = tiny_model(seed=6)
     ids = prompt(batch=2, length=2 * L + 9)
     mask = torch.ones_like(ids)
@@ -326,27 +343,36 @@ def test_short_cached_chunks_take_the_short_chunk_kernels_and_equal_the_general_
     assert float((fast - full)[real].abs().max()) <= 1e-5 * float(full.abs().max())
 
 
-def test_one_token_decode_through_the_few_row_kernel_equals_a_full_recompute(monkeypatch):
-    """A batch-1 decode step's products run as (W·[x; 0]ᵀ)ᵀ (every weight, for the test); one-token steps across
-    Memory-Cache segment boundaries give the logits of a full recompute, and greedy generate its ids."""
+@pytest.mark.parametrize("kind", ["transposed", "blocks2"])
+def test_one_token_decode_through_the_few_row_kernel_equals_a_full_recompute(monkeypatch, kind):
+    """A batch-1 decode step's products run as (W·[x; 0]ᵀ)ᵀ, or as a batched GEMM over two blocks of W's rows (every
+    weight, for the test); one-token steps across Memory-Cache segment boundaries give the logits of a full recompute,
+    and greedy generate its ids."""
     import torch.nn.functional as F
 
     import spike_whale.modeling_spike_whale as msw
 
     monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
-    monkeypatch.setattr(msw.FewRowsKernel, "forced", True)
+    monkeypatch.setattr(msw.FewRowsKernel, "forced", kind)
+    monkeypatch.setattr(msw.FewRowsKernel, "min_block_rows", 1)
     model = tiny_model(seed=7)
     ids = prompt(length=3 * L + 5)
-    rows, mm = [], torch.mm
-    monkeypatch.setattr(torch, "mm", lambda a, b: rows.append(b.shape[1]) or mm(a, b))
+    op = "mm" if kind == "transposed" else "bmm"
+    shapes, plain = [], getattr(torch, op)
+    # (W·[x; 0]ᵀ: the columns of [x; 0]ᵀ), (blocks: the blocks and rows of the broadcast x, not other bmm's)
+    record = (lambda a, b: (0, b.shape[1])) if op == "mm" else (lambda a, b: a.shape[:2] if a.stride(0) == 0 else None)
+    monkeypatch.setattr(torch, op, lambda a, b: shapes.append(record(a, b)) or plain(a, b))
     with torch.no_grad():
         out = model(ids[:, :5], use_cache=True)
-        rows.clear()  # the 5-token prefill takes the few-row kernel too; the decode steps are checked
+        shapes.clear()  # the 5-token prefill takes the few-row kernel too; the decode steps are checked
         got = [out.logits]
         for t in range(5, ids.shape[1]):
             got.append(model(ids[:, t:t + 1], cache=out.cache, use_cache=True).logits)
-    monkeypatch.setattr(torch, "mm", mm)
-    assert rows and set(rows) == {2}  # one row padded to two, in every projection of every step
+    monkeypatch.setattr(torch, op, plain)
+    if kind == "transposed":
+        assert shapes and {n for _, n in shapes} == {2}  # one row padded to two, in every projection of every step
+    else:
+        assert shapes.count((2, 1)) > 10 * (ids.shape[1] - 5) and set(shapes) - {None} == {(2, 1)}  # 2 blocks, 1 row
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
     assert float((torch.cat(got, 1) - full).abs().max()) <= 1e-5 * float(full.abs().max())
