@@ -14,6 +14,7 @@ import contextlib
 import functools
 import glob
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -1142,21 +1143,42 @@ class FewRowsKernel:
             del self.timings[key]
         return y
 
+    def choose(self, weights: list[torch.Tensor], rows: int) -> str:
+        """The product taken for `rows` rows by these weights (of one shape), timed now where it has not been yet:
+        the trials take turns over the weights, so that each is as cold as in a decode step (`compile_decode`)."""
+        if self.forced is not None:
+            return self.forced if self.forced in self.candidates(weights[0]) else "linear"
+        if torch.are_deterministic_algorithms_enabled():
+            return "linear"
+        key = (*weights[0].shape, rows, torch.get_num_threads())
+        x = weights[0].new_zeros(rows, weights[0].shape[1])
+        for weight in itertools.cycle(weights):
+            if key in self.chosen:
+                return self.chosen[key]
+            self(x, weight, None, rows)
+
     @classmethod
     def product(cls, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, kind: str):
         """x·Wᵀ + b by the product named `kind` (see the class)."""
         if kind == "linear":
             return F.linear(x, weight, bias)
-        K, N = x.shape[-1], weight.shape[0]
-        if kind == "transposed":
-            if rows == 1:  # column 0 of W·[x; 0]ᵀ
-                y = torch.mm(weight, F.pad(x.reshape(1, K), (0, 0, 0, 1)).t())[:, 0].contiguous()
-            else:
-                y = torch.mm(weight, x.reshape(rows, K).contiguous().t()).t().contiguous()
+        if kind != "transposed":
+            return cls.row_blocks_product(x, weight, bias, cls.blocks[kind])
+        K = x.shape[-1]
+        if rows == 1:  # column 0 of W·[x; 0]ᵀ
+            y = torch.mm(weight, F.pad(x.reshape(1, K), (0, 0, 0, 1)).t())[:, 0].contiguous()
         else:
-            s = cls.blocks[kind]
-            y = torch.bmm(x.reshape(1, rows, K).expand(s, rows, K), weight.unflatten(0, (s, N // s)).transpose(1, 2))
-            y = y.transpose(0, 1).reshape(rows, N)
+            y = torch.mm(weight, x.reshape(rows, K).contiguous().t()).t().contiguous()
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def row_blocks_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, s: int) -> torch.Tensor:
+        """x·Wᵀ + b as one batched GEMM [s, rows, K] × [s, K, N/s] over s blocks of W's rows (views; x broadcast)."""
+        K, N = x.shape[-1], weight.shape[0]
+        y = torch.bmm(x.reshape(1, -1, K).expand(s, -1, K), weight.unflatten(0, (s, N // s)).transpose(1, 2))
+        y = y.transpose(0, 1).reshape(-1, N)
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], N)
@@ -1181,16 +1203,19 @@ def cpu_has_native_bf16() -> bool:
 BF16_AS_FLOAT32_MIN_ROWS = 8
 
 
-def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   row_blocks: int = 0) -> torch.Tensor:
     """x·Wᵀ + b, as F.linear. Eagerly, a product of 1-`FEW_ROWS_MAX` rows with a plain float32 row-major W of at least
     `FEW_ROWS_MIN_WEIGHT` elements on CPU (a decode step; a speculative verify chunk; an MTP verify step's `lm_head`
     product) runs through `FEW_ROWS_KERNEL`, the fastest of its equal products on this machine; a bf16 product of
     `BF16_AS_FLOAT32_MIN_ROWS`+ rows on a CPU without bf16 instructions runs in float32 and is rounded to bf16 once,
     the function of a native bf16 GEMM (float32 accumulation, one rounding). Under torch.compile inductor picks its
-    own GEMM."""
+    own GEMM, of the batched product over `row_blocks` blocks of W's rows where that is given (`compile_decode`)."""
     # First: under compile a test of the (symbolic) row count would guard the graph on it, and dynamo cannot trace
     # the kernel's get_num_threads.
-    if torch.compiler.is_compiling() or not x.is_cpu or type(weight) not in (torch.Tensor, nn.Parameter):
+    if torch.compiler.is_compiling():
+        return FewRowsKernel.row_blocks_product(x, weight, bias, row_blocks) if row_blocks else F.linear(x, weight, bias)
+    if not x.is_cpu or type(weight) not in (torch.Tensor, nn.Parameter):
         return F.linear(x, weight, bias)
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
@@ -1203,10 +1228,13 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 class SpikeWhaleLinear(nn.Linear):
-    """nn.Linear computed by `linear_forward` (same parameters and state dict)."""
+    """nn.Linear computed by `linear_forward` (same parameters and state dict); `row_blocks` is `compile_decode`'s
+    choice of product under torch.compile (0: F.linear)."""
+
+    row_blocks = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_forward(x, self.weight, self.bias)
+        return linear_forward(x, self.weight, self.bias, self.row_blocks)
 
 
 class SpikeWhaleMLP(nn.Module):
@@ -1477,8 +1505,8 @@ class PersistentDecodeWalk:
     code bundled in) and written to `<torch cache dir>/spike_whale_decode/<key>/`, the directory inductor uses
     (`TORCHINDUCTOR_CACHE_DIR`, by default /tmp/torchinductor_<user>); nothing is written next to the model. The key
     hashes the torch and Python versions, the source and module name of this package, the compile options, the
-    thread count (CPU kernels specialise on it) and every layer parameter's name, shape, stride, dtype and device,
-    since the stored guards cannot check what identity guards check in-process (`stored_decode_guards`). A call runs
+    thread count (CPU kernels specialise on it), every layer parameter's name, shape, stride, dtype and device, and
+    the Linears' `row_blocks`, since the stored guards cannot check what identity guards check in-process (`stored_decode_guards`). A call runs
     the first stored graph whose guards pass, else compiles, stores and runs a new one (a new batch size, say).
     `options` and `compile_kwargs` are `torch.compile`'s (inductor backend; the walk is always one graph, `fullgraph`)."""
 
@@ -1505,6 +1533,9 @@ class PersistentDecodeWalk:
                 digest.update(f.read())
         for name, p in model.layers.named_parameters():
             digest.update(repr((name, tuple(p.shape), p.stride(), p.dtype, p.device.type, type(p.data))).encode())
+        for name, module in model.layers.named_modules():
+            if getattr(module, "row_blocks", 0):
+                digest.update(repr((name, module.row_blocks)).encode())
         return digest.hexdigest()[:32]
 
     def __call__(self, *args):
@@ -2198,8 +2229,11 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
 
         It re-stores weights for the one-token GEMMs, with the same shapes and values (`state_dict` and
         `save_pretrained` are unchanged): each attention's projections of its input become one matrix
-        (`SpikeWhaleAttention.fuse_input_projections`), and on CPU the float32 FFN weights and rank→hidden
-        up-projections are stored column-major, which MKL reads 10-25% faster for a batch of a few rows. On CPU,
+        (`SpikeWhaleAttention.fuse_input_projections`). On CPU each float32 FFN weight and rank→hidden up-projection
+        is multiplied in the compiled walk as one batched GEMM over blocks of its rows, where `FEW_ROWS_KERNEL` times
+        that fastest for one row on this machine (`_choose_row_blocks`: the first call times it, well under a second
+        for the 114M preset), and is otherwise stored column-major, which MKL reads 10-25% faster for a batch of a
+        few rows than row-major. On CPU,
         `options={"cpp_wrapper": True}` trims the per-kernel dispatch further (4-9% faster at batch 1 in two
         benchmark runs) for about twice the compile time. On CPU inductor's pattern matcher is off unless some weight is
         quantized (a tensor subclass, such as torchao's int8 weights): its one-query attention rewrite is slower, but
@@ -2209,6 +2243,8 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             self.model._compiled_run, self.model._compiled_for = None, None
             for layer in self.model.layers:
                 layer.attn.fuse_input_projections(enable=False)
+            for linear in self._column_major_linears():
+                vars(linear).pop("row_blocks", None)
             return
         reason = compile_blocker(self.model)
         if reason is not None:
@@ -2226,12 +2262,14 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         }
         plain_weights = all(type(p.data) is torch.Tensor for p in self.parameters())  # not quantized (a subclass)
         if self.device.type == "cpu":
+            self._choose_row_blocks()
             with torch.no_grad():
                 for linear in self._column_major_linears():
                     # float32 only, where MKL reads it faster. A quantized weight (a tensor subclass) keeps its own
                     # layout; a column-major bf16 weight runs ~28x slower than a row-major one on a CPU without bf16
-                    # instructions (one row against [2048, 768]: 6.7 against 0.23 ms).
-                    if type(linear.weight.data) is torch.Tensor and linear.weight.dtype == torch.float32:
+                    # instructions (one row against [2048, 768]: 6.7 against 0.23 ms). Row blocks stay row-major.
+                    if (type(linear.weight.data) is torch.Tensor and linear.weight.dtype == torch.float32
+                            and not getattr(linear, "row_blocks", 0)):
                         linear.weight.data = linear.weight.data.t().contiguous().t()
             # Its attention rewrite swaps in a CPU SDPA kernel slower than the two small matmuls of one query; but it
             # also holds inductor's int8 weight-only lowering (`_weight_int8pack_mm`), so quantized (tensor-subclass)
@@ -2265,6 +2303,23 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
 
             self.model._compiled_run = compiled_run
         self.model._compiled_for = (self.model.embed_tokens.weight.dtype, self.model.embed_tokens.weight.device)
+
+    def _choose_row_blocks(self) -> None:
+        """Gives each SpikeWhaleLinear of `_column_major_linears` whose one-row product `FEW_ROWS_KERNEL` takes as a batched GEMM
+        over blocks of W's rows (timed on the model's weights, see `FewRowsKernel.choose`) that many `row_blocks` for
+        the compiled walk: with the 114M preset's FFN weights so compiled, 16 layers streamed them at 24 GB/s against
+        14 GB/s column-major (AVX2 EPYC, 2 threads); blocks of a column-major W ran at 9 GB/s."""
+        groups: dict[tuple[int, ...], list[nn.Linear]] = {}
+        for linear in self._column_major_linears():
+            w = linear.weight
+            if (isinstance(linear, SpikeWhaleLinear) and type(w.data) is torch.Tensor and w.dtype == torch.float32
+                    and w.is_contiguous() and w.numel() >= FEW_ROWS_MIN_WEIGHT):
+                groups.setdefault(tuple(w.shape), []).append(linear)
+        with torch.no_grad():
+            for linears in groups.values():
+                blocks = FewRowsKernel.blocks.get(FEW_ROWS_KERNEL.choose([lin.weight for lin in linears], 1), 0)
+                for linear in linears:
+                    linear.row_blocks = blocks
 
     def _column_major_linears(self) -> list[nn.Linear]:
         """The Linears whose one-token GEMMs MKL runs faster column-major: the FFN's, and the rank→hidden

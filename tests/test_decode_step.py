@@ -284,6 +284,42 @@ def test_the_walk_compiles_without_graph_breaks():
     assert float((compiled - eager)[mask.bool()].abs().max()) <= TOL
 
 
+def test_compile_decode_multiplies_by_row_blocks_where_the_few_row_kernel_takes_them(monkeypatch):
+    """Where `FEW_ROWS_KERNEL` takes a one-row product as the batched GEMM over blocks of W's rows (forced here, for
+    every weight), `compile_decode` gives the FFN and rank→hidden SpikeWhaleLinears that many `row_blocks` and keeps
+    their weights row-major, and the compiled walk multiplies by those blocks, with eager decoding's ids and logits;
+    `enable=False` clears the choice."""
+    monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
+    monkeypatch.setattr(msw.FewRowsKernel, "forced", "blocks2")
+    monkeypatch.setattr(msw.FewRowsKernel, "min_block_rows", 1)
+    torch._dynamo.reset()
+    model = tiny_model(seed=4)
+    graphs = []
+
+    def backend(gm, example_inputs, **kwargs):
+        graphs.append(gm)
+        return gm.forward
+
+    ids = torch.randint(5, 200, (1, L + 1), generator=torch.Generator().manual_seed(5))
+    kw = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    attn, ffn = model.model.layers[0].attn, model.model.layers[0].ffn
+    with torch.no_grad():
+        eager = model.generate(ids, **kw)
+        model.compile_decode(backend=backend)
+        try:
+            assert ffn.gate_proj.row_blocks == ffn.down_proj.row_blocks == attn.o_b_proj.row_blocks == 2
+            assert ffn.gate_proj.weight.is_contiguous() and attn.o_b_proj.weight.is_contiguous()
+            assert attn.mc.o_proj.weight.stride() == (1, attn.mc.o_proj.weight.shape[0])  # nn.Linear: column-major
+            compiled = model.generate(ids, **kw)
+        finally:
+            model.compile_decode(enable=False)
+    assert ffn.gate_proj.row_blocks == 0 and "row_blocks" not in vars(ffn.gate_proj)
+    blocked = [n.args[1] for gm in graphs for n in gm.graph.nodes if n.target is torch.bmm]
+    assert graphs and len(blocked) >= 5 * len(model.model.layers)  # q_b, o_b, gate, up, down in every layer
+    assert torch.equal(eager.sequences, compiled.sequences)
+    assert max(float((a - b).abs().max()) for a, b in zip(eager.logits, compiled.logits)) <= TOL
+
+
 def test_compile_decode_turns_a_mode_into_options(monkeypatch):
     """torch.compile takes `mode` or `options`, not both, and the walk needs options: `compile_decode(mode=...)` hands
     torch the mode's inductor options (on CPU without CUDA graphs) under the caller's own, and decodes eager's ids."""

@@ -263,6 +263,39 @@ def test_few_rows_kernel_times_every_product_on_first_use_and_keeps_the_fastest(
     assert kernel.medians[320, 208, 4, 2] == pytest.approx(cost[4]) and ran[-1] == (1, "linear")
 
 
+def test_few_rows_kernel_chooses_for_compile_decode_by_timing_over_the_weights_in_turn(monkeypatch):
+    """`FewRowsKernel.choose` (what `compile_decode` asks) times a key's products where eager decoding has not yet,
+    taking turns over the given weights so each is read cold; a key already timed, `forced` and deterministic
+    algorithms are answered without timing."""
+    import spike_whale.modeling_spike_whale as msw
+
+    kernel, clock, seen = msw.FewRowsKernel(), [0.0], []
+    cost = {"linear": 3.0, "transposed": 2.9, "blocks2": 2.0, "blocks4": 1.0}
+
+    def product(x, w, b, rows, kind):
+        seen.append((w.data_ptr(), kind))
+        clock[0] += cost[kind]
+        return x @ w.t()
+
+    monkeypatch.setattr(kernel, "product", product)
+    monkeypatch.setattr(msw.time, "perf_counter", lambda: clock[0])
+    weights = [torch.randn(320, 208) for _ in range(3)]
+    assert kernel.choose(weights, 1) == "blocks4"
+    assert len(seen) == 4 * kernel.trials and [p for p, _ in seen] == [w.data_ptr() for w in weights] * 12
+    assert kernel.choose(weights, 1) == "blocks4" and len(seen) == 4 * kernel.trials  # already timed
+    monkeypatch.setattr(kernel, "forced", "blocks8")
+    assert kernel.choose(weights, 2) == "linear"  # 40-row blocks do not apply to 320 rows
+    monkeypatch.setattr(kernel, "forced", "blocks2")
+    assert kernel.choose(weights, 2) == "blocks2" and len(seen) == 4 * kernel.trials
+    monkeypatch.setattr(kernel, "forced", None)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert kernel.choose(weights, 3) == "linear" and len(seen) == 4 * kernel.trials
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
 def test_linear_forward_traces_into_one_graph_for_every_row_count():
     """Under torch.compile every row count takes F.linear inside one graph: the thread-count check of the eager few-row
     path must not be traced (dynamo cannot trace `torch.get_num_threads`; batch 8 under compile_config broke on it),
