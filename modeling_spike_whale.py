@@ -18,6 +18,7 @@ import itertools
 import json
 import math
 import os
+import platform
 import re
 import statistics
 import sys
@@ -1099,8 +1100,8 @@ class FewRowsKernel:
     timed where they run, so W is as cold as in a decode step; another product wins from then on only if its median
     is below `margin` × F.linear's: per-call times on a shared machine scatter by about 10%, so a near-tie keeps the
     standard kernel. `medians` keeps every candidate's median per key (diagnostics). `forced` (a product's name;
-    F.linear where it does not apply) skips the timing; under `torch.use_deterministic_algorithms(True)` F.linear runs, so that no result depends on a
-    timing."""
+    F.linear where it does not apply) skips the timing; under `torch.use_deterministic_algorithms(True)` F.linear
+    runs, so that no result depends on a timing."""
 
     trials = 9
     margin = 0.9
@@ -1143,19 +1144,27 @@ class FewRowsKernel:
             del self.timings[key]
         return y
 
-    def choose(self, weights: list[torch.Tensor], rows: int) -> str:
+    def choose(self, weights: list[torch.Tensor], rows: int, stored: dict[str, str] | None = None) -> str:
         """The product taken for `rows` rows by these weights (of one shape), timed now where it has not been yet:
-        the trials take turns over the weights, so that each is as cold as in a decode step (`compile_decode`)."""
+        the trials take turns over the weights, so that each is as cold as in a decode step (`compile_decode`).
+        `stored` (product by torch version, CPU model and key) answers a key timed in an earlier process and
+        takes this one's, so that a choice made once stays made (single timings scatter)."""
         if self.forced is not None:
             return self.forced if self.forced in self.candidates(weights[0]) else "linear"
         if torch.are_deterministic_algorithms_enabled():
             return "linear"
         key = (*weights[0].shape, rows, torch.get_num_threads())
+        name = f"torch {torch.__version__} | {cpu_model()} | " + " ".join(map(str, key))
+        if stored is not None and stored.get(name) in self.candidates(weights[0]):
+            return stored[name]
         x = weights[0].new_zeros(rows, weights[0].shape[1])
         for weight in itertools.cycle(weights):
             if key in self.chosen:
-                return self.chosen[key]
+                break
             self(x, weight, None, rows)
+        if stored is not None:
+            stored[name] = self.chosen[key]
+        return self.chosen[key]
 
     @classmethod
     def product(cls, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, kind: str):
@@ -1185,6 +1194,19 @@ class FewRowsKernel:
 
 
 FEW_ROWS_KERNEL = FewRowsKernel()
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else `platform.processor()`."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 @functools.cache
@@ -1506,8 +1528,8 @@ class PersistentDecodeWalk:
     (`TORCHINDUCTOR_CACHE_DIR`, by default /tmp/torchinductor_<user>); nothing is written next to the model. The key
     hashes the torch and Python versions, the source and module name of this package, the compile options, the
     thread count (CPU kernels specialise on it), every layer parameter's name, shape, stride, dtype and device, and
-    the Linears' `row_blocks`, since the stored guards cannot check what identity guards check in-process (`stored_decode_guards`). A call runs
-    the first stored graph whose guards pass, else compiles, stores and runs a new one (a new batch size, say).
+    the Linears' `row_blocks`, since the stored guards cannot check what identity guards check in-process
+    (`stored_decode_guards`). A call runs the first stored graph whose guards pass, else compiles, stores and runs a new one (a new batch size, say).
     `options` and `compile_kwargs` are `torch.compile`'s (inductor backend; the walk is always one graph, `fullgraph`)."""
 
     def __init__(self, model: "SpikeWhaleModel", options: dict, compile_kwargs: dict):
@@ -2231,9 +2253,9 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         `save_pretrained` are unchanged): each attention's projections of its input become one matrix
         (`SpikeWhaleAttention.fuse_input_projections`). On CPU each float32 FFN weight and rank→hidden up-projection
         is multiplied in the compiled walk as one batched GEMM over blocks of its rows, where `FEW_ROWS_KERNEL` times
-        that fastest for one row on this machine (`_choose_row_blocks`: the first call times it, well under a second
-        for the 114M preset), and is otherwise stored column-major, which MKL reads 10-25% faster for a batch of a
-        few rows than row-major. On CPU,
+        that fastest for one row on this machine (`_choose_row_blocks`: timed on the first call, well under a second
+        for the 114M preset, and kept beside the stored walks for later processes), and is otherwise stored
+        column-major, which MKL reads 10-25% faster than row-major for a batch of a few rows. On CPU,
         `options={"cpp_wrapper": True}` trims the per-kernel dispatch further (4-9% faster at batch 1 in two
         benchmark runs) for about twice the compile time. On CPU inductor's pattern matcher is off unless some weight is
         quantized (a tensor subclass, such as torchao's int8 weights): its one-query attention rewrite is slower, but
@@ -2262,7 +2284,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         }
         plain_weights = all(type(p.data) is torch.Tensor for p in self.parameters())  # not quantized (a subclass)
         if self.device.type == "cpu":
-            self._choose_row_blocks()
+            self._choose_row_blocks(persistent)
             with torch.no_grad():
                 for linear in self._column_major_linears():
                     # float32 only, where MKL reads it faster. A quantized weight (a tensor subclass) keeps its own
@@ -2304,11 +2326,21 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             self.model._compiled_run = compiled_run
         self.model._compiled_for = (self.model.embed_tokens.weight.dtype, self.model.embed_tokens.weight.device)
 
-    def _choose_row_blocks(self) -> None:
-        """Gives each SpikeWhaleLinear of `_column_major_linears` whose one-row product `FEW_ROWS_KERNEL` takes as a batched GEMM
-        over blocks of W's rows (timed on the model's weights, see `FewRowsKernel.choose`) that many `row_blocks` for
-        the compiled walk: with the 114M preset's FFN weights so compiled, 16 layers streamed them at 24 GB/s against
-        14 GB/s column-major (AVX2 EPYC, 2 threads); blocks of a column-major W ran at 9 GB/s."""
+    def _choose_row_blocks(self, persistent: bool) -> None:
+        """Gives each SpikeWhaleLinear of `_column_major_linears` whose one-row product `FEW_ROWS_KERNEL` takes as a
+        batched GEMM over blocks of W's rows (timed on the model's weights, see `FewRowsKernel.choose`) that many
+        `row_blocks` for the compiled walk: with the 114M preset's FFN weights so compiled, 16 layers streamed them at
+        24 GB/s against 14 GB/s column-major (AVX2 EPYC, 2 threads); blocks of a column-major W ran at 9 GB/s.
+        `persistent`: the choices are kept in `row_blocks.json` beside the stored walks and reused by later processes,
+        whose stored walk (keyed on them) would otherwise be compiled again after a near-tie timed the other way."""
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        path = os.path.join(cache_dir(), "spike_whale_decode", "row_blocks.json") if persistent else None
+        stored: dict[str, str] = {}
+        if path is not None and os.path.exists(path):
+            with contextlib.suppress(OSError, ValueError), open(path) as f:
+                stored = dict(json.load(f))
+        before = dict(stored)
         groups: dict[tuple[int, ...], list[nn.Linear]] = {}
         for linear in self._column_major_linears():
             w = linear.weight
@@ -2317,9 +2349,15 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
                 groups.setdefault(tuple(w.shape), []).append(linear)
         with torch.no_grad():
             for linears in groups.values():
-                blocks = FewRowsKernel.blocks.get(FEW_ROWS_KERNEL.choose([lin.weight for lin in linears], 1), 0)
+                kind = FEW_ROWS_KERNEL.choose([lin.weight for lin in linears], 1, stored)
                 for linear in linears:
-                    linear.row_blocks = blocks
+                    linear.row_blocks = FewRowsKernel.blocks.get(kind, 0)
+        if path is not None and stored != before:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            partial = f"{path}.{uuid.uuid4().hex}"
+            with open(partial, "w") as f:
+                json.dump(stored, f, indent=1, sort_keys=True)
+            os.replace(partial, path)  # whole or not at all, also with another process writing
 
     def _column_major_linears(self) -> list[nn.Linear]:
         """The Linears whose one-token GEMMs MKL runs faster column-major: the FFN's, and the rank→hidden

@@ -9,6 +9,8 @@ every decode step as one graph.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -318,6 +320,47 @@ def test_compile_decode_multiplies_by_row_blocks_where_the_few_row_kernel_takes_
     assert graphs and len(blocked) >= 5 * len(model.model.layers)  # q_b, o_b, gate, up, down in every layer
     assert torch.equal(eager.sequences, compiled.sequences)
     assert max(float((a - b).abs().max()) for a, b in zip(eager.logits, compiled.logits)) <= TOL
+
+
+def test_compile_decode_keeps_its_row_block_choices_for_later_processes(monkeypatch, tmp_path):
+    """The compiled walk's row blocks are timed once per torch, CPU model, thread count and weight shape: the first
+    `compile_decode` writes them to `row_blocks.json` in torch's cache directory, and a later process (a fresh
+    kernel that has timed nothing) takes them from there without timing, so its stored walk's key is the same;
+    `persistent=False` neither reads nor writes it."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
+    monkeypatch.setattr(msw.FewRowsKernel, "min_block_rows", 1)
+    model = tiny_model(seed=4)
+    first = msw.FewRowsKernel()
+    monkeypatch.setattr(msw, "FEW_ROWS_KERNEL", first)
+    monkeypatch.setattr(first, "product", lambda x, w, b, rows, kind: msw.time.sleep(2e-4 if kind == "blocks4" else 4e-4)
+                        or torch.nn.functional.linear(x, w, b))
+    gate = model.model.layers[0].ffn.gate_proj
+    try:
+        model.compile_decode()
+        assert gate.row_blocks == 4 and first.medians  # timed, and blocks of 4 were the fastest
+        key = msw.PersistentDecodeWalk.key(model.model, {}, {})
+    finally:
+        model.compile_decode(enable=False)
+    path = tmp_path / "spike_whale_decode" / "row_blocks.json"
+    stored = json.loads(path.read_text())
+    assert set(stored.values()) == {"blocks4"} and all(msw.cpu_model() in name for name in stored)
+    later = msw.FewRowsKernel()
+    monkeypatch.setattr(msw, "FEW_ROWS_KERNEL", later)
+    monkeypatch.setattr(later, "product", lambda *a: pytest.fail("a stored choice is timed again"))
+    try:
+        model.compile_decode()
+        assert gate.row_blocks == 4 and not later.medians
+        assert msw.PersistentDecodeWalk.key(model.model, {}, {}) == key
+    finally:
+        model.compile_decode(enable=False)
+    path.unlink()
+    monkeypatch.setattr(later, "product", lambda x, w, b, rows, kind: torch.nn.functional.linear(x, w, b))
+    try:
+        model.compile_decode(persistent=False)
+        assert later.medians and not path.exists()
+    finally:
+        model.compile_decode(enable=False)
 
 
 def test_compile_decode_turns_a_mode_into_options(monkeypatch):
