@@ -265,8 +265,9 @@ def test_few_rows_kernel_times_every_product_on_first_use_and_keeps_the_fastest(
 
 def test_few_rows_kernel_chooses_for_compile_decode_by_timing_over_the_weights_in_turn(monkeypatch):
     """`FewRowsKernel.choose` (what `compile_decode` asks) times a key's products where eager decoding has not yet,
-    taking turns over the given weights so each is read cold; a key already timed, `forced` and deterministic
-    algorithms are answered without timing."""
+    after one untimed F.linear per weight (a model just loaded from a memory-mapped file would otherwise time its
+    page faults: the 114M FFN products all came out F.linear in such a process), taking turns over the given weights
+    so each is read cold; a key already timed, `forced` and deterministic algorithms are answered without timing."""
     import spike_whale.modeling_spike_whale as msw
 
     kernel, clock, seen = msw.FewRowsKernel(), [0.0], []
@@ -280,7 +281,11 @@ def test_few_rows_kernel_chooses_for_compile_decode_by_timing_over_the_weights_i
     monkeypatch.setattr(kernel, "product", product)
     monkeypatch.setattr(msw.time, "perf_counter", lambda: clock[0])
     weights = [torch.randn(320, 208) for _ in range(3)]
+    warm, linear = [], torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda x, w, *a: warm.append((w.data_ptr(), clock[0])) or linear(x, w, *a))
     assert kernel.choose(weights, 1) == "blocks4"
+    assert warm == [(w.data_ptr(), 0.0) for w in weights]  # each weight read once, before any timing
     assert len(seen) == 4 * kernel.trials and [p for p, _ in seen] == [w.data_ptr() for w in weights] * 12
     assert kernel.choose(weights, 1) == "blocks4" and len(seen) == 4 * kernel.trials  # already timed
     monkeypatch.setattr(kernel, "forced", "blocks8")
