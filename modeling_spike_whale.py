@@ -1095,7 +1095,7 @@ class FewRowsKernel:
     ("transposed": MKL's GEMM of W·[x; 0]ᵀ streamed W ~1.5× faster than its GEMV on an EPYC with AVX-512, while on an
     AVX2 EPYC the GEMV is as fast); and x·Wᵀ as one batched GEMM over s blocks of W's rows ("blocks2/4/8"), whose
     blocks MKL streams on separate threads where its GEMV of one row keeps to one (AVX2 EPYC, 2 threads, W cold:
-    14-27 GB/s against F.linear's 8-13 for the 114M model's products). The winner differs between CPUs, row counts
+    14-27 GB/s against F.linear's 8-17 for the 114M model's products). The winner differs between CPUs, row counts
     and thread counts. The first `trials` calls of each candidate per key take turns on the model's own weights,
     timed where they run, so W is as cold as in a decode step; another product wins from then on only if its median
     is below `margin` × F.linear's: per-call times on a shared machine scatter by about 10%, so a near-tie keeps the
@@ -1535,15 +1535,20 @@ class PersistentDecodeWalk:
     `options` and `compile_kwargs` are `torch.compile`'s (inductor backend; the walk is always one graph, `fullgraph`)."""
 
     def __init__(self, model: "SpikeWhaleModel", options: dict, compile_kwargs: dict):
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-
         options = {k: v for k, v in options.items() if k != "guard_filter_fn"}
         compile_kwargs = {k: v for k, v in compile_kwargs.items() if k not in ("fullgraph", "backend")}
         self.compile = torch.compile(walk_run, fullgraph=True, **compile_kwargs,
                                      options={**options, "guard_filter_fn": stored_decode_guards})
-        self.folder = os.path.join(cache_dir(), "spike_whale_decode", self.key(model, options, compile_kwargs))
+        self.folder = os.path.join(self.root(), self.key(model, options, compile_kwargs))
         self.graphs = []
         self.unread: list[str] | None = None  # stored graphs not read yet, listed on the first call
+
+    @staticmethod
+    def root() -> str:
+        """The folder of every stored walk (one subfolder per key) and of `row_blocks.json`."""
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        return os.path.join(cache_dir(), "spike_whale_decode")
 
     @staticmethod
     def key(model: "SpikeWhaleModel", options: dict, compile_kwargs: dict) -> str:
@@ -2335,9 +2340,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         24 GB/s against 14 GB/s column-major (AVX2 EPYC, 2 threads); blocks of a column-major W ran at 9 GB/s.
         `persistent`: the choices are kept in `row_blocks.json` beside the stored walks and reused by later processes,
         whose stored walk (keyed on them) would otherwise be compiled again after a near-tie timed the other way."""
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-        path = os.path.join(cache_dir(), "spike_whale_decode", "row_blocks.json") if persistent else None
+        path = os.path.join(PersistentDecodeWalk.root(), "row_blocks.json") if persistent else None
         stored: dict[str, str] = {}
         if path is not None and os.path.exists(path):
             with contextlib.suppress(OSError, ValueError), open(path) as f:
