@@ -225,6 +225,106 @@ def test_fused_input_projections_keep_the_memory_cache_in_float32():
     assert attn.fused_input is None
 
 
+def test_eager_no_grad_forwards_fuse_input_projections_and_training_does_not(monkeypatch):
+    """An eager no-grad forward in eval fuses each attention's (q_a, k, v, the Memory Cache's qkv and gate) and each
+    dense FFN's (gate, up) input projections, which its decode steps (few rows) then read as one GEMM, without
+    changing the state dict or the function; a forward with gradients, or in train mode, does not fuse."""
+    model = tiny_model(seed=6)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids, mask = batch(seed=3)
+    calls = []
+    call = msw.FusedLinears.__call__
+    monkeypatch.setattr(msw.FusedLinears, "__call__", lambda self, x: calls.append(x.shape) or call(self, x))
+    model(ids, attention_mask=mask, use_cache=False)  # gradients on
+    with torch.no_grad():
+        model.train()
+        model(ids, attention_mask=mask, use_cache=False)
+        model.eval()
+        assert all(layer.attn.fused_input is None and layer.ffn.fused_input is None for layer in model.model.layers)
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+        ffn = model.model.layers[0].ffn
+        assert ffn.fused_input is not None and ffn.fused_input.linears == (ffn.gate_proj, ffn.up_proj)
+        assert all(layer.attn.fused_input is not None for layer in model.model.layers)
+        assert calls == []  # the whole batch is more than FEW_ROWS_MAX rows: one projection at a time
+        got = decode_logits(model, ids, mask, prefill=3)
+        assert calls and all(shape[0] * shape[1] <= msw.FEW_ROWS_MAX for shape in calls)
+        monkeypatch.setattr(msw.SpikeWhaleModel, "_fuse_input_projections", lambda self: None)
+        for layer in model.model.layers:
+            layer.attn.fuse_input_projections(enable=False)
+            layer.ffn.fuse_input_projections(enable=False)
+        calls.clear()
+        plain = decode_logits(model, ids, mask, prefill=3)
+        assert calls == []
+    assert float((got - full)[mask.bool()].abs().max()) <= TOL
+    assert float((got - plain)[mask.bool()].abs().max()) <= TOL
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_hooked_or_wrapped_input_projections_run_one_by_one():
+    """A forward hook (on the Linear or on every module), a replaced forward or a wrapper class makes the Linear's call
+    more than x·Wᵀ + b, so the fused GEMM must not stand in for it."""
+    model = tiny_model(seed=6)
+    ids, mask = batch(seed=3)
+    with torch.no_grad():
+        model(ids[:, :2], attention_mask=mask[:, :2])
+    attn = model.model.layers[0].attn
+    assert attn.fused_input is not None and attn.fused_input.intact()
+    seen = []
+    handle = attn.v_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    with torch.no_grad():
+        decode_logits(model, ids[:, :6], mask[:, :6], prefill=3)
+    runs = sum(layer_idx == 0 for layer_idx, _ in model.model.loop_plan.entries)  # layer 0 runs once per pass
+    assert attn.fused_input is None and len(seen) == 4 * runs  # the prefill and 3 steps
+    handle.remove()
+    with torch.no_grad():
+        model(ids[:, :2], attention_mask=mask[:, :2])
+    assert attn.fused_input is not None
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    try:
+        assert not attn.fused_input.intact()
+    finally:
+        handle.remove()
+    assert attn.fused_input.intact()
+    attn.k_proj.forward = attn.k_proj.forward  # what accelerate's add_hook_to_module does
+    assert not attn.fused_input.intact() and not msw.FusedLinears.fusable(attn.input_linears())
+    del attn.k_proj.forward
+
+    class Adapter(torch.nn.Linear):  # a PEFT-style wrapper adds its own product
+        pass
+
+    attn.q_a_proj.__class__ = Adapter
+    assert not msw.FusedLinears.fusable(attn.input_linears())
+
+
+def test_input_projections_of_offloaded_or_mixed_weights_are_not_fused():
+    model = tiny_model(seed=6)
+    ffn = model.model.layers[0].ffn
+    ffn.up_proj.weight.data = ffn.up_proj.weight.data.to(torch.bfloat16)
+    ffn.fuse_input_projections()
+    assert ffn.fused_input is None
+    meta = tiny_model(seed=6).to("meta")  # what accelerate's offload leaves between calls
+    ffn = meta.model.layers[0].ffn
+    ffn.fuse_input_projections()
+    assert ffn.fused_input is None
+
+
+def test_compile_decode_unfuses_the_ffn_that_eager_decoding_fused():
+    model = tiny_model(seed=8)
+    ids, mask = batch(seed=3)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, use_cache=False)
+    assert all(layer.ffn.fused_input is not None for layer in model.model.layers)
+    try:
+        model.compile_decode()
+        assert all(layer.ffn.fused_input is None and layer.attn.fused_input is not None for layer in model.model.layers)
+        with torch.no_grad():
+            model(ids[:, :4], attention_mask=mask[:, :4], use_cache=False)  # an eager forward beside the compiled walk
+        assert all(layer.ffn.fused_input is None for layer in model.model.layers)
+    finally:
+        model.compile_decode(enable=False)
+
+
 def test_compile_decode_refuses_a_moved_or_retyped_model():
     model = tiny_model(seed=8)
     model.compile_decode()
