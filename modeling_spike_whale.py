@@ -932,10 +932,11 @@ class FusedLinears:
 
 
 class InputProjectionFusion:
-    """A module whose Linears reading the same input (`input_linears`) may run as one GEMM (`FusedLinears`). Eager
-    decode steps fuse them (`SpikeWhaleModel._run_slots`): at batch 1 one GEMM streams the weights on every thread
-    where 2-5 small GEMVs keep to one, with one call instead of several (114M preset, 2 threads: 1.08× a step with
-    the attention's and the FFN's fused)."""
+    """A module whose Linears reading the same input (`input_linears`) may run as one GEMM (`FusedLinears`). Every
+    eager no-grad forward in eval fuses them (`SpikeWhaleModel._fuse_input_projections`), and its products of a few
+    rows take the fused GEMM: at batch 1 it streams the weights on every thread where 2-5 small GEMVs keep to one,
+    with one call instead of several (114M preset, 2 threads: 1.08× a decode step with the attention's and the
+    FFN's fused)."""
 
     fused_input: FusedLinears | None = None
 
@@ -1323,8 +1324,7 @@ class SpikeWhaleMLP(InputProjectionFusion, nn.Module):
         # Without autograd, silu and ⊙ run in place on the gate projection's output: a long prefill's [S, F]
         # temporaries are fresh page-faulted buffers each (32 MiB at 4096 tokens), which cost about as much as the ops.
         inplace = not torch.is_grad_enabled()
-        # Never fused in a compiled walk: `compile_decode` multiplies gate and up by their own row blocks.
-        fused = None if torch.compiler.is_compiling() else self._fused_projections(u)
+        fused = self._fused_projections(u)
         gate, up = fused if fused is not None else (self.gate_proj(u), self.up_proj(u))
         h = F.silu(gate, inplace=inplace)
         return self.down_proj(h.mul_(up) if inplace else h * up)
@@ -2351,7 +2351,9 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             "scalar_asserts": False,
         }
         plain_weights = all(type(p.data) is torch.Tensor for p in self.parameters())  # not quantized (a subclass)
-        for module in self.model.modules():  # eager decoding fused the FFN's gate and up; the walk re-stores them
+        # Eager decoding fused the FFN's gate and up; the walk multiplies them by their own row blocks or re-stores
+        # them column-major, and nothing fuses them again while it is on (`SpikeWhaleModel._run_slots`).
+        for module in self.model.modules():
             if isinstance(module, SpikeWhaleMLP):
                 module.fuse_input_projections(enable=False)
         if self.device.type == "cpu":
@@ -2424,9 +2426,13 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         if path is not None and stored != before:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             partial = f"{path}.{uuid.uuid4().hex}"
-            with open(partial, "w") as f:
-                json.dump(stored, f, indent=1, sort_keys=True)
-            os.replace(partial, path)  # whole or not at all, also with another process writing
+            try:
+                with open(partial, "w") as f:
+                    json.dump(stored, f, indent=1, sort_keys=True)
+                os.replace(partial, path)  # whole or not at all, also with another process writing
+            finally:
+                if os.path.exists(partial):
+                    os.remove(partial)
 
     def _column_major_linears(self) -> list[nn.Linear]:
         """The Linears whose one-token GEMMs MKL runs faster column-major: the FFN's, and the rank→hidden

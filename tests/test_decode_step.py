@@ -463,6 +463,23 @@ def test_compile_decode_keeps_its_row_block_choices_for_later_processes(monkeypa
         model.compile_decode(enable=False)
 
 
+def test_row_block_choices_leave_no_partial_file_when_writing_fails(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
+    kernel = msw.FewRowsKernel()
+    monkeypatch.setattr(msw, "FEW_ROWS_KERNEL", kernel)
+    monkeypatch.setattr(kernel, "product", lambda x, w, b, rows, kind: torch.nn.functional.linear(x, w, b))
+
+    def full_disk(obj, f, **kwargs):
+        f.write("{")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(msw.json, "dump", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        tiny_model(seed=4)._choose_row_blocks(persistent=True)
+    assert list((tmp_path / "spike_whale_decode").iterdir()) == []
+
+
 def test_compile_decode_turns_a_mode_into_options(monkeypatch):
     """torch.compile takes `mode` or `options`, not both, and the walk needs options: `compile_decode(mode=...)` hands
     torch the mode's inductor options (on CPU without CUDA graphs) under the caller's own, and decodes eager's ids."""
