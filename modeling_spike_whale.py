@@ -1133,6 +1133,7 @@ class SpikeWhaleAttention(InputProjectionFusion, nn.Module):
 FEW_ROWS_MIN_WEIGHT = 1 << 16
 # The most rows for which `linear_forward` weighs other products against F.linear: a decode step of a batch of up to 16.
 FEW_ROWS_MAX = 16
+FEW_ROWS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class FewRowsKernel:
@@ -1141,8 +1142,10 @@ class FewRowsKernel:
     ("transposed": MKL's GEMM of W·[x; 0]ᵀ streamed W ~1.5× faster than its GEMV on an EPYC with AVX-512, while on an
     AVX2 EPYC the GEMV is as fast); and x·Wᵀ as one batched GEMM over s blocks of W's rows ("blocks2/4/8"), whose
     blocks MKL streams on separate threads where its GEMV of one row keeps to one (AVX2 EPYC, 2 threads, W cold:
-    14-27 GB/s against F.linear's 8-17 for the 114M model's products). The winner differs between CPUs, row counts
-    and thread counts. The first `trials` calls of each candidate per key take turns on the model's own weights,
+    14-27 GB/s against F.linear's 8-17 for the 114M model's products); and, for one row, W·x as a matrix-vector
+    product ("mv": on a Xeon with AMX, 2 threads, bf16 W streamed at 10-12 GB/s through F.linear and 15-19 through
+    torch.mv, while float32 runs at ~23 GB/s either way). The winner differs between CPUs, dtypes, row counts and
+    thread counts. The first `trials` calls of each candidate per key take turns on the model's own weights,
     timed where they run, so W is as cold as in a decode step; another product wins from then on only if its median
     is below `margin` × F.linear's: per-call times on a shared machine scatter by about 10%, so a near-tie keeps the
     standard kernel. `medians` keeps every candidate's median per key (diagnostics). `forced` (a product's name;
@@ -1161,24 +1164,25 @@ class FewRowsKernel:
         self.timings: dict[tuple[int, ...], dict[str, list[float]]] = {}
 
     @classmethod
-    def candidates(cls, weight: torch.Tensor) -> tuple[str, ...]:
-        """F.linear first, then the products that apply to this weight (blocks of `min_block_rows`+ whole rows)."""
+    def candidates(cls, weight: torch.Tensor, rows: int) -> tuple[str, ...]:
+        """F.linear first, then the products that apply to this weight (blocks of `min_block_rows`+ whole rows) and
+        this many rows (W·x: one)."""
         N = weight.shape[0]
         blocks = (k for k, s in cls.blocks.items() if N % s == 0 and N // s >= cls.min_block_rows)
-        return ("linear", "transposed", *blocks)
+        return ("linear", "transposed", *blocks, *(("mv",) if rows == 1 else ()))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
         if self.forced is not None:
-            kind = self.forced if self.forced in self.candidates(weight) else "linear"
+            kind = self.forced if self.forced in self.candidates(weight, rows) else "linear"
             return self.product(x, weight, bias, rows, kind)
-        key = (*weight.shape, rows, torch.get_num_threads())
+        key = (*weight.shape, rows, torch.get_num_threads(), weight.dtype)
         kind = self.chosen.get(key)
         # F.linear first and without another call: it is the choice for many keys, and this runs ~580 times a step.
         if kind == "linear" or torch.are_deterministic_algorithms_enabled():
             return F.linear(x, weight, bias)
         if kind is not None:
             return self.product(x, weight, bias, rows, kind)
-        timings = self.timings.setdefault(key, {k: [] for k in self.candidates(weight)})
+        timings = self.timings.setdefault(key, {k: [] for k in self.candidates(weight, rows)})
         kind = min(timings, key=lambda k: len(timings[k]))  # take turns, in candidate order
         start = time.perf_counter()
         y = self.product(x, weight, bias, rows, kind)
@@ -1196,12 +1200,12 @@ class FewRowsKernel:
         `stored` (product by torch version, CPU model and key) answers a key timed in an earlier process and
         takes this one's, so that a choice made once stays made (single timings scatter)."""
         if self.forced is not None:
-            return self.forced if self.forced in self.candidates(weights[0]) else "linear"
+            return self.forced if self.forced in self.candidates(weights[0], rows) else "linear"
         if torch.are_deterministic_algorithms_enabled():
             return "linear"
-        key = (*weights[0].shape, rows, torch.get_num_threads())
+        key = (*weights[0].shape, rows, torch.get_num_threads(), weights[0].dtype)
         name = f"torch {torch.__version__} | {cpu_model()} | " + " ".join(map(str, key))
-        if stored is not None and stored.get(name) in self.candidates(weights[0]):
+        if stored is not None and stored.get(name) in self.candidates(weights[0], rows):
             return stored[name]
         x = weights[0].new_zeros(rows, weights[0].shape[1])
         for weight in weights:  # untimed: a weight's first read may fault its pages in (a model just loaded)
@@ -1219,10 +1223,12 @@ class FewRowsKernel:
         """x·Wᵀ + b by the product named `kind` (see the class)."""
         if kind == "linear":
             return F.linear(x, weight, bias)
-        if kind != "transposed":
+        if kind in cls.blocks:
             return cls.row_blocks_product(x, weight, bias, cls.blocks[kind])
         K = x.shape[-1]
-        if rows == 1:  # column 0 of W·[x; 0]ᵀ
+        if kind == "mv":
+            y = torch.mv(weight, x.reshape(K))
+        elif rows == 1:  # column 0 of W·[x; 0]ᵀ
             y = torch.mm(weight, F.pad(x.reshape(1, K), (0, 0, 0, 1)).t())[:, 0].contiguous()
         else:
             y = torch.mm(weight, x.reshape(rows, K).contiguous().t()).t().contiguous()
@@ -1275,9 +1281,9 @@ BF16_AS_FLOAT32_MIN_ROWS = 8
 
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    row_blocks: int = 0) -> torch.Tensor:
-    """x·Wᵀ + b, as F.linear. Eagerly, a product of 1-`FEW_ROWS_MAX` rows with a plain float32 row-major W of at least
-    `FEW_ROWS_MIN_WEIGHT` elements on CPU (a decode step; a speculative verify chunk; an MTP verify step's `lm_head`
-    product) runs through `FEW_ROWS_KERNEL`, the fastest of its equal products on this machine; a bf16 product of
+    """x·Wᵀ + b, as F.linear. Eagerly, a product of 1-`FEW_ROWS_MAX` rows with a plain float32, bf16 or float16
+    row-major W of at least `FEW_ROWS_MIN_WEIGHT` elements on CPU (a decode step; a speculative verify chunk; an MTP
+    verify step's `lm_head` product) runs through `FEW_ROWS_KERNEL`, the fastest of its equal products on this machine; a bf16 product of
     `BF16_AS_FLOAT32_MIN_ROWS`+ rows on a CPU without bf16 instructions runs in float32 and is rounded to bf16 once,
     the function of a native bf16 GEMM (float32 accumulation, one rounding). Under torch.compile inductor picks its
     own GEMM, of the batched product over `row_blocks` blocks of W's rows where that is given (`compile_decode`)."""
@@ -1291,7 +1297,7 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     rows = x.numel() // K if K else 0
     if rows >= BF16_AS_FLOAT32_MIN_ROWS and x.dtype == weight.dtype == torch.bfloat16 and not cpu_has_native_bf16():
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
-    if not (0 < rows <= FEW_ROWS_MAX and x.dtype == weight.dtype == torch.float32
+    if not (0 < rows <= FEW_ROWS_MAX and x.dtype == weight.dtype and x.dtype in FEW_ROWS_DTYPES
             and weight.numel() >= FEW_ROWS_MIN_WEIGHT and weight.stride(-1) == 1):
         return F.linear(x, weight, bias)
     return FEW_ROWS_KERNEL(x, weight, bias, rows)

@@ -3,10 +3,12 @@
     python benchmarks/bench_ab.py                       # against 781e662, every row, 3 rounds, 2 threads
     python benchmarks/bench_ab.py --rows eager_b8 --rounds 11
     python benchmarks/bench_ab.py --rows eager_b1 --interleave steps --rounds 10   # 10 × 32 alternating steps
+    python benchmarks/bench_ab.py --rows eager_b1 --dtype bfloat16 --interleave steps   # bf16 weights
 
 The base revision's package files (the repo root's *.py) are taken with `git archive REV` into a temporary folder
 as a package named `spike_whale_base` (nothing is written into the checkout or .git). Both models are the 114M
-preset with the SAME random state dict (seed 0). Rows: eager batch 1 / 8 (plain `generate`), compiled batch 1 / 8
+preset with the SAME random state dict (seed 0), in `--dtype` (float32 by default; built as `bench_speed.py` builds
+its bf16 rows, through `_from_config(dtype=...)`, which keeps the float32 modules float32). Rows: eager batch 1 / 8 (plain `generate`), compiled batch 1 / 8
 (base: the API it had -- `model.compile_decode()` at 781e662, or `compile_config` if the base has no
 `compile_decode`; new: `generate(..., compile_config=CompileConfig())`; each compiled model is its own twin, since
 compiling re-stores weights, and its compile is done before timing). Greedy, prompt 128, 32 new tokens; decode time
@@ -93,6 +95,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--interleave", choices=("generate", "steps"), default="generate",
                    help="alternate whole generate calls (default) or single decode steps (eager rows only)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ab.json"))
@@ -115,7 +118,7 @@ def main(argv=None):
         def build(new: bool):
             cls, cfg = ((SpikeWhaleForCausalLM, SpikeWhaleConfig) if new
                         else (BaseLM, base_configuration.SpikeWhaleConfig))
-            model = cls(cfg.from_preset(PRESET)).eval()
+            model = cls._from_config(cfg.from_preset(PRESET), dtype=getattr(torch, args.dtype)).eval()
             model.load_state_dict(state)
             return model
 
@@ -125,7 +128,7 @@ def main(argv=None):
         kwargs = {"old": {"eager": {}, "compiled": {} if base_compiles else {"compile_config": CompileConfig()}},
                   "new": {"eager": {}, "compiled": {"compile_config": CompileConfig()}}}
         load_before = os.getloadavg()
-        print(f"{PRESET}, float32, {torch.get_num_threads()} threads, load average {load_before[0]:.2f}; "
+        print(f"{PRESET}, {args.dtype}, {torch.get_num_threads()} threads, load average {load_before[0]:.2f}; "
               f"old = {args.base}, new = {head}{' (dirty)' if dirty else ''}; prompt {args.prompt}, "
               f"{args.new_tokens} new tokens, {args.rounds} rounds", flush=True)
         compile_s = {}
@@ -190,7 +193,8 @@ def main(argv=None):
           f"{load_after[0]:.2f}; same ids in every row)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
-        "base": args.base, "head": head, "dirty": dirty, "preset": PRESET, "threads": torch.get_num_threads(),
+        "base": args.base, "head": head, "dirty": dirty, "preset": PRESET, "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
         "prompt": args.prompt, "new_tokens": args.new_tokens, "rounds": args.rounds, "interleave": args.interleave,
         "load_average": [load_before[0], load_after[0]], "compile_s": compile_s, "rows": results,
         "torch": torch.__version__,

@@ -141,10 +141,11 @@ def test_memory_cache_read_mixes_reads_not_memories():
 
 
 def test_linear_forward_of_a_few_rows_equals_f_linear(monkeypatch):
-    """`linear_forward` sends 1-16 rows with a float32 weight of 64K+ elements to `FEW_ROWS_KERNEL`; each of its
-    products (x·Wᵀ, (W·xᵀ)ᵀ with one row padded to two, and the batched GEMM over 2, 4 or 8 blocks of W's rows, also
-    of a W that is a row slice of a wider matrix) gives F.linear's values and gradients; more rows, smaller weights and
-    other dtypes keep F.linear; SpikeWhaleLinear keeps nn.Linear's state dict."""
+    """`linear_forward` sends 1-16 rows with a float32, bf16 or float16 weight of 64K+ elements to `FEW_ROWS_KERNEL`;
+    each of its products (x·Wᵀ, (W·xᵀ)ᵀ with one row padded to two, the batched GEMM over 2, 4 or 8 blocks of W's
+    rows, also of a W that is a row slice of a wider matrix, and W·x for one row) gives F.linear's values and
+    gradients; more rows, smaller weights and other dtypes keep F.linear; SpikeWhaleLinear keeps nn.Linear's state
+    dict."""
     import torch.nn.functional as F
 
     import spike_whale.modeling_spike_whale as msw
@@ -152,17 +153,22 @@ def test_linear_forward_of_a_few_rows_equals_f_linear(monkeypatch):
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(320, 208, generator=g, requires_grad=True), torch.randn(320, generator=g, requires_grad=True)
     wide = torch.randn(320, 416, generator=g)[:, 8:216]  # stride 416: blocks are views of W's rows, not of its storage
-    assert msw.FewRowsKernel.candidates(w) == ("linear", "transposed", "blocks2", "blocks4")  # 8: 40-row blocks
-    assert msw.FewRowsKernel.candidates(w[:100]) == ("linear", "transposed")  # 50-row blocks are too small to pay
+    assert msw.FewRowsKernel.candidates(w, 2) == ("linear", "transposed", "blocks2", "blocks4")  # 8: 40-row blocks
+    assert msw.FewRowsKernel.candidates(w[:100], 2) == ("linear", "transposed")  # 50-row blocks are too small to pay
+    assert msw.FewRowsKernel.candidates(w[:100], 1) == ("linear", "transposed", "mv")  # W·x: one row only
     monkeypatch.setattr(msw.FewRowsKernel, "min_block_rows", 1)
-    kinds = msw.FewRowsKernel.candidates(w)
-    assert kinds == ("linear", "transposed", "blocks2", "blocks4", "blocks8")
-    assert msw.FewRowsKernel.candidates(w[:300]) == ("linear", "transposed", "blocks2", "blocks4")  # 300 rows: not 8
+    kinds = msw.FewRowsKernel.candidates(w, 1)
+    assert kinds == ("linear", "transposed", "blocks2", "blocks4", "blocks8", "mv")
+    assert msw.FewRowsKernel.candidates(w[:300], 2) == ("linear", "transposed", "blocks2", "blocks4")  # 300: not 8
     with torch.no_grad():
         for kind in kinds[2:]:
-            x = torch.randn(3, 208, generator=g)
-            got = msw.FewRowsKernel.product(x, wide, None, 3, kind)
+            rows = 1 if kind == "mv" else 3
+            x = torch.randn(rows, 208, generator=g)
+            got = msw.FewRowsKernel.product(x, wide, None, rows, kind)
             assert (got - F.linear(x, wide)).abs().max() <= 1e-6 * got.abs().max()
+            xb, wb = x.bfloat16(), wide.bfloat16()  # low precision: float32 accumulation, one rounding, as F.linear
+            got, exact = msw.FewRowsKernel.product(xb, wb, None, rows, kind), F.linear(xb.double(), wb.double())
+            assert got.dtype == torch.bfloat16 and (got.double() - exact).abs().max() <= 2 ** -8 * exact.abs().max()
     for kind in kinds:
         monkeypatch.setattr(msw.FewRowsKernel, "forced", kind)
         for shape in ((1, 208), (2, 208), (1, 2, 208), (3, 1, 208), (1, 1, 208), (1, 4, 208), (2, 1, 8, 208), (17, 208)):
@@ -183,8 +189,11 @@ def test_linear_forward_of_a_few_rows_equals_f_linear(monkeypatch):
         for rows in (1, 2, 8, 16, 17):
             msw.linear_forward(torch.randn(rows, 1, 208), w)  # up to 16 rows: the kernel that is faster here
         msw.linear_forward(torch.randn(2, 1, 40), layer.weight)  # a small weight: F.linear
-        msw.linear_forward(torch.randn(2, 208, dtype=torch.bfloat16), w.detach().bfloat16())  # bf16: F.linear
-    assert routed == [((320, 208), 1), ((320, 208), 2), ((320, 208), 8), ((320, 208), 16)]
+        msw.linear_forward(torch.randn(2, 208, dtype=torch.float64), w.detach().double())  # float64: F.linear
+        msw.linear_forward(torch.randn(2, 208, dtype=torch.bfloat16), w.detach().bfloat16())
+        msw.linear_forward(torch.randn(1, 208, dtype=torch.float16), w.detach().half())
+    assert routed == [((320, 208), 1), ((320, 208), 2), ((320, 208), 8), ((320, 208), 16), ((320, 208), 2),
+                      ((320, 208), 1)]
 
 
 def test_bf16_products_of_many_rows_run_in_float32_on_a_cpu_without_bf16_instructions(monkeypatch):
@@ -224,7 +233,7 @@ def test_few_rows_kernel_times_every_product_on_first_use_and_keeps_the_fastest(
 
     kernel, clock, threads = msw.FewRowsKernel(), [0.0], [2]
     cost = {  # seconds per call, by rows and product; 320 rows make blocks of 64+ rows in 2, 4 (not 8)
-        1: {"linear": 3.0, "transposed": 2.0, "blocks2": 2.5, "blocks4": 1.5},
+        1: {"linear": 3.0, "transposed": 2.0, "blocks2": 2.5, "blocks4": 1.5, "mv": 1.8},
         8: {"linear": 1.0, "transposed": 4.0, "blocks2": 4.0, "blocks4": 4.0},
         4: {"linear": 2.0, "transposed": 1.9, "blocks2": 2.2, "blocks4": 2.1},
     }
@@ -240,7 +249,7 @@ def test_few_rows_kernel_times_every_product_on_first_use_and_keeps_the_fastest(
     monkeypatch.setattr(msw.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads[0])
     w, kinds = torch.randn(320, 208), ["linear", "transposed", "blocks2", "blocks4"]
-    n = len(kinds) * kernel.trials
+    n = (len(kinds) + 1) * kernel.trials
     with torch.no_grad():
         for _ in range(n + 3):
             msw.linear_forward(torch.randn(1, 208), w)
@@ -256,11 +265,13 @@ def test_few_rows_kernel_times_every_product_on_first_use_and_keeps_the_fastest(
         finally:
             torch.use_deterministic_algorithms(deterministic)
     # After the trials a key that keeps F.linear calls it directly (not through `product`).
-    assert [k for r, k in ran[:-1] if r == 1] == kinds * kernel.trials + ["blocks4"] * 3  # the fastest, for 1 row
+    assert [k for r, k in ran[:-1] if r == 1] == (kinds + ["mv"]) * kernel.trials + ["blocks4"] * 3  # the fastest
     assert [k for r, k in ran[:-1] if r == 8] == kinds * kernel.trials  # x·Wᵀ for 8
     assert [k for r, k in ran if r == 4] == kinds * kernel.trials  # within the margin
-    assert kernel.chosen == {(320, 208, 1, 2): "blocks4", (320, 208, 8, 2): "linear", (320, 208, 4, 2): "linear"}
-    assert kernel.medians[320, 208, 4, 2] == pytest.approx(cost[4]) and ran[-1] == (1, "linear")
+    f32 = torch.float32
+    assert kernel.chosen == {(320, 208, 1, 2, f32): "blocks4", (320, 208, 8, 2, f32): "linear",
+                             (320, 208, 4, 2, f32): "linear"}
+    assert kernel.medians[320, 208, 4, 2, f32] == pytest.approx(cost[4]) and ran[-1] == (1, "linear")
 
 
 def test_few_rows_kernel_chooses_for_compile_decode_by_timing_over_the_weights_in_turn(monkeypatch):
@@ -271,7 +282,7 @@ def test_few_rows_kernel_chooses_for_compile_decode_by_timing_over_the_weights_i
     import spike_whale.modeling_spike_whale as msw
 
     kernel, clock, seen = msw.FewRowsKernel(), [0.0], []
-    cost = {"linear": 3.0, "transposed": 2.9, "blocks2": 2.0, "blocks4": 1.0}
+    cost = {"linear": 3.0, "transposed": 2.9, "blocks2": 2.0, "blocks4": 1.0, "mv": 2.5}
 
     def product(x, w, b, rows, kind):
         seen.append((w.data_ptr(), kind))
@@ -286,17 +297,17 @@ def test_few_rows_kernel_chooses_for_compile_decode_by_timing_over_the_weights_i
                         lambda x, w, *a: warm.append((w.data_ptr(), clock[0])) or linear(x, w, *a))
     assert kernel.choose(weights, 1) == "blocks4"
     assert warm == [(w.data_ptr(), 0.0) for w in weights]  # each weight read once, before any timing
-    assert len(seen) == 4 * kernel.trials and [p for p, _ in seen] == [w.data_ptr() for w in weights] * 12
-    assert kernel.choose(weights, 1) == "blocks4" and len(seen) == 4 * kernel.trials  # already timed
+    assert len(seen) == 5 * kernel.trials and [p for p, _ in seen] == [w.data_ptr() for w in weights] * 15
+    assert kernel.choose(weights, 1) == "blocks4" and len(seen) == 5 * kernel.trials  # already timed
     monkeypatch.setattr(kernel, "forced", "blocks8")
     assert kernel.choose(weights, 2) == "linear"  # 40-row blocks do not apply to 320 rows
     monkeypatch.setattr(kernel, "forced", "blocks2")
-    assert kernel.choose(weights, 2) == "blocks2" and len(seen) == 4 * kernel.trials
+    assert kernel.choose(weights, 2) == "blocks2" and len(seen) == 5 * kernel.trials
     monkeypatch.setattr(kernel, "forced", None)
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        assert kernel.choose(weights, 3) == "linear" and len(seen) == 4 * kernel.trials
+        assert kernel.choose(weights, 3) == "linear" and len(seen) == 5 * kernel.trials
     finally:
         torch.use_deterministic_algorithms(deterministic)
 
