@@ -1236,6 +1236,21 @@ class FewRowsKernel:
             y = y + bias
         return y.view(*x.shape[:-1], weight.shape[0])
 
+    @classmethod
+    def traced_product(cls, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
+        """The product named `kind` in a compiled graph, for any (symbolic) number of rows: row blocks as eagerly, and
+        W·x and (W·Xᵀ)ᵀ both as the first columns of W·[X; 0]ᵀ (a one-column GEMM takes the slow path F.linear's does:
+        bf16 [2048, 768] on a Xeon with AMX, 227 µs against 159 µs for two columns)."""
+        if kind in cls.blocks:
+            return cls.row_blocks_product(x, weight, bias, cls.blocks[kind])
+        if kind not in ("transposed", "mv"):
+            return F.linear(x, weight, bias)
+        x2 = x.reshape(-1, x.shape[-1])
+        y = torch.mm(weight, F.pad(x2, (0, 0, 0, 1)).t())[:, : x2.shape[0]].t()
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
     @staticmethod
     def row_blocks_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, s: int) -> torch.Tensor:
         """x·Wᵀ + b as one batched GEMM [s, rows, K] × [s, K, N/s] over s blocks of W's rows (views; x broadcast)."""
@@ -1280,17 +1295,17 @@ BF16_AS_FLOAT32_MIN_ROWS = 8
 
 
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   row_blocks: int = 0) -> torch.Tensor:
+                   compiled_product: str = "linear") -> torch.Tensor:
     """x·Wᵀ + b, as F.linear. Eagerly, a product of 1-`FEW_ROWS_MAX` rows with a plain float32, bf16 or float16
     row-major W of at least `FEW_ROWS_MIN_WEIGHT` elements on CPU (a decode step; a speculative verify chunk; an MTP
     verify step's `lm_head` product) runs through `FEW_ROWS_KERNEL`, the fastest of its equal products on this machine; a bf16 product of
     `BF16_AS_FLOAT32_MIN_ROWS`+ rows on a CPU without bf16 instructions runs in float32 and is rounded to bf16 once,
     the function of a native bf16 GEMM (float32 accumulation, one rounding). Under torch.compile inductor picks its
-    own GEMM, of the batched product over `row_blocks` blocks of W's rows where that is given (`compile_decode`)."""
+    own GEMM, of the product `compiled_product` names where that is given (`compile_decode`)."""
     # First: under compile a test of the (symbolic) row count would guard the graph on it, and dynamo cannot trace
     # the kernel's get_num_threads.
     if torch.compiler.is_compiling():
-        return FewRowsKernel.row_blocks_product(x, weight, bias, row_blocks) if row_blocks else F.linear(x, weight, bias)
+        return FewRowsKernel.traced_product(x, weight, bias, compiled_product)
     if not x.is_cpu or type(weight) not in (torch.Tensor, nn.Parameter):
         return F.linear(x, weight, bias)
     K = x.shape[-1]
@@ -1304,13 +1319,13 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 class SpikeWhaleLinear(nn.Linear):
-    """nn.Linear computed by `linear_forward` (same parameters and state dict); `row_blocks` is `compile_decode`'s
-    choice of product under torch.compile (0: F.linear)."""
+    """nn.Linear computed by `linear_forward` (same parameters and state dict); `compiled_product` is `compile_decode`'s
+    choice of product under torch.compile (a `FewRowsKernel` product; "linear": F.linear)."""
 
-    row_blocks = 0
+    compiled_product = "linear"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_forward(x, self.weight, self.bias, self.row_blocks)
+        return linear_forward(x, self.weight, self.bias, self.compiled_product)
 
 
 class SpikeWhaleMLP(InputProjectionFusion, nn.Module):
@@ -1587,7 +1602,7 @@ class PersistentDecodeWalk:
     (`TORCHINDUCTOR_CACHE_DIR`, by default /tmp/torchinductor_<user>); nothing is written next to the model. The key
     hashes the torch and Python versions, the source and module name of this package, the compile options, the
     thread count (CPU kernels specialise on it), every layer parameter's name, shape, stride, dtype and device, and
-    the Linears' `row_blocks`, since the stored guards cannot check what identity guards check in-process
+    the Linears' `compiled_product`, since the stored guards cannot check what identity guards check in-process
     (`stored_decode_guards`). A call runs the first stored graph whose guards pass, else compiles, stores and runs a new one (a new batch size, say).
     `options` and `compile_kwargs` are `torch.compile`'s (inductor backend; the walk is always one graph, `fullgraph`)."""
 
@@ -1602,7 +1617,7 @@ class PersistentDecodeWalk:
 
     @staticmethod
     def root() -> str:
-        """The folder of every stored walk (one subfolder per key) and of `row_blocks.json`."""
+        """The folder of every stored walk (one subfolder per key) and of `compiled_products.json`."""
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
         return os.path.join(cache_dir(), "spike_whale_decode")
@@ -1620,8 +1635,8 @@ class PersistentDecodeWalk:
         for name, p in model.layers.named_parameters():
             digest.update(repr((name, tuple(p.shape), p.stride(), p.dtype, p.device.type, type(p.data))).encode())
         for name, module in model.layers.named_modules():
-            if getattr(module, "row_blocks", 0):
-                digest.update(repr((name, module.row_blocks)).encode())
+            if getattr(module, "compiled_product", "linear") != "linear":
+                digest.update(repr((name, module.compiled_product)).encode())
         return digest.hexdigest()[:32]
 
     def __call__(self, *args):
@@ -2325,10 +2340,11 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
 
         It re-stores weights for the one-token GEMMs, with the same shapes and values (`state_dict` and
         `save_pretrained` are unchanged): each attention's projections of its input become one matrix
-        (`SpikeWhaleAttention.fuse_input_projections`). On CPU each float32 FFN weight and rank→hidden up-projection
-        is multiplied in the compiled walk as one batched GEMM over blocks of its rows, where `FEW_ROWS_KERNEL` times
-        that fastest for one row on this machine (`_choose_row_blocks`: timed on the first call, well under a second
-        for the 114M preset, and kept beside the stored walks for later processes), and is otherwise stored
+        (`SpikeWhaleAttention.fuse_input_projections`). On CPU each FFN weight and rank→hidden up-projection is
+        multiplied in the compiled walk by the product `FEW_ROWS_KERNEL` times fastest for one row on this machine
+        (`_choose_compiled_products`: timed on the first call, well under a second for the 114M preset, and kept
+        beside the stored walks for later processes): one batched GEMM over blocks of its rows, or (W·Xᵀ)ᵀ (bf16 on a
+        Xeon with AMX: ~1.5× F.linear's speed for one row); a float32 weight that keeps F.linear is stored
         column-major, which MKL reads 10-25% faster than row-major for a batch of a few rows. On CPU,
         `options={"cpp_wrapper": True}` trims the per-kernel dispatch further (4-9% faster at batch 1 in two
         benchmark runs) for about twice the compile time. On CPU inductor's pattern matcher is off unless some weight is
@@ -2340,7 +2356,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             for layer in self.model.layers:
                 layer.attn.fuse_input_projections(enable=False)  # fused again by the next eager no-grad forward
             for linear in self._column_major_linears():
-                vars(linear).pop("row_blocks", None)
+                vars(linear).pop("compiled_product", None)
             return
         reason = compile_blocker(self.model)
         if reason is not None:
@@ -2357,20 +2373,20 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             "scalar_asserts": False,
         }
         plain_weights = all(type(p.data) is torch.Tensor for p in self.parameters())  # not quantized (a subclass)
-        # Eager decoding fused the FFN's gate and up; the walk multiplies them by their own row blocks or re-stores
-        # them column-major, and nothing fuses them again while it is on (`SpikeWhaleModel._run_slots`).
+        # Eager decoding fused the FFN's gate and up; the walk multiplies them by their own chosen products or
+        # re-stores them column-major, and nothing fuses them again while it is on (`SpikeWhaleModel._run_slots`).
         for module in self.model.modules():
             if isinstance(module, SpikeWhaleMLP):
                 module.fuse_input_projections(enable=False)
         if self.device.type == "cpu":
-            self._choose_row_blocks(persistent)
+            self._choose_compiled_products(persistent)
             with torch.no_grad():
                 for linear in self._column_major_linears():
                     # float32 only, where MKL reads it faster. A quantized weight (a tensor subclass) keeps its own
                     # layout; a column-major bf16 weight runs ~28x slower than a row-major one on a CPU without bf16
-                    # instructions (one row against [2048, 768]: 6.7 against 0.23 ms). Row blocks stay row-major.
+                    # instructions (one row against [2048, 768]: 6.7 against 0.23 ms). Other products keep row-major.
                     if (type(linear.weight.data) is torch.Tensor and linear.weight.dtype == torch.float32
-                            and not getattr(linear, "row_blocks", 0)):
+                            and getattr(linear, "compiled_product", "linear") == "linear"):
                         linear.weight.data = linear.weight.data.t().contiguous().t()
             # Its attention rewrite swaps in a CPU SDPA kernel slower than the two small matmuls of one query; but it
             # also holds inductor's int8 weight-only lowering (`_weight_int8pack_mm`), so quantized (tensor-subclass)
@@ -2405,14 +2421,15 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             self.model._compiled_run = compiled_run
         self.model._compiled_for = (self.model.embed_tokens.weight.dtype, self.model.embed_tokens.weight.device)
 
-    def _choose_row_blocks(self, persistent: bool) -> None:
-        """Gives each SpikeWhaleLinear of `_column_major_linears` whose one-row product `FEW_ROWS_KERNEL` takes as a
-        batched GEMM over blocks of W's rows (timed on the model's weights, see `FewRowsKernel.choose`) that many
-        `row_blocks` for the compiled walk: with the 114M preset's FFN weights so compiled, 16 layers streamed them at
-        24 GB/s against 14 GB/s column-major (AVX2 EPYC, 2 threads); blocks of a column-major W ran at 9 GB/s.
-        `persistent`: the choices are kept in `row_blocks.json` beside the stored walks and reused by later processes,
-        whose stored walk (keyed on them) would otherwise be compiled again after a near-tie timed the other way."""
-        path = os.path.join(PersistentDecodeWalk.root(), "row_blocks.json") if persistent else None
+    def _choose_compiled_products(self, persistent: bool) -> None:
+        """Gives each SpikeWhaleLinear of `_column_major_linears` the product `FEW_ROWS_KERNEL` takes for one row (timed
+        on the model's weights, see `FewRowsKernel.choose`) as its `compiled_product` in the compiled walk: with the
+        114M preset's float32 FFN weights multiplied by blocks of their rows, 16 layers streamed them at 24 GB/s
+        against 14 GB/s column-major (AVX2 EPYC, 2 threads; blocks of a column-major W ran at 9 GB/s).
+        `persistent`: the choices are kept in `compiled_products.json` beside the stored walks and reused by later
+        processes, whose stored walk (keyed on them) would otherwise be compiled again after a near-tie timed the
+        other way."""
+        path = os.path.join(PersistentDecodeWalk.root(), "compiled_products.json") if persistent else None
         stored: dict[str, str] = {}
         if path is not None and os.path.exists(path):
             with contextlib.suppress(OSError, ValueError), open(path) as f:
@@ -2421,14 +2438,14 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         groups: dict[tuple[int, ...], list[nn.Linear]] = {}
         for linear in self._column_major_linears():
             w = linear.weight
-            if (isinstance(linear, SpikeWhaleLinear) and type(w.data) is torch.Tensor and w.dtype == torch.float32
+            if (isinstance(linear, SpikeWhaleLinear) and type(w.data) is torch.Tensor and w.dtype in FEW_ROWS_DTYPES
                     and w.is_contiguous() and w.numel() >= FEW_ROWS_MIN_WEIGHT):
-                groups.setdefault(tuple(w.shape), []).append(linear)
+                groups.setdefault((*w.shape, w.dtype), []).append(linear)
         with torch.no_grad():
             for linears in groups.values():
                 kind = FEW_ROWS_KERNEL.choose([lin.weight for lin in linears], 1, stored)
                 for linear in linears:
-                    linear.row_blocks = FewRowsKernel.blocks.get(kind, 0)
+                    linear.compiled_product = kind
         if path is not None and stored != before:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             partial = f"{path}.{uuid.uuid4().hex}"

@@ -388,7 +388,7 @@ def test_the_walk_compiles_without_graph_breaks():
 
 def test_compile_decode_multiplies_by_row_blocks_where_the_few_row_kernel_takes_them(monkeypatch):
     """Where `FEW_ROWS_KERNEL` takes a one-row product as the batched GEMM over blocks of W's rows (forced here, for
-    every weight), `compile_decode` gives the FFN and rank→hidden SpikeWhaleLinears that many `row_blocks` and keeps
+    every weight), `compile_decode` gives the FFN and rank→hidden SpikeWhaleLinears that `compiled_product` and keeps
     their weights row-major, and the compiled walk multiplies by those blocks, with eager decoding's ids and logits;
     `enable=False` clears the choice."""
     monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
@@ -409,22 +409,57 @@ def test_compile_decode_multiplies_by_row_blocks_where_the_few_row_kernel_takes_
         eager = model.generate(ids, **kw)
         model.compile_decode(backend=backend)
         try:
-            assert ffn.gate_proj.row_blocks == ffn.down_proj.row_blocks == attn.o_b_proj.row_blocks == 2
+            assert ffn.gate_proj.compiled_product == ffn.down_proj.compiled_product == attn.o_b_proj.compiled_product \
+                == "blocks2"
             assert ffn.gate_proj.weight.is_contiguous() and attn.o_b_proj.weight.is_contiguous()
             assert attn.mc.o_proj.weight.stride() == (1, attn.mc.o_proj.weight.shape[0])  # nn.Linear: column-major
             compiled = model.generate(ids, **kw)
         finally:
             model.compile_decode(enable=False)
-    assert ffn.gate_proj.row_blocks == 0 and "row_blocks" not in vars(ffn.gate_proj)
+    assert ffn.gate_proj.compiled_product == "linear" and "compiled_product" not in vars(ffn.gate_proj)
     blocked = [n.args[1] for gm in graphs for n in gm.graph.nodes if n.target is torch.bmm]
     assert graphs and len(blocked) >= 5 * len(model.model.layers)  # q_b, o_b, gate, up, down in every layer
     assert torch.equal(eager.sequences, compiled.sequences)
     assert max(float((a - b).abs().max()) for a, b in zip(eager.logits, compiled.logits)) <= TOL
 
 
+def test_compile_decode_multiplies_bf16_weights_first_where_the_few_row_kernel_takes_w_x(monkeypatch):
+    """bf16 weights whose one-row product `FEW_ROWS_KERNEL` takes as W·x (forced here; on a Xeon with AMX it is ~1.5×
+    F.linear's speed): the compiled walk multiplies them as (W·Xᵀ)ᵀ for any number of rows, keeps them row-major,
+    and decodes eager bf16's logits within bf16 rounding (the kernels sum in different orders)."""
+    monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
+    monkeypatch.setattr(msw.FewRowsKernel, "forced", "mv")
+    torch._dynamo.reset()
+    f32 = tiny_model(seed=4)
+    model = type(f32)._from_config(f32.config, dtype=torch.bfloat16).eval()
+    model.load_state_dict(f32.state_dict())
+    graphs = []
+
+    def backend(gm, example_inputs, **kwargs):
+        graphs.append(gm)
+        return gm.forward
+
+    ids, mask = batch(seed=6)
+    eager = decode_logits(model, ids, mask, prefill=L + 1).float()
+    attn, ffn = model.model.layers[0].attn, model.model.layers[0].ffn
+    model.compile_decode(backend=backend)
+    try:
+        assert ffn.gate_proj.compiled_product == ffn.down_proj.compiled_product == attn.o_b_proj.compiled_product \
+            == "mv"
+        assert ffn.gate_proj.weight.is_contiguous() and attn.o_b_proj.weight.is_contiguous()
+        compiled = decode_logits(model, ids, mask, prefill=L + 1).float()
+    finally:
+        model.compile_decode(enable=False)
+    weight_first = [n for gm in graphs for n in gm.graph.nodes if n.target is torch.mm]
+    assert graphs and len(weight_first) >= 5 * len(model.model.layers)  # q_b, o_b, gate, up, down in every layer
+    assert compiled.dtype == eager.dtype and compiled.shape == eager.shape
+    valid = mask.bool()
+    assert float((compiled - eager)[valid].abs().max()) <= 2 ** -5 * float(eager[valid].abs().max())
+
+
 def test_compile_decode_keeps_its_row_block_choices_for_later_processes(monkeypatch, tmp_path):
     """The compiled walk's row blocks are timed once per torch, CPU model, thread count and weight shape: the first
-    `compile_decode` writes them to `row_blocks.json` in torch's cache directory, and a later process (a fresh
+    `compile_decode` writes them to `compiled_products.json` in torch's cache directory, and a later process (a fresh
     kernel that has timed nothing) takes them from there without timing, so its stored walk's key is the same;
     `persistent=False` neither reads nor writes it."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
@@ -438,11 +473,11 @@ def test_compile_decode_keeps_its_row_block_choices_for_later_processes(monkeypa
     gate = model.model.layers[0].ffn.gate_proj
     try:
         model.compile_decode()
-        assert gate.row_blocks == 4 and first.medians  # timed, and blocks of 4 were the fastest
+        assert gate.compiled_product == "blocks4" and first.medians  # timed, and blocks of 4 were the fastest
         key = msw.PersistentDecodeWalk.key(model.model, {}, {})
     finally:
         model.compile_decode(enable=False)
-    path = tmp_path / "spike_whale_decode" / "row_blocks.json"
+    path = tmp_path / "spike_whale_decode" / "compiled_products.json"
     stored = json.loads(path.read_text())
     assert set(stored.values()) == {"blocks4"} and all(msw.cpu_model() in name for name in stored)
     later = msw.FewRowsKernel()
@@ -450,7 +485,7 @@ def test_compile_decode_keeps_its_row_block_choices_for_later_processes(monkeypa
     monkeypatch.setattr(later, "product", lambda *a: pytest.fail("a stored choice is timed again"))
     try:
         model.compile_decode()
-        assert gate.row_blocks == 4 and not later.medians
+        assert gate.compiled_product == "blocks4" and not later.medians
         assert msw.PersistentDecodeWalk.key(model.model, {}, {}) == key
     finally:
         model.compile_decode(enable=False)
@@ -476,7 +511,7 @@ def test_row_block_choices_leave_no_partial_file_when_writing_fails(monkeypatch,
 
     monkeypatch.setattr(msw.json, "dump", full_disk)
     with pytest.raises(OSError, match="No space"):
-        tiny_model(seed=4)._choose_row_blocks(persistent=True)
+        tiny_model(seed=4)._choose_compiled_products(persistent=True)
     assert list((tmp_path / "spike_whale_decode").iterdir()) == []
 
 

@@ -381,7 +381,7 @@ def test_short_cached_chunks_take_the_short_chunk_kernels_and_equal_the_general_
     with monkeypatch.context() as general:
         general.setattr(msw.SpikeWhaleAttention, "few_queries", 1)
         general.setattr(msw.MemoryCacheBranch, "short_chunk", 0)
-        general.setattr(msw, "linear_forward", lambda x, w, b=None, row_blocks=0: F.linear(x, w, b))
+        general.setattr(msw, "linear_forward", lambda x, w, b=None, compiled_product="linear": F.linear(x, w, b))
         kernel_queries.clear(), running.clear()
         slow = chunked()
         assert set(kernel_queries) == {1} and running == []
@@ -427,7 +427,7 @@ def test_one_token_decode_through_the_few_row_kernel_equals_a_full_recompute(mon
     assert float((torch.cat(got, 1) - full).abs().max()) <= 1e-5 * float(full.abs().max())
     greedy = model.generate(ids[:, :9], max_new_tokens=12, do_sample=False)
     with monkeypatch.context() as general:
-        general.setattr(msw, "linear_forward", lambda x, w, b=None, row_blocks=0: F.linear(x, w, b))
+        general.setattr(msw, "linear_forward", lambda x, w, b=None, compiled_product="linear": F.linear(x, w, b))
         assert torch.equal(greedy, model.generate(ids[:, :9], max_new_tokens=12, do_sample=False))
 
 
