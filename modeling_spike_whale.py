@@ -741,6 +741,8 @@ class HyperConnection(nn.Module):
 
     def pre_op(self, X: torch.Tensor) -> torch.Tensor:
         w = _as(torch.softmax(self.pre_logits, 0, dtype=torch.float32), X.dtype)
+        if X.shape[1] == 2:  # X₀ + w₁(X₁ − X₀), the weights summing to 1: one pass, where a K=2 GEMM is 2-5× slower
+            return torch.lerp(X[:, 0], X[:, 1], w[1])
         return torch.matmul(w, X.flatten(2)).view(X.shape[0], *X.shape[2:])
 
     def post_op(self, X: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ KNOBS = {
     "engram_fusion": (dict(engram_fusion_layers=[1, 2], engram_fusion_dim=16), {}),
     "value_embed": (dict(use_value_embed=True), {}),
     "hyper_connections_off": (dict(use_hyper_connections=False), {}),
+    "hc_mult_3": (dict(hc_mult=3), {}),
     "qk_norm_off": (dict(use_qk_norm=False), {}),
     "xsa_off": (dict(use_xsa=False), {}),
     "fractal_gamma_half": (dict(fractal_rope_gamma=0.5), {}),

@@ -6,7 +6,7 @@ from conftest import open_gates, tiny_model
 from safetensors import safe_open
 
 from spike_whale import SpikeWhaleCache, SpikeWhaleConfig, SpikeWhaleForCausalLM, SpikeWhaleLM
-from spike_whale.modeling_spike_whale import rope_inv_freq
+from spike_whale.modeling_spike_whale import HyperConnection, rope_inv_freq
 
 # Per-layer names the blueprint marks certain (architecture.md §2.1), relative to model.layers.{i}.
 CERTAIN_LAYER_KEYS = {
@@ -110,6 +110,27 @@ def test_memory_cache_matches_card_equations(seq_len):
         ref = _reference_memory_cache(mc, u, model.config.mc_segment_len)
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-6)
     assert fast.abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("streams", [2, 3])
+def test_hyper_connection_reads_the_softmax_weighted_sum_of_its_streams(streams):
+    """pre: h = Σ_j softmax(a)_j X_j for any number of streams (two take X₀ + w₁(X₁ − X₀), one pass), gradients
+    included; post: X_j + b_j · out."""
+    g = torch.Generator().manual_seed(streams)
+    hc = HyperConnection(streams)
+    with torch.no_grad():
+        hc.pre_logits.copy_(torch.randn(streams, generator=g))
+        hc.post_scale.copy_(torch.randn(streams, generator=g))
+    X = torch.randn(2, streams, 5, 8, generator=g, requires_grad=True)
+    got = hc.pre_op(X)
+    want = torch.einsum("j,bjsh->bsh", torch.softmax(hc.pre_logits, 0), X)
+    assert got.shape == want.shape and (got - want).abs().max() <= 1e-6
+    r = torch.randn(want.shape, generator=g)
+    for a, b in zip(torch.autograd.grad((got * r).sum(), (X, hc.pre_logits)),
+                    torch.autograd.grad((want * r).sum(), (X, hc.pre_logits))):
+        assert (a - b).abs().max() <= 1e-6
+    out = torch.randn(2, 5, 8, generator=g)
+    assert torch.allclose(hc.post_op(X, out), X + hc.post_scale.view(1, -1, 1, 1) * out[:, None], atol=1e-6)
 
 
 def test_every_gated_mechanism_changes_the_output():
