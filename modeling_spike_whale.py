@@ -1240,9 +1240,9 @@ class FewRowsKernel:
 
     @classmethod
     def traced_product(cls, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
-        """The product named `kind` in a compiled graph, for any (symbolic) number of rows: row blocks as eagerly, and
-        W·x and (W·Xᵀ)ᵀ both as the first columns of W·[X; 0]ᵀ (a one-column GEMM takes the slow path F.linear's does:
-        bf16 [2048, 768] on a Xeon with AMX, 227 µs against 159 µs for two columns)."""
+        """The product named `kind` in a compiled graph, for any (symbolic) number of rows: row blocks as eagerly,
+        and W·x and (W·Xᵀ)ᵀ both as the first columns of W·[X; 0]ᵀ (a one-column GEMM takes the slow path that
+        F.linear's does: bf16 [2048, 768] on a Xeon with AMX, 227 µs against 159 µs for two columns)."""
         if kind in cls.blocks:
             return cls.row_blocks_product(x, weight, bias, cls.blocks[kind])
         if kind not in ("transposed", "mv"):
@@ -1300,9 +1300,9 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    compiled_product: str = "linear") -> torch.Tensor:
     """x·Wᵀ + b, as F.linear. Eagerly, a product of 1-`FEW_ROWS_MAX` rows with a plain float32, bf16 or float16
     row-major W of at least `FEW_ROWS_MIN_WEIGHT` elements on CPU (a decode step; a speculative verify chunk; an MTP
-    verify step's `lm_head` product) runs through `FEW_ROWS_KERNEL`, the fastest of its equal products on this machine; a bf16 product of
-    `BF16_AS_FLOAT32_MIN_ROWS`+ rows on a CPU without bf16 instructions runs in float32 and is rounded to bf16 once,
-    the function of a native bf16 GEMM (float32 accumulation, one rounding). Under torch.compile inductor picks its
+    verify step's `lm_head` product) runs through `FEW_ROWS_KERNEL`, the fastest of its equal products on this
+    machine; a bf16 product of `BF16_AS_FLOAT32_MIN_ROWS`+ rows on a CPU without bf16 instructions runs in float32
+    and is rounded to bf16 once, the function of a native bf16 GEMM (float32 accumulation, one rounding). Under torch.compile inductor picks its
     own GEMM, of the product `compiled_product` names where that is given (`compile_decode`)."""
     # First: under compile a test of the (symbolic) row count would guard the graph on it, and dynamo cannot trace
     # the kernel's get_num_threads.
