@@ -58,6 +58,26 @@ def test_bf16_cached_decode_equals_bf16_recompute():
     assert (steps.float() - full.float()).abs().max() <= 8 * 2**-7 * full.float().abs().max()
 
 
+@pytest.mark.parametrize("kind", ["mv", "transposed"])
+def test_bf16_decode_through_the_few_row_products_equals_bf16_recompute(monkeypatch, kind):
+    """bf16 decode steps whose products take `FEW_ROWS_KERNEL`'s W·x or (W·xᵀ)ᵀ (forced for every weight, for the
+    test; bf16 one-row products pick them by timing) keep greedy decoding's ids and equal a bf16 recompute (F.linear)
+    within the same tolerance as F.linear's own steps."""
+    import spike_whale.modeling_spike_whale as msw
+
+    monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
+    monkeypatch.setattr(msw.FewRowsKernel, "forced", kind)
+    ran, product = [], msw.FewRowsKernel.product
+    monkeypatch.setattr(msw.FewRowsKernel, "product",
+                        staticmethod(lambda x, w, b, rows, k: ran.append((w.dtype, k)) or product(x, w, b, rows, k)))
+    model = bf16_twin(tiny_model(seed=4))
+    ids = prompt()
+    assert torch.equal(greedy(model, ids, True), greedy(model, ids, False))
+    steps, full = stepwise_logits(model, greedy(model, ids, True), prefill=5)
+    assert (torch.bfloat16, kind) in ran and (torch.float32, kind) in ran  # and the float32 Memory-Cache products
+    assert (steps.float() - full.float()).abs().max() <= 8 * 2**-7 * full.float().abs().max()
+
+
 def test_bf16_padded_batch_cached_equals_recompute():
     model = bf16_twin(tiny_model(seed=5))
     ids = prompt(batch=2)
