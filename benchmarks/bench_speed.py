@@ -22,6 +22,11 @@ Rows (`--rows` picks a subset):
   compile_cost   the first compiled decode step in a fresh process loading the same model, after this one
                  compiled it (torch's persistent compile caches)
   roofline       stream-style copy bandwidth, and bytes read per decoded token x tok/s as a fraction of it
+  cache          whether the loop's weight reuse is served from cache here: the rate at which the model's own
+                 one-row product (`linear_forward`, float32 and bf16, [2048, 768] weights) streams distinct weights
+                 from working sets of 16 MB to 1 GB (the reported L3 may be shared: this is the part a process gets),
+                 and the time of each loop pass of a batch-1 eager decode step, float32 and bf16 (passes 2 and 3 re-read
+                 pass 1's blocks, so they are faster only where those stay cached)
 
 Decode tok/s = generated tokens / time between the first and the last decode step of greedy `generate` (prefill
 excluded, generate's per-step overhead included). Compile time (the first steps of a compiled twin) is reported
@@ -52,7 +57,7 @@ from spike_whale import SpikeWhaleForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_ROWS = ("eager", "compiled", "bf16", "bf16_compiled", "int8", "int8_compiled", "prefill", "prefill_long",
-            "compile_cost", "roofline")
+            "compile_cost", "roofline", "cache")
 QUICK_ROWS = ("eager", "compiled", "bf16", "int8", "prefill", "compile_cost", "roofline")
 TARGETS = {"eager": 1.0, "compiled": 1.3, "bf16": 1.5, "bf16_compiled": 1.5, "int8": 2.0, "int8_compiled": 2.0,
            "prefill": 0.9,
@@ -95,6 +100,55 @@ def copy_bandwidth(mib: int = 512, repeats: int = 5) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t)
     return 2 * src.nbytes / best
+
+
+def streaming_rates(dtype: torch.dtype, sizes_mb=(16, 64, 128, 256, 512, 1024), shape=(2048, 768)) -> dict:
+    """GB/s at which `linear_forward` (the model's one-row product, `FewRowsKernel` included) reads distinct weights of
+    `shape` cycled over each working-set size (best pass of several; the kernel's choice is timed first)."""
+    from spike_whale.modeling_spike_whale import linear_forward
+
+    per = shape[0] * shape[1] * torch.finfo(dtype).bits // 8
+    rates = {}
+    with torch.no_grad():
+        x = torch.randn(1, shape[1]).to(dtype)
+        for mb in sizes_mb:
+            weights = [torch.randn(shape).to(dtype) for _ in range(max(1, mb * 10**6 // per))]
+            for w in weights * 2:
+                linear_forward(x, w)
+            best = float("inf")
+            for _ in range(max(3, 2048 // mb)):
+                t = time.perf_counter()
+                for w in weights:
+                    linear_forward(x, w)
+                best = min(best, time.perf_counter() - t)
+            rates[mb] = len(weights) * per / best / 1e9
+            del weights
+    return rates
+
+
+def pass_times(model, ids: torch.Tensor, steps: int) -> list[float]:
+    """Median ms of each run of the loop plan (`walk_run`: the loop passes) over `steps` batch-1 eager decode steps."""
+    import spike_whale.modeling_spike_whale as msw
+
+    walk, runs = msw.walk_run, []
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        out = walk(*args, **kwargs)
+        runs[-1].append(1000 * (time.perf_counter() - t))
+        return out
+
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+        msw.walk_run = timed
+        try:
+            for _ in range(steps):
+                runs.append([])
+                token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        finally:
+            msw.walk_run = walk
+    return [statistics.median(step[i] for step in runs) for i in range(len(runs[0]))]
 
 
 def bytes_per_token(model, context: int) -> int:
@@ -378,6 +432,10 @@ def main(argv=None) -> int:
         print(f"compile cost, fresh process: {res}", flush=True)
 
     bandwidth = copy_bandwidth() if "roofline" in rows_on else None
+    if "cache" in rows_on:
+        for dtype, model in (("float32", spike), ("bfloat16", twin(spike, torch.bfloat16))):
+            notes[f"cache_pass_ms_{dtype}"] = pass_times(model, prompt_ids(1), 32)
+            notes[f"cache_streaming_gb_s_{dtype}"] = streaming_rates(getattr(torch, dtype))
     load_after = os.getloadavg()
     tmp.cleanup()
 
@@ -412,7 +470,8 @@ def main(argv=None) -> int:
                 notes[f"roofline_{row}_b{batch}_{name}"] = {"bytes_per_token": b, "fraction": b * tok_s / bandwidth}
 
     print()
-    print(f"{'path':<40}{'measure':>14}{'spike_whale':>13}{'anchor':>11}{'ratio':>8}{'target':>8}")
+    if table:
+        print(f"{'path':<40}{'measure':>14}{'spike_whale':>13}{'anchor':>11}{'ratio':>8}{'target':>8}")
     for t in table:
         print(f"{t['path']:<40}{t['measure']:>14}{t['spike_whale']:>13.2f}{t['anchor']:>11.2f}"
               f"{t['ratio']:>7.2f}x{'≥ ' + format(t['target'], '.2g') + 'x' if t['target'] else '':>8}"
@@ -439,6 +498,13 @@ def main(argv=None) -> int:
             v = notes[key]
             print(f"{key}: {v['bytes_per_token'] / 1e6:.0f} MB read per token, {100 * v['fraction']:.0f}% of the "
                   "copy-bandwidth roofline")
+    for dtype in ("float32", "bfloat16"):
+        if f"cache_pass_ms_{dtype}" in notes:
+            passes = notes[f"cache_pass_ms_{dtype}"]
+            rates = notes[f"cache_streaming_gb_s_{dtype}"]
+            print(f"cache, {dtype}: loop passes of a batch-1 eager decode step "
+                  + " / ".join(f"{ms:.1f}" for ms in passes) + " ms (median of 32 steps); one-row products stream "
+                  + ", ".join(f"{rate:.0f} GB/s at {mb} MB" for mb, rate in rates.items()) + f" (reported L3 {cpu['l3']})")
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
 
     result = {
