@@ -1161,9 +1161,10 @@ class FewRowsKernel:
     min_block_rows = 64
 
     def __init__(self):
-        self.chosen: dict[tuple[int, ...], str] = {}
-        self.medians: dict[tuple[int, ...], dict[str, float]] = {}  # seconds per call, by product
-        self.timings: dict[tuple[int, ...], dict[str, list[float]]] = {}
+        # Keyed by (*weight shape, rows, threads, dtype).
+        self.chosen: dict[tuple, str] = {}
+        self.medians: dict[tuple, dict[str, float]] = {}  # seconds per call, by product
+        self.timings: dict[tuple, dict[str, list[float]]] = {}
 
     @classmethod
     def candidates(cls, weight: torch.Tensor, rows: int) -> tuple[str, ...]:
@@ -2437,7 +2438,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             with contextlib.suppress(OSError, ValueError), open(path) as f:
                 stored = dict(json.load(f))
         before = dict(stored)
-        groups: dict[tuple[int, ...], list[nn.Linear]] = {}
+        groups: dict[tuple, list[nn.Linear]] = {}  # by (*weight shape, dtype)
         for linear in self._column_major_linears():
             w = linear.weight
             if (isinstance(linear, SpikeWhaleLinear) and type(w.data) is torch.Tensor and w.dtype in FEW_ROWS_DTYPES
