@@ -741,7 +741,7 @@ class HyperConnection(nn.Module):
 
     def pre_op(self, X: torch.Tensor) -> torch.Tensor:
         w = _as(torch.softmax(self.pre_logits, 0, dtype=torch.float32), X.dtype)
-        if X.shape[1] == 2:  # X₀ + w₁(X₁ − X₀), the weights summing to 1: one pass, where a K=2 GEMM is 2-5× slower
+        if X.shape[1] == 2:  # X₀ + w₁(X₁ − X₀), the weights summing to 1: one pass, where a K=2 GEMM is 1.3-5× slower
             return torch.lerp(X[:, 0], X[:, 1], w[1])
         return torch.matmul(w, X.flatten(2)).view(X.shape[0], *X.shape[2:])
 
@@ -1145,8 +1145,8 @@ class FewRowsKernel:
     AVX2 EPYC the GEMV is as fast); and x·Wᵀ as one batched GEMM over s blocks of W's rows ("blocks2/4/8"), whose
     blocks MKL streams on separate threads where its GEMV of one row keeps to one (AVX2 EPYC, 2 threads, W cold:
     14-27 GB/s against F.linear's 8-17 for the 114M model's products); and, for one row, W·x as a matrix-vector
-    product ("mv": on a Xeon with AMX, 2 threads, bf16 W streamed at 10-12 GB/s through F.linear and 15-19 through
-    torch.mv, while float32 runs at ~23 GB/s either way). The winner differs between CPUs, dtypes, row counts and
+    product ("mv": on a Xeon with AMX, 2 threads, the 114M model's bf16 one-row products ran 1.2-1.6× faster through
+    torch.mv than through F.linear, e.g. [2048, 768] 174 against 266 µs, while float32 ran as fast either way). The winner differs between CPUs, dtypes, row counts and
     thread counts. The first `trials` calls of each candidate per key take turns on the model's own weights,
     timed where they run, so W is as cold as in a decode step; another product wins from then on only if its median
     is below `margin` × F.linear's: per-call times on a shared machine scatter by about 10%, so a near-tie keeps the
@@ -1192,23 +1192,29 @@ class FewRowsKernel:
         timings[kind].append(time.perf_counter() - start)
         if all(len(t) == self.trials for t in timings.values()):
             medians = self.medians[key] = {k: statistics.median(t) for k, t in timings.items()}
-            best = min(medians, key=medians.get)
-            self.chosen[key] = best if medians[best] < self.margin * medians["linear"] else "linear"
+            self.chosen[key] = self._fastest(medians, medians)
             del self.timings[key]
         return y
 
+    def _fastest(self, medians: dict[str, float], kinds) -> str:
+        """The product of `kinds` with the lowest median, where that is below `margin` × F.linear's; else F.linear."""
+        best = min(kinds, key=medians.get)
+        return best if medians[best] < self.margin * medians["linear"] else "linear"
+
     def choose(self, weights: list[torch.Tensor], rows: int, stored: dict[str, str] | None = None) -> str:
-        """The product taken for `rows` rows by these weights (of one shape), timed now where it has not been yet:
-        the trials take turns over the weights, so that each is as cold as in a decode step (`compile_decode`).
-        `stored` (product by torch version, CPU model and key) answers a key timed in an earlier process and
-        takes this one's, so that a choice made once stays made (single timings scatter)."""
+        """The product a compiled walk takes for `rows` rows by these weights (of one shape; `compile_decode`): the
+        fastest of those it can trace (`traced_product`; not W·x, which has no form for a symbolic row count), timed
+        now where the key has not been yet, the trials taking turns over the weights so that each is as cold as in a
+        decode step. `stored` (product by torch version, CPU model and key) answers a key timed in an earlier
+        process and takes this one's, so that a choice made once stays made (single timings scatter)."""
+        kinds = [k for k in self.candidates(weights[0], rows) if k != "mv"]
         if self.forced is not None:
-            return self.forced if self.forced in self.candidates(weights[0], rows) else "linear"
+            return self.forced if self.forced in kinds else "linear"
         if torch.are_deterministic_algorithms_enabled():
             return "linear"
         key = (*weights[0].shape, rows, torch.get_num_threads(), weights[0].dtype)
         name = f"torch {torch.__version__} | {cpu_model()} | " + " ".join(map(str, key))
-        if stored is not None and stored.get(name) in self.candidates(weights[0], rows):
+        if stored is not None and stored.get(name) in kinds:
             return stored[name]
         x = weights[0].new_zeros(rows, weights[0].shape[1])
         for weight in weights:  # untimed: a weight's first read may fault its pages in (a model just loaded)
@@ -1217,9 +1223,10 @@ class FewRowsKernel:
             if key in self.chosen:
                 break
             self(x, weight, None, rows)
+        kind = self._fastest(self.medians[key], kinds)
         if stored is not None:
-            stored[name] = self.chosen[key]
-        return self.chosen[key]
+            stored[name] = kind
+        return kind
 
     @classmethod
     def product(cls, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, kind: str):
@@ -1241,12 +1248,12 @@ class FewRowsKernel:
 
     @classmethod
     def traced_product(cls, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
-        """The product named `kind` in a compiled graph, for any (symbolic) number of rows: row blocks as eagerly,
-        and W·x and (W·Xᵀ)ᵀ both as the first columns of W·[X; 0]ᵀ (a one-column GEMM takes the slow path that
-        F.linear's does: bf16 [2048, 768] on a Xeon with AMX, 227 µs against 159 µs for two columns)."""
+        """The product named `kind` (not "mv") in a compiled graph, for any (symbolic) number of rows: row blocks as
+        eagerly, and (W·Xᵀ)ᵀ as the first columns of W·[X; 0]ᵀ, as eagerly for one row (a one-column GEMM takes the
+        slow path that F.linear's does: bf16 [2048, 768] on a Xeon with AMX, 227 µs against 159 µs for two columns)."""
         if kind in cls.blocks:
             return cls.row_blocks_product(x, weight, bias, cls.blocks[kind])
-        if kind not in ("transposed", "mv"):
+        if kind != "transposed":
             return F.linear(x, weight, bias)
         x2 = x.reshape(-1, x.shape[-1])
         y = torch.mm(weight, F.pad(x2, (0, 0, 0, 1)).t())[:, : x2.shape[0]].t()

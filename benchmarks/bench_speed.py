@@ -104,7 +104,8 @@ def copy_bandwidth(mib: int = 512, repeats: int = 5) -> float:
 
 def streaming_rates(dtype: torch.dtype, sizes_mb=(16, 64, 128, 256, 512, 1024), shape=(2048, 768)) -> dict:
     """GB/s at which `linear_forward` (the model's one-row product, `FewRowsKernel` included) reads distinct weights of
-    `shape` cycled over each working-set size (best pass of several; the kernel's choice is timed first)."""
+    `shape` cycled over each working-set size (the best of several passes, so the kernel's first-call trials of other
+    products do not count)."""
     from spike_whale.modeling_spike_whale import linear_forward
 
     per = shape[0] * shape[1] * torch.finfo(dtype).bits // 8

@@ -302,7 +302,7 @@ def test_few_rows_kernel_chooses_for_compile_decode_by_timing_over_the_weights_i
     import spike_whale.modeling_spike_whale as msw
 
     kernel, clock, seen = msw.FewRowsKernel(), [0.0], []
-    cost = {"linear": 3.0, "transposed": 2.9, "blocks2": 2.0, "blocks4": 1.0, "mv": 2.5}
+    cost = {"linear": 3.0, "transposed": 2.9, "blocks2": 2.0, "blocks4": 1.0, "mv": 0.5}  # W·x: eager only
 
     def product(x, w, b, rows, kind):
         seen.append((w.data_ptr(), kind))
@@ -319,6 +319,9 @@ def test_few_rows_kernel_chooses_for_compile_decode_by_timing_over_the_weights_i
     assert warm == [(w.data_ptr(), 0.0) for w in weights]  # each weight read once, before any timing
     assert len(seen) == 5 * kernel.trials and [p for p, _ in seen] == [w.data_ptr() for w in weights] * 15
     assert kernel.choose(weights, 1) == "blocks4" and len(seen) == 5 * kernel.trials  # already timed
+    assert kernel.chosen[(320, 208, 1, torch.get_num_threads(), torch.float32)] == "mv"  # eager decoding's choice
+    monkeypatch.setattr(kernel, "forced", "mv")
+    assert kernel.choose(weights, 1) == "linear"  # no traced form
     monkeypatch.setattr(kernel, "forced", "blocks8")
     assert kernel.choose(weights, 2) == "linear"  # 40-row blocks do not apply to 320 rows
     monkeypatch.setattr(kernel, "forced", "blocks2")
