@@ -802,15 +802,20 @@ def decode_attention(q, k, v, mask):
     """softmax(q·kᵀ/√hd)·v for a few queries per row, each KV head's query group read at once (no K/V repeat):
     the softmax kernel of decode steps and short chunks (eager CPU SDPA takes twice as long for one query per row at
     batch 8, and with a mask transformers' SDPA path copies every K/V head for its group; `compile_decode` keeps
-    inductor from rewriting this back into its CPU SDPA kernel). mask: [B|1, 1, S, N] bool or None."""
+    inductor from rewriting this back into its CPU SDPA kernel). On CPU bf16 and float16 are read in float32, as
+    CPU SDPA computes them: oneDNN's bf16 batched GEMM of these few-row shapes, a new kernel for each cache length,
+    made the 114M preset's call 100-210 µs against 51-84 µs cast to float32 (Xeon with AMX, 2 threads, 264-1,100
+    cached tokens). mask: [B|1, 1, S, N] bool or None."""
     B, nh, S, hd = q.shape
-    kvh = k.shape[1]
+    kvh, dtype = k.shape[1], v.dtype
+    if q.is_cpu and dtype in (torch.bfloat16, torch.float16):
+        q, k, v = q.float(), k.float(), v.float()
     scores = torch.matmul(q.reshape(B, kvh, nh // kvh * S, hd), k.transpose(-1, -2)).float() / math.sqrt(hd)
     if mask is not None:
         N = scores.shape[-1]
         scores = scores.view(B, kvh, nh // kvh, S, N).masked_fill(~mask[:, :, None], float("-inf")).view(B, kvh, -1, N)
     probs = _as(torch.softmax(scores, -1), v.dtype)
-    return torch.matmul(probs, v).view(B, nh, S, hd)
+    return _as(torch.matmul(probs, v).view(B, nh, S, hd), dtype)
 
 
 def _visible(mask, is_causal, S: int, N: int, device) -> torch.Tensor:
@@ -1146,8 +1151,11 @@ class FewRowsKernel:
     blocks MKL streams on separate threads where its GEMV of one row keeps to one (AVX2 EPYC, 2 threads, W cold:
     14-27 GB/s against F.linear's 8-17 for the 114M model's products); and, for one row, W·x as a matrix-vector
     product ("mv": on a Xeon with AMX, 2 threads, the 114M model's bf16 one-row products ran 1.2-1.6× faster through
-    torch.mv than through F.linear, e.g. [2048, 768] 174 against 266 µs, while float32 ran as fast either way). The winner differs between CPUs, dtypes, row counts and
-    thread counts. The first `trials` calls of each candidate per key take turns on the model's own weights,
+    torch.mv than through F.linear, e.g. [2048, 768] 174 against 266 µs, while float32 ran as fast either way). A
+    weight-only int8 weight (`weight_only_int8`) with bf16 rows has two: F.linear, which torchao runs eagerly as its
+    whole weight converted to bf16 and a GEMM, and `torch._weight_int8pack_mm` ("int8pack"), the kernel inductor
+    lowers the same product to (Xeon with AMX, [2048, 768]: 38 against 270 µs for one row, 155 against 284 for 8,
+    300 against 269 for 16). The winner differs between CPUs, dtypes, row counts and thread counts. The first `trials` calls of each candidate per key take turns on the model's own weights,
     timed where they run, so W is as cold as in a decode step; another product wins from then on only if its median
     is below `margin` × F.linear's: per-call times on a shared machine scatter by about 10%, so a near-tie keeps the
     standard kernel. `medians` keeps every candidate's median per key (diagnostics). `forced` (a product's name;
@@ -1161,15 +1169,17 @@ class FewRowsKernel:
     min_block_rows = 64
 
     def __init__(self):
-        # Keyed by (*weight shape, rows, threads, dtype).
+        # Keyed by (*weight shape, rows, threads, dtype of the stored elements: int8 for a weight-only int8 weight).
         self.chosen: dict[tuple, str] = {}
         self.medians: dict[tuple, dict[str, float]] = {}  # seconds per call, by product
         self.timings: dict[tuple, dict[str, list[float]]] = {}
 
     @classmethod
     def candidates(cls, weight: torch.Tensor, rows: int) -> tuple[str, ...]:
-        """F.linear first, then the products that apply to this weight (blocks of `min_block_rows`+ whole rows) and
-        this many rows (W·x: one)."""
+        """F.linear first, then the products that apply to this weight (blocks of `min_block_rows`+ whole rows; int8
+        weights: int8pack alone) and this many rows (W·x: one)."""
+        if weight_only_int8(weight):
+            return ("linear", "int8pack")
         N = weight.shape[0]
         blocks = (k for k, s in cls.blocks.items() if N % s == 0 and N // s >= cls.min_block_rows)
         return ("linear", "transposed", *blocks, *(("mv",) if rows == 1 else ()))
@@ -1178,7 +1188,7 @@ class FewRowsKernel:
         if self.forced is not None:
             kind = self.forced if self.forced in self.candidates(weight, rows) else "linear"
             return self.product(x, weight, bias, rows, kind)
-        key = (*weight.shape, rows, torch.get_num_threads(), weight.dtype)
+        key = self.key(weight, rows)
         kind = self.chosen.get(key)
         # F.linear first and without another call: it is the choice for many keys, and this runs ~580 times a step.
         if kind == "linear" or torch.are_deterministic_algorithms_enabled():
@@ -1212,7 +1222,7 @@ class FewRowsKernel:
             return self.forced if self.forced in kinds else "linear"
         if torch.are_deterministic_algorithms_enabled():
             return "linear"
-        key = (*weights[0].shape, rows, torch.get_num_threads(), weights[0].dtype)
+        key = self.key(weights[0], rows)
         name = f"torch {torch.__version__} | {cpu_model()} | " + " ".join(map(str, key))
         if stored is not None and stored.get(name) in kinds:
             return stored[name]
@@ -1228,6 +1238,11 @@ class FewRowsKernel:
             stored[name] = kind
         return kind
 
+    @staticmethod
+    def key(weight: torch.Tensor, rows: int) -> tuple:
+        dtype = torch.int8 if weight_only_int8(weight) else weight.dtype
+        return (*weight.shape, rows, torch.get_num_threads(), dtype)
+
     @classmethod
     def product(cls, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, kind: str):
         """x·Wᵀ + b by the product named `kind` (see the class)."""
@@ -1236,7 +1251,9 @@ class FewRowsKernel:
         if kind in cls.blocks:
             return cls.row_blocks_product(x, weight, bias, cls.blocks[kind])
         K = x.shape[-1]
-        if kind == "mv":
+        if kind == "int8pack":  # torchao's y = (x·qᵀ)·s with s rounded to x's dtype, accumulated in float32
+            y = torch._weight_int8pack_mm(x.reshape(rows, K), weight.qdata, weight.scale.reshape(-1).to(x.dtype))
+        elif kind == "mv":
             y = torch.mv(weight, x.reshape(K))
         elif rows == 1:  # column 0 of W·[x; 0]ᵀ
             y = torch.mm(weight, F.pad(x.reshape(1, K), (0, 0, 0, 1)).t())[:, 0].contiguous()
@@ -1275,6 +1292,16 @@ class FewRowsKernel:
 FEW_ROWS_KERNEL = FewRowsKernel()
 
 
+def weight_only_int8(weight: torch.Tensor) -> bool:
+    """Whether `weight` is an int8 weight with one scale per output row and float activations: torchao's
+    `Int8WeightOnlyConfig`, through transformers' `TorchAoConfig`, whose product is y = (x·qᵀ)·s."""
+    q = getattr(weight, "qdata", None)
+    return (isinstance(q, torch.Tensor) and q.dtype == torch.int8 and q.dim() == 2 and q.is_contiguous()
+            and getattr(weight, "act_quant_kwargs", True) is None and getattr(weight, "act_pre_scale", True) is None
+            and list(getattr(weight, "block_size", ())) == [1, q.shape[1]]
+            and getattr(weight, "scale", None) is not None and weight.scale.numel() == q.shape[0])
+
+
 @functools.cache
 def cpu_model() -> str:
     """The CPU's model name (Linux: /proc/cpuinfo), else `platform.processor()`."""
@@ -1309,17 +1336,23 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """x·Wᵀ + b, as F.linear. Eagerly, a product of 1-`FEW_ROWS_MAX` rows with a plain float32, bf16 or float16
     row-major W of at least `FEW_ROWS_MIN_WEIGHT` elements on CPU (a decode step; a speculative verify chunk; an MTP
     verify step's `lm_head` product) runs through `FEW_ROWS_KERNEL`, the fastest of its equal products on this
-    machine; a bf16 product of `BF16_AS_FLOAT32_MIN_ROWS`+ rows on a CPU without bf16 instructions runs in float32
+    machine, as does a product of bf16 rows with a weight-only int8 W (`weight_only_int8`); a bf16 product of
+    `BF16_AS_FLOAT32_MIN_ROWS`+ rows on a CPU without bf16 instructions runs in float32
     and is rounded to bf16 once, the function of a native bf16 GEMM (float32 accumulation, one rounding). Under torch.compile inductor picks its
     own GEMM, of the product `compiled_product` names where that is given (`compile_decode`)."""
     # First: under compile a test of the (symbolic) row count would guard the graph on it, and dynamo cannot trace
     # the kernel's get_num_threads.
     if torch.compiler.is_compiling():
         return FewRowsKernel.traced_product(x, weight, bias, compiled_product)
-    if not x.is_cpu or type(weight) not in (torch.Tensor, nn.Parameter):
+    if not x.is_cpu:
         return F.linear(x, weight, bias)
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
+    if type(weight) not in (torch.Tensor, nn.Parameter):
+        if (0 < rows <= FEW_ROWS_MAX and x.dtype == torch.bfloat16 and weight.numel() >= FEW_ROWS_MIN_WEIGHT
+                and weight_only_int8(weight)):
+            return FEW_ROWS_KERNEL(x, weight, bias, rows)
+        return F.linear(x, weight, bias)
     if rows >= BF16_AS_FLOAT32_MIN_ROWS and x.dtype == weight.dtype == torch.bfloat16 and not cpu_has_native_bf16():
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
     if not (0 < rows <= FEW_ROWS_MAX and x.dtype == weight.dtype and x.dtype in FEW_ROWS_DTYPES
@@ -1580,10 +1613,14 @@ def compile_blocker(model: "SpikeWhaleModel") -> str | None:
 def compiled_decode_guards(entries) -> list[bool]:
     """The dynamo guards `compile_decode` keeps: all but those on built-in modules (`nn.Linear`, ...) and the tensor
     checks of module parameters, which only change when the model is re-typed or moved (`SpikeWhaleModel._run_slots`
-    checks that itself) or its weights are replaced; guards on structure, the slot states and the inputs all stay."""
+    checks that itself) or its weights are replaced; guards on structure, the slot states and the inputs all stay.
+    A quantized parameter (a tensor subclass: torchao's int8) keeps its type check but not the checks of its
+    metadata, which call its `__tensor_flatten__` in Python on every call (114M int8, 2 threads: ~4 ms of a ~63 ms
+    step in dynamo's cache lookup)."""
     return [
         not (e.orig_guard.source.is_unspecialized_builtin_nn_module()
-             or (e.guard_type == "TENSOR_MATCH" and "._parameters[" in e.name))
+             or (e.guard_type in ("TENSOR_MATCH", "TENSOR_SUBCLASS_METADATA_MATCH", "EQUALS_MATCH")
+                 and "._parameters[" in e.name))
         for e in entries
     ]
 

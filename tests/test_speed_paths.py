@@ -8,6 +8,7 @@ import importlib.util
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from packaging import version
 
@@ -56,6 +57,26 @@ def test_bf16_cached_decode_equals_bf16_recompute():
     steps, full = stepwise_logits(model, greedy(model, ids, True), prefill=5)
     # bf16: a few roundings of the largest logit, as `spike-whale verify --dtype bf16` allows
     assert (steps.float() - full.float()).abs().max() <= 8 * 2**-7 * full.float().abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_decode_attention_reads_in_float32_on_cpu(dtype):
+    """On CPU a bf16/float16 decode step's softmax attention is computed from its inputs in float32 and rounded
+    once, as CPU SDPA computes them (oneDNN's bf16 batched GEMMs of these shapes were the slower kernel), with and
+    without a mask; it matches float32 SDPA over the same rounded inputs."""
+    import spike_whale.modeling_spike_whale as msw
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, s, 16, generator=g).to(dtype) for n, s in ((6, 3), (2, 37), (2, 37)))
+    mask = torch.ones(2, 1, 3, 37, dtype=torch.bool).tril(34)
+    mask[1, ..., :5] = False
+    for m in (None, mask):
+        got = msw.decode_attention(q, k, v, m)
+        assert got.dtype == dtype
+        assert torch.equal(got, msw.decode_attention(q.float(), k.float(), v.float(), m).to(dtype))
+        ref = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(3, 1),
+                                             v.float().repeat_interleave(3, 1), attn_mask=m)
+        assert (got.float() - ref).abs().max() <= 2 * torch.finfo(dtype).eps * ref.abs().max()
 
 
 @pytest.mark.parametrize("kind", ["mv", "transposed"])
@@ -549,17 +570,64 @@ def test_int8_weight_only_with_bf16_activations_keeps_float32_parts_and_decodes_
 
 
 @pytest.mark.skipif(torchao_missing, reason="torchao is not installed (the optional `int8` extra)")
+def test_int8_few_row_product_is_torchaos_product_and_decodes_exactly(tmp_path, monkeypatch):
+    """Eager bf16 rows by a weight-only int8 weight: `FEW_ROWS_KERNEL`'s candidates are F.linear (torchao's own
+    product) and `_weight_int8pack_mm`, which computes the same y = (x·qᵀ)·s up to bf16 rounding; forced for every
+    weight, decode keeps greedy ids and equals its int8 recompute within bf16's tolerance. Plain weights are not
+    int8, and their keys stay apart from an int8 weight's of the same shape."""
+    import spike_whale.modeling_spike_whale as msw
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    tiny_model(seed=7).save_pretrained(tmp_path)
+    model = SpikeWhaleForCausalLM.from_pretrained(
+        tmp_path, quantization_config=TorchAoConfig(Int8WeightOnlyConfig()), dtype=torch.bfloat16
+    ).eval()
+    linear = model.model.layers[0].ffn.gate_proj
+    w = linear.weight
+    plain = torch.randn(w.shape, dtype=torch.bfloat16)
+    assert msw.weight_only_int8(w) and not msw.weight_only_int8(plain)
+    assert msw.FewRowsKernel.candidates(w, 1) == ("linear", "int8pack")
+    assert msw.FewRowsKernel.key(w, 1) != msw.FewRowsKernel.key(plain, 1)
+    for rows in (1, 3):
+        x = torch.randn(rows, 1, w.shape[1], dtype=torch.bfloat16)
+        with torch.no_grad():
+            ref = F.linear(x, w).float()
+            got = msw.FewRowsKernel.product(x, w, None, rows, "int8pack")
+        assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+        assert (got.float() - ref).abs().max() <= 4 * 2**-8 * ref.abs().max()
+
+    monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
+    monkeypatch.setattr(msw.FewRowsKernel, "forced", "int8pack")
+    ran, product = [], msw.FewRowsKernel.product
+    monkeypatch.setattr(msw.FewRowsKernel, "product",
+                        staticmethod(lambda x, w, b, rows, k: ran.append(k) or product(x, w, b, rows, k)))
+    ids = prompt()
+    cached = greedy(model, ids, True)
+    assert "int8pack" in ran
+    assert torch.equal(cached, greedy(model, ids, False))
+    steps, full = stepwise_logits(model, cached, prefill=5)
+    assert (steps.float() - full.float()).abs().max() <= 8 * 2**-7 * full.float().abs().max()
+
+
+@pytest.mark.skipif(torchao_missing, reason="torchao is not installed (the optional `int8` extra)")
 @pytest.mark.skipif(
     version.parse(transformers.__version__) < version.parse("5.24"),
     reason="transformers < 5.24 refuses assisted decoding with a compileable cache, so compile_config does not "
     "apply to the loop-slot cache there",
 )
-def test_int8_weight_only_decodes_through_compile_config(tmp_path):
+def test_int8_weight_only_decodes_through_compile_config(tmp_path, monkeypatch):
     """compile_config with a torchao int8 model: compile_decode leaves the quantized weights' layout alone (re-storing
-    them column-major raised NotImplementedError for `aten.t`) and the compiled step gives the eager int8 ids."""
+    them column-major raised NotImplementedError for `aten.t`) and the compiled step gives the eager int8 ids. The
+    graph's guards check each quantized parameter's type but not its metadata (a Python `__tensor_flatten__` per
+    weight per call)."""
+    import spike_whale.modeling_spike_whale as msw
     from torchao.quantization import Int8WeightOnlyConfig
     from transformers import CompileConfig, TorchAoConfig
 
+    kept, keep = [], msw.compiled_decode_guards
+    monkeypatch.setattr(msw, "compiled_decode_guards",
+                        lambda entries: [kept.append(e) or k if k else k for e, k in zip(entries, keep(entries))])
     tiny_model(seed=7).save_pretrained(tmp_path)
     model = SpikeWhaleForCausalLM.from_pretrained(
         tmp_path, quantization_config=TorchAoConfig(Int8WeightOnlyConfig())
@@ -571,3 +639,6 @@ def test_int8_weight_only_decodes_through_compile_config(tmp_path):
                                   do_sample=False, pad_token_id=0, compile_config=CompileConfig(backend="eager"))
     assert model.model._compiled_run is not None
     assert torch.equal(compiled, eager)
+    on_weights = {e.guard_type for e in kept if "._parameters['weight']" in e.name}
+    assert "TYPE_MATCH" in on_weights and kept
+    assert not on_weights & {"TENSOR_MATCH", "TENSOR_SUBCLASS_METADATA_MATCH", "EQUALS_MATCH"}, on_weights
