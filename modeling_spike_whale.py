@@ -10,11 +10,11 @@ recompute, a prefill and any mix of multi-token decode steps compute the same fu
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import glob
 import hashlib
-import itertools
 import json
 import math
 import os
@@ -1172,6 +1172,7 @@ class FewRowsKernel:
         # Keyed by (*weight shape, rows, threads, dtype of the stored elements: int8 for a weight-only int8 weight).
         self.chosen: dict[tuple, str] = {}
         self.medians: dict[tuple, dict[str, float]] = {}  # seconds per call, by product
+        self.walk_medians: dict[tuple, dict[str, float]] = {}  # the same, timed for a compiled walk (`choose`)
         self.timings: dict[tuple, dict[str, list[float]]] = {}
 
     @classmethod
@@ -1211,32 +1212,63 @@ class FewRowsKernel:
         best = min(kinds, key=medians.get)
         return best if medians[best] < self.margin * medians["linear"] else "linear"
 
-    def choose(self, weights: list[torch.Tensor], rows: int, stored: dict[str, str] | None = None) -> str:
-        """The product a compiled walk takes for `rows` rows by these weights (of one shape; `compile_decode`): the
-        fastest of those it can trace (`traced_product`; not W·x, which has no form for a symbolic row count), timed
-        now where the key has not been yet, the trials taking turns over the weights so that each is as cold as in a
-        decode step. `stored` (product by torch version, CPU model and key) answers a key timed in an earlier
-        process and takes this one's, so that a choice made once stays made (single timings scatter)."""
-        kinds = [k for k in self.candidates(weights[0], rows) if k != "mv"]
+    def choose(self, weights: list[torch.Tensor], rows: int, stored: dict[str, str] | None = None,
+               walk: list[torch.Tensor] | None = None) -> list[str]:
+        """The product a compiled walk takes for `rows` rows by each of `weights` (`compile_decode`): per key, the
+        fastest of those it can trace (`traced_product`; not W·x, which has no form for a symbolic row count),
+        timed now (`time_in_walk_order`) where no earlier call has. `stored` (product by torch version, CPU model
+        and key) answers a key timed in an earlier process and takes this one's, so that a choice made once stays
+        made (single timings scatter)."""
+        kinds = [[k for k in self.candidates(w, rows) if k != "mv"] for w in weights]
         if self.forced is not None:
-            return self.forced if self.forced in kinds else "linear"
+            return [self.forced if self.forced in ks else "linear" for ks in kinds]
         if torch.are_deterministic_algorithms_enabled():
-            return "linear"
-        key = self.key(weights[0], rows)
-        name = f"torch {torch.__version__} | {cpu_model()} | " + " ".join(map(str, key))
-        if stored is not None and stored.get(name) in kinds:
-            return stored[name]
-        x = weights[0].new_zeros(rows, weights[0].shape[1])
-        for weight in weights:  # untimed: a weight's first read may fault its pages in (a model just loaded)
-            F.linear(x, weight)
-        for weight in itertools.cycle(weights):
-            if key in self.chosen:
-                break
-            self(x, weight, None, rows)
-        kind = self._fastest(self.medians[key], kinds)
-        if stored is not None:
-            stored[name] = kind
-        return kind
+            return ["linear"] * len(weights)
+        keys = [self.key(w, rows) for w in weights]
+        names = [f"torch {torch.__version__} | {cpu_model()} | walk order | " + " ".join(map(str, k)) for k in keys]
+        known = {k for k, n, ks in zip(keys, names, kinds) if stored is not None and stored.get(n) in ks}
+        pending = {k: ks for k, ks in zip(keys, kinds) if k not in known and k not in self.walk_medians}
+        if pending:
+            self.time_in_walk_order(weights, pending, rows, walk)
+        chosen = []
+        for key, name, ks in zip(keys, names, kinds):
+            kind = stored[name] if key in known else self._fastest(self.walk_medians[key], ks)
+            if stored is not None:
+                stored[name] = kind
+            chosen.append(kind)
+        return chosen
+
+    def time_in_walk_order(self, weights: list[torch.Tensor], kinds: dict[tuple, list[str]], rows: int,
+                           walk: list[torch.Tensor] | None) -> None:
+        """Times the products `kinds` names per key on `weights` as a compiled decode step runs them, into
+        `walk_medians`: in rounds over `walk` (the weights a step reads, in its order; by default `weights`), each
+        round one product per key for all its weights and every other weight read untimed by F.linear, so that each
+        product finds its weight as cold as in a step and follows its own kind. Timed otherwise the choice came
+        out wrong on a Xeon with AMX (~100 MB of usable cache, 2 threads): over one shape's 16 weights alone (50 MB of
+        bf16 FFN, warm), or with the products alternating call by call (as eager trials do), F.linear tied
+        (W·xᵀ)ᵀ (237 against 238 µs), which in the compiled step ran 174 against 240 µs and the step 1.12× faster."""
+        timed = {id(w): self.key(w, rows) for w in weights}
+        timed = {i: key for i, key in timed.items() if key in kinds}
+        counts = collections.Counter(timed.values())
+        read = {id(w) for w in walk or ()}
+        walk = [*(walk or ()), *(w for w in weights if id(w) not in read)]
+        inputs = {(w.shape[1], w.dtype): w.new_zeros(rows, w.shape[1]) for w in walk}
+        for weight in walk:  # untimed: a weight's first read may fault its pages in (a model just loaded)
+            F.linear(inputs[weight.shape[1], weight.dtype], weight)
+        per_kind = max(2, *(-(-self.trials // n) for n in counts.values()))  # rounds per product, each key ≥ trials
+        times = {k: {kind: [] for kind in ks} for k, ks in kinds.items()}
+        for r in range(per_kind * max(map(len, kinds.values()))):
+            for weight in walk:
+                x, key = inputs[weight.shape[1], weight.dtype], timed.get(id(weight))
+                if key is None:
+                    F.linear(x, weight)
+                    continue
+                kind = kinds[key][r % len(kinds[key])]
+                start = time.perf_counter()
+                self.product(x, weight, None, rows, kind)
+                times[key][kind].append(time.perf_counter() - start)
+        for key, by_kind in times.items():
+            self.walk_medians[key] = {kind: statistics.median(t) for kind, t in by_kind.items() if t}
 
     @staticmethod
     def key(weight: torch.Tensor, rows: int) -> tuple:
@@ -2482,17 +2514,17 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             with contextlib.suppress(OSError, ValueError), open(path) as f:
                 stored = dict(json.load(f))
         before = dict(stored)
-        groups: dict[tuple, list[nn.Linear]] = {}  # by (*weight shape, dtype)
-        for linear in self._column_major_linears():
-            w = linear.weight
-            if (isinstance(linear, SpikeWhaleLinear) and type(w.data) is torch.Tensor and w.dtype in FEW_ROWS_DTYPES
-                    and w.is_contiguous() and w.numel() >= FEW_ROWS_MIN_WEIGHT):
-                groups.setdefault((*w.shape, w.dtype), []).append(linear)
+        linears = [lin for lin in self._column_major_linears()
+                   if isinstance(lin, SpikeWhaleLinear) and type(lin.weight.data) is torch.Tensor
+                   and lin.weight.dtype in FEW_ROWS_DTYPES and lin.weight.is_contiguous()
+                   and lin.weight.numel() >= FEW_ROWS_MIN_WEIGHT]
+        # What a decode step reads between two reads of one of them: every plain weight of the layers, in order.
+        walk = [m.weight for m in self.model.layers.modules() if isinstance(m, nn.Linear)
+                and type(m.weight.data) is torch.Tensor and m.weight.dtype.is_floating_point]
         with torch.no_grad():
-            for linears in groups.values():
-                kind = FEW_ROWS_KERNEL.choose([lin.weight for lin in linears], 1, stored)
-                for linear in linears:
-                    linear.compiled_product = kind
+            kinds = FEW_ROWS_KERNEL.choose([lin.weight for lin in linears], 1, stored, walk)
+        for linear, kind in zip(linears, kinds):
+            linear.compiled_product = kind
         if path is not None and stored != before:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             partial = f"{path}.{uuid.uuid4().hex}"

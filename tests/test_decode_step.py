@@ -473,7 +473,7 @@ def test_compile_decode_keeps_its_row_block_choices_for_later_processes(monkeypa
     gate = model.model.layers[0].ffn.gate_proj
     try:
         model.compile_decode()
-        assert gate.compiled_product == "blocks4" and first.medians  # timed, and blocks of 4 were the fastest
+        assert gate.compiled_product == "blocks4" and first.walk_medians  # timed, and blocks of 4 were the fastest
         key = msw.PersistentDecodeWalk.key(model.model, {}, {})
     finally:
         model.compile_decode(enable=False)
@@ -485,7 +485,7 @@ def test_compile_decode_keeps_its_row_block_choices_for_later_processes(monkeypa
     monkeypatch.setattr(later, "product", lambda *a: pytest.fail("a stored choice is timed again"))
     try:
         model.compile_decode()
-        assert gate.compiled_product == "blocks4" and not later.medians
+        assert gate.compiled_product == "blocks4" and not later.walk_medians
         assert msw.PersistentDecodeWalk.key(model.model, {}, {}) == key
     finally:
         model.compile_decode(enable=False)
@@ -493,7 +493,7 @@ def test_compile_decode_keeps_its_row_block_choices_for_later_processes(monkeypa
     monkeypatch.setattr(later, "product", lambda x, w, b, rows, kind: torch.nn.functional.linear(x, w, b))
     try:
         model.compile_decode(persistent=False)
-        assert later.medians and not path.exists()
+        assert later.walk_medians and not path.exists()
     finally:
         model.compile_decode(enable=False)
 

@@ -315,15 +315,16 @@ def test_few_rows_kernel_times_every_product_on_first_use_and_keeps_the_fastest(
     assert kernel.medians[320, 208, 4, 2, f32] == pytest.approx(cost[4]) and ran[-1] == (1, "linear")
 
 
-def test_few_rows_kernel_chooses_for_compile_decode_by_timing_over_the_weights_in_turn(monkeypatch):
-    """`FewRowsKernel.choose` (what `compile_decode` asks) times a key's products where eager decoding has not yet,
-    after one untimed F.linear per weight (a model just loaded from a memory-mapped file would otherwise time its
-    page faults: the 114M FFN products all came out F.linear in such a process), taking turns over the given weights
-    so each is read cold; a key already timed, `forced` and deterministic algorithms are answered without timing."""
+def test_few_rows_kernel_chooses_for_compile_decode_by_timing_in_rounds(monkeypatch):
+    """`FewRowsKernel.choose` (what `compile_decode` asks) times a key's traceable products (not W·x) after one
+    untimed F.linear per weight (a model just loaded from a memory-mapped file would otherwise time its page faults:
+    the 114M FFN products all came out F.linear in such a process), in rounds of one product for all the key's
+    weights, each key at least `trials` times per product; eager decoding's own choices are left alone, and a key
+    already timed, `forced` and deterministic algorithms are answered without timing."""
     import spike_whale.modeling_spike_whale as msw
 
     kernel, clock, seen = msw.FewRowsKernel(), [0.0], []
-    cost = {"linear": 3.0, "transposed": 2.9, "blocks2": 2.0, "blocks4": 1.0, "mv": 0.5}  # W·x: eager only
+    cost = {"linear": 3.0, "transposed": 2.9, "blocks2": 2.0, "blocks4": 1.0, "mv": 0.5}
 
     def product(x, w, b, rows, kind):
         seen.append((w.data_ptr(), kind))
@@ -336,24 +337,67 @@ def test_few_rows_kernel_chooses_for_compile_decode_by_timing_over_the_weights_i
     warm, linear = [], torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear",
                         lambda x, w, *a: warm.append((w.data_ptr(), clock[0])) or linear(x, w, *a))
-    assert kernel.choose(weights, 1) == "blocks4"
+    assert kernel.choose(weights, 1) == ["blocks4"] * 3
     assert warm == [(w.data_ptr(), 0.0) for w in weights]  # each weight read once, before any timing
-    assert len(seen) == 5 * kernel.trials and [p for p, _ in seen] == [w.data_ptr() for w in weights] * 15
-    assert kernel.choose(weights, 1) == "blocks4" and len(seen) == 5 * kernel.trials  # already timed
-    assert kernel.chosen[(320, 208, 1, torch.get_num_threads(), torch.float32)] == "mv"  # eager decoding's choice
+    kinds = ["linear", "transposed", "blocks2", "blocks4"]  # 3 rounds each: 3 weights × 3 ≥ 9 trials
+    assert seen == [(w.data_ptr(), kinds[r % 4]) for r in range(12) for w in weights]
+    assert kernel.choose(weights, 1) == ["blocks4"] * 3 and len(seen) == 36  # already timed
+    assert kernel.chosen == {} and kernel.walk_medians[(320, 208, 1, torch.get_num_threads(), torch.float32)] == {
+        k: pytest.approx(cost[k]) for k in kinds}
     monkeypatch.setattr(kernel, "forced", "mv")
-    assert kernel.choose(weights, 1) == "linear"  # no traced form
+    assert kernel.choose(weights, 1) == ["linear"] * 3  # no traced form
     monkeypatch.setattr(kernel, "forced", "blocks8")
-    assert kernel.choose(weights, 2) == "linear"  # 40-row blocks do not apply to 320 rows
+    assert kernel.choose(weights, 2) == ["linear"] * 3  # 40-row blocks do not apply to 320 rows
     monkeypatch.setattr(kernel, "forced", "blocks2")
-    assert kernel.choose(weights, 2) == "blocks2" and len(seen) == 5 * kernel.trials
+    assert kernel.choose(weights, 2) == ["blocks2"] * 3 and len(seen) == 36
     monkeypatch.setattr(kernel, "forced", None)
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        assert kernel.choose(weights, 3) == "linear" and len(seen) == 5 * kernel.trials
+        assert kernel.choose(weights, 3) == ["linear"] * 3 and len(seen) == 36
     finally:
         torch.use_deterministic_algorithms(deterministic)
+
+
+def test_few_rows_kernel_times_compiled_choices_in_walk_order(monkeypatch):
+    """With a `walk` (every weight a decode step reads, in order) the rounds run over it, the other weights read
+    untimed by F.linear between the timed ones, so each product finds its weight as cold as in a decode step (timed
+    over one shape's weights alone, or alternating products call by call, bf16 FFN weights gave F.linear a tie with
+    the product that ran the compiled step 1.12× faster). Each weight gets its own key's choice; `stored` answers
+    and keeps choices by key."""
+    import spike_whale.modeling_spike_whale as msw
+
+    kernel, clock, seen = msw.FewRowsKernel(), [0.0], []
+    cost = {(320, "linear"): 3.0, (320, "transposed"): 2.0, (320, "blocks2"): 2.9, (320, "blocks4"): 2.8,
+            (208, "linear"): 1.0, (208, "transposed"): 2.0, (208, "blocks2"): 2.5}
+
+    def product(x, w, b, rows, kind):
+        seen.append((w.data_ptr(), kind))
+        clock[0] += cost[w.shape[0], kind]
+        return x @ w.t()
+
+    monkeypatch.setattr(kernel, "product", product)
+    monkeypatch.setattr(msw.time, "perf_counter", lambda: clock[0])
+    up = [torch.randn(320, 208) for _ in range(2)]
+    down = [torch.randn(208, 320) for _ in range(2)]
+    other = [torch.randn(64, 208), torch.randn(208, 64, dtype=torch.bfloat16)]
+    walk = [up[0], other[0], down[0], up[1], other[1], down[1]]
+    read, linear = [], torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda x, w, *a: read.append(w.data_ptr()) or linear(x, w, *a))
+    stored = {}
+    assert kernel.choose([up[0], down[0], up[1], down[1]], 1, stored, walk) == [
+        "transposed", "linear", "transposed", "linear"]
+    assert read[:6] == [w.data_ptr() for w in walk]  # the untimed first reads
+    up_kinds, down_kinds = ["linear", "transposed", "blocks2", "blocks4"], ["linear", "transposed", "blocks2"]
+    # 2 weights per key: 5 rounds per product for 9 trials; the key with 4 products sets the count, 20 rounds
+    assert seen == [(w.data_ptr(), kinds[r % len(kinds)]) for r in range(20)
+                    for w, kinds in ((up[0], up_kinds), (down[0], down_kinds), (up[1], up_kinds), (down[1], down_kinds))]
+    assert read.count(other[0].data_ptr()) == read.count(other[1].data_ptr()) == 1 + 20  # read every round
+    assert sorted(stored.values()) == ["linear", "transposed"] and all("walk order" in n for n in stored)
+    fresh = msw.FewRowsKernel()
+    monkeypatch.setattr(fresh, "product", product)
+    assert fresh.choose(down, 1, stored) == ["linear", "linear"] and len(seen) == 80  # answered by `stored`
 
 
 def test_linear_forward_traces_into_one_graph_for_every_row_count():
