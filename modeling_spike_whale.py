@@ -1155,8 +1155,8 @@ class FewRowsKernel:
     weight-only int8 weight (`weight_only_int8`) with bf16 rows has two: F.linear, which torchao runs eagerly as its
     whole weight converted to bf16 and a GEMM, and `torch._weight_int8pack_mm` ("int8pack"), the kernel inductor
     lowers the same product to (Xeon with AMX, [2048, 768]: 38 against 270 µs for one row, 155 against 284 for 8,
-    300 against 269 for 16). The winner differs between CPUs, dtypes, row counts and thread counts. The first `trials` calls of each candidate per key take turns on the model's own weights,
-    timed where they run, so W is as cold as in a decode step; another product wins from then on only if its median
+    300 against 269 for 16). The winner differs between CPUs, dtypes, row counts and thread counts. The first
+    `trials` calls of each candidate per key take turns on the model's own weights, timed where they run, so W is as cold as in a decode step; another product wins from then on only if its median
     is below `margin` × F.linear's: per-call times on a shared machine scatter by about 10%, so a near-tie keeps the
     standard kernel. `medians` keeps every candidate's median per key (diagnostics). `forced` (a product's name;
     F.linear where it does not apply) skips the timing; under `torch.use_deterministic_algorithms(True)` F.linear
@@ -1225,7 +1225,9 @@ class FewRowsKernel:
         if torch.are_deterministic_algorithms_enabled():
             return ["linear"] * len(weights)
         keys = [self.key(w, rows) for w in weights]
-        names = [f"torch {torch.__version__} | {cpu_model()} | walk order | " + " ".join(map(str, k)) for k in keys]
+        # "timed in walk rounds": choices timed otherwise (earlier releases) are timed again
+        names = [f"torch {torch.__version__} | {cpu_model()} | timed in walk rounds | " + " ".join(map(str, k))
+                 for k in keys]
         known = {k for k, n, ks in zip(keys, names, kinds) if stored is not None and stored.get(n) in ks}
         pending = {k: ks for k, ks in zip(keys, kinds) if k not in known and k not in self.walk_medians}
         if pending:
@@ -1272,7 +1274,8 @@ class FewRowsKernel:
 
     @staticmethod
     def key(weight: torch.Tensor, rows: int) -> tuple:
-        dtype = torch.int8 if weight_only_int8(weight) else weight.dtype
+        plain = type(weight) in (torch.Tensor, nn.Parameter)  # first: this runs ~580 times a step
+        dtype = torch.int8 if not plain and weight_only_int8(weight) else weight.dtype
         return (*weight.shape, rows, torch.get_num_threads(), dtype)
 
     @classmethod
@@ -1368,10 +1371,11 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """x·Wᵀ + b, as F.linear. Eagerly, a product of 1-`FEW_ROWS_MAX` rows with a plain float32, bf16 or float16
     row-major W of at least `FEW_ROWS_MIN_WEIGHT` elements on CPU (a decode step; a speculative verify chunk; an MTP
     verify step's `lm_head` product) runs through `FEW_ROWS_KERNEL`, the fastest of its equal products on this
-    machine, as does a product of bf16 rows with a weight-only int8 W (`weight_only_int8`); a bf16 product of
-    `BF16_AS_FLOAT32_MIN_ROWS`+ rows on a CPU without bf16 instructions runs in float32
-    and is rounded to bf16 once, the function of a native bf16 GEMM (float32 accumulation, one rounding). Under torch.compile inductor picks its
-    own GEMM, of the product `compiled_product` names where that is given (`compile_decode`)."""
+    machine, as does a product of bf16 rows with a weight-only int8 W (`weight_only_int8`) where no gradient flows
+    to x (`_weight_int8pack_mm` has no derivative); a bf16 product of `BF16_AS_FLOAT32_MIN_ROWS`+ rows on a CPU
+    without bf16 instructions runs in float32 and is rounded to bf16 once, the function of a native bf16 GEMM
+    (float32 accumulation, one rounding). Under torch.compile inductor picks its own GEMM, of the product
+    `compiled_product` names where that is given (`compile_decode`)."""
     # First: under compile a test of the (symbolic) row count would guard the graph on it, and dynamo cannot trace
     # the kernel's get_num_threads.
     if torch.compiler.is_compiling():
@@ -1382,7 +1386,7 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     rows = x.numel() // K if K else 0
     if type(weight) not in (torch.Tensor, nn.Parameter):
         if (0 < rows <= FEW_ROWS_MAX and x.dtype == torch.bfloat16 and weight.numel() >= FEW_ROWS_MIN_WEIGHT
-                and weight_only_int8(weight)):
+                and not (x.requires_grad and torch.is_grad_enabled()) and weight_only_int8(weight)):
             return FEW_ROWS_KERNEL(x, weight, bias, rows)
         return F.linear(x, weight, bias)
     if rows >= BF16_AS_FLOAT32_MIN_ROWS and x.dtype == weight.dtype == torch.bfloat16 and not cpu_has_native_bf16():

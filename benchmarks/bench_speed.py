@@ -13,6 +13,8 @@ Rows (`--rows` picks a subset):
   int8           torchao int8 weight-only through `from_pretrained(..., quantization_config=TorchAoConfig(...))`,
                  decode tok/s at batch 1 against spike_whale's own float32 eager row, top-1 agreement and
                  max |Δlogit| of the prompt's logits against float32 (skipped with the reason if torchao is absent)
+  int8_bf16      the same loaded with `dtype=torch.bfloat16` (bf16 activations), eager: its one-row products can take
+                 `_weight_int8pack_mm` where `FewRowsKernel` times it faster than torchao's own product
   int8_compiled  the same loaded with `dtype=torch.bfloat16`, through `compile_config` with inductor's pattern matcher
                  on (`options={"pattern_matcher": True}`; compile_decode turns it off on CPU otherwise): its int8
                  weight-only lowering to `_weight_int8pack_mm` needs both, bf16 activations and the matcher (the
@@ -56,10 +58,10 @@ from _common import build_models, median_rows, n_params, time_generate
 from spike_whale import SpikeWhaleForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
-ALL_ROWS = ("eager", "compiled", "bf16", "bf16_compiled", "int8", "int8_compiled", "prefill", "prefill_long",
-            "compile_cost", "roofline", "cache")
+ALL_ROWS = ("eager", "compiled", "bf16", "bf16_compiled", "int8", "int8_bf16", "int8_compiled", "prefill",
+            "prefill_long", "compile_cost", "roofline", "cache")
 QUICK_ROWS = ("eager", "compiled", "bf16", "int8", "prefill", "compile_cost", "roofline")
-TARGETS = {"eager": 1.0, "compiled": 1.3, "bf16": 1.5, "bf16_compiled": 1.5, "int8": 2.0, "int8_compiled": 2.0,
+TARGETS = {"eager": 1.0, "compiled": 1.3, "bf16": 1.5, "bf16_compiled": 1.5, "int8": 2.0, "int8_bf16": 2.0, "int8_compiled": 2.0,
            "prefill": 0.9,
            "prefill_long": 0.9, "mc_share": 0.15, "compile_cost_s": 10.0}
 
@@ -337,7 +339,7 @@ def main(argv=None) -> int:
 
     tmp = tempfile.TemporaryDirectory(prefix="bench_speed_")
     folder = os.path.join(tmp.name, "spike_whale")
-    if rows_on & {"int8", "int8_compiled", "compile_cost"}:
+    if rows_on & {"int8", "int8_bf16", "int8_compiled", "compile_cost"}:
         spike.save_pretrained(folder)
 
     if "compiled" in rows_on:
@@ -366,6 +368,12 @@ def main(argv=None) -> int:
             print(f"int8 vs float32 on a {args.prompt}-token prompt: top-1 agreement "
                   f"{notes['int8_top1_agreement']:.4f}, max |Δlogit| {notes['int8_max_abs_dlogit']:.4f} "
                   f"(max |logit| {notes['int8_max_abs_logit_fp32']:.2f})", flush=True)
+    if "int8_bf16" in rows_on:
+        int8_b, reason = int8_model(folder, dtype=torch.bfloat16)
+        if int8_b is None:
+            skipped["int8_bf16"] = reason
+        else:
+            pairs[("int8_bf16", 1)] = (int8_b, {}, "spike_whale_fp32", spike, {})
     if "int8_compiled" in rows_on:
         int8_c, reason = int8_model(folder, dtype=torch.bfloat16)
         if int8_c is None:
@@ -452,6 +460,7 @@ def main(argv=None) -> int:
         sw, ll = medians[(row, batch, "spike_whale")], medians[(row, batch, anchor)]
         label = {"eager": "float32 eager", "compiled": "float32 compile_config", "bf16": "bf16 eager",
                  "bf16_compiled": "bf16 compile_config", "int8": "int8 weight-only eager",
+                 "int8_bf16": "int8 weight-only eager (bf16 activations)",
                  "int8_compiled": "int8 weight-only compile_config"}[row]
         add(f"{label}, batch {batch}", "decode tok/s", sw["decode_tok_s"], ll["decode_tok_s"], TARGETS[row],
             "spike_whale float32 eager" if row.startswith("int8") else "Llama")

@@ -394,7 +394,7 @@ def test_few_rows_kernel_times_compiled_choices_in_walk_order(monkeypatch):
     assert seen == [(w.data_ptr(), kinds[r % len(kinds)]) for r in range(20)
                     for w, kinds in ((up[0], up_kinds), (down[0], down_kinds), (up[1], up_kinds), (down[1], down_kinds))]
     assert read.count(other[0].data_ptr()) == read.count(other[1].data_ptr()) == 1 + 20  # read every round
-    assert sorted(stored.values()) == ["linear", "transposed"] and all("walk order" in n for n in stored)
+    assert sorted(stored.values()) == ["linear", "transposed"] and all("timed in walk rounds" in n for n in stored)
     fresh = msw.FewRowsKernel()
     monkeypatch.setattr(fresh, "product", product)
     assert fresh.choose(down, 1, stored) == ["linear", "linear"] and len(seen) == 80  # answered by `stored`
@@ -646,6 +646,9 @@ def test_int8_few_row_product_is_torchaos_product_and_decodes_exactly(tmp_path, 
     ran, product = [], msw.FewRowsKernel.product
     monkeypatch.setattr(msw.FewRowsKernel, "product",
                         staticmethod(lambda x, w, b, rows, k: ran.append(k) or product(x, w, b, rows, k)))
+    x = torch.randn(1, 1, w.shape[1], dtype=torch.bfloat16, requires_grad=True)
+    linear(x).float().sum().backward()  # `_weight_int8pack_mm` has no derivative: a gradient takes torchao's F.linear
+    assert x.grad is not None and ran == []
     ids = prompt()
     cached = greedy(model, ids, True)
     assert "int8pack" in ran
