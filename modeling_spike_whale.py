@@ -1156,9 +1156,10 @@ class FewRowsKernel:
     whole weight converted to bf16 and a GEMM, and `torch._weight_int8pack_mm` ("int8pack"), the kernel inductor
     lowers the same product to (Xeon with AMX, [2048, 768]: 38 against 270 µs for one row, 155 against 284 for 8,
     300 against 269 for 16). The winner differs between CPUs, dtypes, row counts and thread counts. The first
-    `trials` calls of each candidate per key take turns on the model's own weights, timed where they run, so W is as cold as in a decode step; another product wins from then on only if its median
-    is below `margin` × F.linear's: per-call times on a shared machine scatter by about 10%, so a near-tie keeps the
-    standard kernel. `medians` keeps every candidate's median per key (diagnostics). `forced` (a product's name;
+    `trials` calls of each candidate per key take turns on the model's own weights, timed where they run, so W is
+    as cold as in a decode step; another product wins from then on only if its median is below `margin` ×
+    F.linear's: per-call times on a shared machine scatter by about 10%, so a near-tie keeps the standard kernel.
+    `medians` keeps every candidate's median per key (diagnostics). `forced` (a product's name;
     F.linear where it does not apply) skips the timing; under `torch.use_deterministic_algorithms(True)` F.linear
     runs, so that no result depends on a timing."""
 
@@ -1246,9 +1247,9 @@ class FewRowsKernel:
         `walk_medians`: in rounds over `walk` (the weights a step reads, in its order; by default `weights`), each
         round one product per key for all its weights and every other weight read untimed by F.linear, so that each
         product finds its weight as cold as in a step and follows its own kind. Timed otherwise the choice came
-        out wrong on a Xeon with AMX (~100 MB of usable cache, 2 threads): over one shape's 16 weights alone (50 MB of
-        bf16 FFN, warm), or with the products alternating call by call (as eager trials do), F.linear tied
-        (W·xᵀ)ᵀ (237 against 238 µs), which in the compiled step ran 174 against 240 µs and the step 1.12× faster."""
+        out wrong on a Xeon with AMX (~100 MB of usable cache, 2 threads): over one shape's 16 weights alone (50 MB
+        of bf16 FFN, warm), or with the products alternating call by call (as eager trials do), F.linear tied
+        (W·xᵀ)ᵀ (237 against 238 µs), which in the compiled step ran 174 against 240 µs (the step: 1.12×)."""
         timed = {id(w): self.key(w, rows) for w in weights}
         timed = {i: key for i, key in timed.items() if key in kinds}
         counts = collections.Counter(timed.values())

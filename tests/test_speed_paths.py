@@ -391,8 +391,8 @@ def test_few_rows_kernel_times_compiled_choices_in_walk_order(monkeypatch):
     assert read[:6] == [w.data_ptr() for w in walk]  # the untimed first reads
     up_kinds, down_kinds = ["linear", "transposed", "blocks2", "blocks4"], ["linear", "transposed", "blocks2"]
     # 2 weights per key: 5 rounds per product for 9 trials; the key with 4 products sets the count, 20 rounds
-    assert seen == [(w.data_ptr(), kinds[r % len(kinds)]) for r in range(20)
-                    for w, kinds in ((up[0], up_kinds), (down[0], down_kinds), (up[1], up_kinds), (down[1], down_kinds))]
+    order = ((up[0], up_kinds), (down[0], down_kinds), (up[1], up_kinds), (down[1], down_kinds))
+    assert seen == [(w.data_ptr(), kinds[r % len(kinds)]) for r in range(20) for w, kinds in order]
     assert read.count(other[0].data_ptr()) == read.count(other[1].data_ptr()) == 1 + 20  # read every round
     assert sorted(stored.values()) == ["linear", "transposed"] and all("timed in walk rounds" in n for n in stored)
     fresh = msw.FewRowsKernel()
