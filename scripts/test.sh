@@ -13,7 +13,8 @@ if [ "${1:-}" = "--transformers" ]; then
     [ -n "$VERSION" ] || { echo "no 'transformers>=X,<Y' line in setup.cfg" >&2; exit 1; }
   fi
 fi
-bash scripts/setup.sh $VERSION || exit 1
+# With the int8 extra (torchao), so that the int8 weight-only tests run rather than skip.
+EXTRAS=test,int8 bash scripts/setup.sh $VERSION || exit 1
 VENV=.venv${VERSION:+-transformers-$VERSION}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export HF_HOME="${HF_HOME:-$(mktemp -d)}"
