@@ -802,8 +802,8 @@ def decode_attention(q, k, v, mask):
     """softmax(q·kᵀ/√hd)·v for a few queries per row, each KV head's query group read at once (no K/V repeat):
     the softmax kernel of decode steps and short chunks (eager CPU SDPA takes twice as long for one query per row at
     batch 8, and with a mask transformers' SDPA path copies every K/V head for its group; `compile_decode` keeps
-    inductor from rewriting this back into its CPU SDPA kernel). On CPU bf16 and float16 are read in float32, as
-    CPU SDPA computes them: oneDNN's bf16 batched GEMM of these few-row shapes, a new kernel for each cache length,
+    inductor from rewriting this back into its CPU SDPA kernel). On CPU bf16 and float16 are read in float32 and
+    the result rounded once: oneDNN's bf16 batched GEMM of these few-row shapes, a new kernel for each cache length,
     made the 114M preset's call 100-210 µs against 51-84 µs cast to float32 (Xeon with AMX, 2 threads, 264-1,100
     cached tokens). mask: [B|1, 1, S, N] bool or None."""
     B, nh, S, hd = q.shape
@@ -1232,7 +1232,7 @@ class FewRowsKernel:
         known = {k for k, n, ks in zip(keys, names, kinds) if stored is not None and stored.get(n) in ks}
         pending = {k: ks for k, ks in zip(keys, kinds) if k not in known and k not in self.walk_medians}
         if pending:
-            self.time_in_walk_order(weights, pending, rows, walk)
+            self.time_in_walk_order(weights, keys, pending, rows, walk)
         chosen = []
         for key, name, ks in zip(keys, names, kinds):
             kind = stored[name] if key in known else self._fastest(self.walk_medians[key], ks)
@@ -1241,17 +1241,17 @@ class FewRowsKernel:
             chosen.append(kind)
         return chosen
 
-    def time_in_walk_order(self, weights: list[torch.Tensor], kinds: dict[tuple, list[str]], rows: int,
-                           walk: list[torch.Tensor] | None) -> None:
-        """Times the products `kinds` names per key on `weights` as a compiled decode step runs them, into
-        `walk_medians`: in rounds over `walk` (the weights a step reads, in its order; by default `weights`), each
-        round one product per key for all its weights and every other weight read untimed by F.linear, so that each
-        product finds its weight as cold as in a step and follows its own kind. Timed otherwise the choice came
-        out wrong on a Xeon with AMX (~100 MB of usable cache, 2 threads): over one shape's 16 weights alone (50 MB
-        of bf16 FFN, warm), or with the products alternating call by call (as eager trials do), F.linear tied
-        (W·xᵀ)ᵀ (237 against 238 µs), which in the compiled step ran 174 against 240 µs (the step: 1.12×)."""
-        timed = {id(w): self.key(w, rows) for w in weights}
-        timed = {i: key for i, key in timed.items() if key in kinds}
+    def time_in_walk_order(self, weights: list[torch.Tensor], keys: list[tuple], kinds: dict[tuple, list[str]],
+                           rows: int, walk: list[torch.Tensor] | None) -> None:
+        """Times the products `kinds` names per key (`keys`: each weight's) on `weights` as a compiled decode step
+        runs them, into `walk_medians`: in rounds over `walk` (the weights a step reads, in its order; by default
+        `weights`), each round one product per key for all its weights and every other weight read untimed by
+        F.linear, so that each product finds its weight as cold as in a step and follows its own kind. Timed
+        otherwise the choice came out wrong on a Xeon with AMX (~100 MB of usable cache, 2 threads): over one shape's
+        16 weights alone (50 MB of bf16 FFN, warm), or with the products alternating call by call (as eager trials
+        do), F.linear tied (W·xᵀ)ᵀ (237 against 238 µs), which in the compiled step ran 174 against 240 µs (the step:
+        1.12×)."""
+        timed = {id(w): key for w, key in zip(weights, keys) if key in kinds}
         counts = collections.Counter(timed.values())
         read = {id(w) for w in walk or ()}
         walk = [*(walk or ()), *(w for w in weights if id(w) not in read)]
@@ -1652,8 +1652,8 @@ def compiled_decode_guards(entries) -> list[bool]:
     checks of module parameters, which only change when the model is re-typed or moved (`SpikeWhaleModel._run_slots`
     checks that itself) or its weights are replaced; guards on structure, the slot states and the inputs all stay.
     A quantized parameter (a tensor subclass: torchao's int8) keeps its type check but not the checks of its
-    metadata, which call its `__tensor_flatten__` in Python on every call (114M int8, 2 threads: ~4 ms of a ~63 ms
-    step in dynamo's cache lookup)."""
+    metadata, which call its `__tensor_flatten__` in Python on every call (114M int8, 2 threads: dynamo's cache
+    lookup took 2.3 ms of a step without them, 4.3 ms with)."""
     return [
         not (e.orig_guard.source.is_unspecialized_builtin_nn_module()
              or (e.guard_type in ("TENSOR_MATCH", "TENSOR_SUBCLASS_METADATA_MATCH", "EQUALS_MATCH")
@@ -2427,9 +2427,9 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         (`SpikeWhaleAttention.fuse_input_projections`). On CPU each FFN weight and rank→hidden up-projection is
         multiplied in the compiled walk by the product `FEW_ROWS_KERNEL` times fastest for one row on this machine
         (`_choose_compiled_products`: timed on the first call, well under a second for the 114M preset, and kept
-        beside the stored walks for later processes): one batched GEMM over blocks of its rows, or (W·Xᵀ)ᵀ (bf16 on a
-        Xeon with AMX: ~1.5× F.linear's speed for one row); a float32 weight that keeps F.linear is stored
-        column-major, which MKL reads 10-25% faster than row-major for a batch of a few rows. On CPU,
+        beside the stored walks for later processes): one batched GEMM over blocks of its rows, or (W·Xᵀ)ᵀ (bf16 gate
+        and up on a Xeon with AMX: 174 against 240 µs a call in the compiled step); a float32 weight that keeps
+        F.linear is stored column-major, which MKL reads 10-25% faster than row-major for a batch of a few rows. On CPU,
         `options={"cpp_wrapper": True}` trims the per-kernel dispatch further (4-9% faster at batch 1 in two
         benchmark runs) for about twice the compile time. On CPU inductor's pattern matcher is off unless some weight is
         quantized (a tensor subclass, such as torchao's int8 weights): its one-query attention rewrite is slower, but

@@ -62,8 +62,8 @@ def test_bf16_cached_decode_equals_bf16_recompute():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_decode_attention_reads_in_float32_on_cpu(dtype):
     """On CPU a bf16/float16 decode step's softmax attention is computed from its inputs in float32 and rounded
-    once, as CPU SDPA computes them (oneDNN's bf16 batched GEMMs of these shapes were the slower kernel), with and
-    without a mask; it matches float32 SDPA over the same rounded inputs."""
+    once (oneDNN's bf16 batched GEMMs of these shapes were the slower kernel), with and without a mask; it matches
+    float32 SDPA over the same rounded inputs."""
     import spike_whale.modeling_spike_whale as msw
 
     g = torch.Generator().manual_seed(0)
