@@ -158,6 +158,34 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t if t.device == device else t.to(device)
 
 
+def keep_float32(fn):
+    """`nn.Module._apply`'s per-tensor fn, except that a float32 tensor it would lower to bfloat16 or float16 stays
+    float32 (on the device fn moves it to): converted from the original, never back from the rounded copy."""
+
+    def apply(t: torch.Tensor) -> torch.Tensor:
+        out = fn(t)
+        if t.dtype == torch.float32 and out.dtype in (torch.bfloat16, torch.float16):
+            return t.to(out.device)
+        return out
+
+    return apply
+
+
+class KeepsFloat32(nn.Module):
+    """A module that stays float32 when the model is cast to bf16/fp16 (`.to(torch.bfloat16)`, `.half()`,
+    `.bfloat16()`), as `from_pretrained(dtype=...)` keeps it (`_keep_in_fp32_modules_strict`). Without this a cast
+    model rounded these weights, unlike the same model loaded in that dtype, and cast them back on every step."""
+
+    float32_children = True  # False: only the module's own parameters and buffers; its submodules follow the model
+
+    def _apply(self, fn, recurse=True):
+        if recurse and not self.float32_children:
+            for child in self.children():
+                child._apply(fn)
+            recurse = False
+        return super()._apply(keep_float32(fn), recurse)
+
+
 class SpikeWhaleRMSNorm(nn.Module):
     """y = x · rsqrt(mean(x²) + ε) · w (ε inside the root; bit-identical to the reference's formula in float32)."""
 
@@ -186,7 +214,7 @@ def rope_inv_freq(rope_dim: int, theta: float, fractal: bool, gamma: float) -> t
     return (theta ** -torch.tensor(exps, dtype=torch.float64)).float()
 
 
-class SpikeWhaleRotaryEmbedding(nn.Module):
+class SpikeWhaleRotaryEmbedding(KeepsFloat32):
     """Partial rotate-half RoPE on the last `qk_rope_head_dim` dims; caches are persistent (they are in the files)."""
 
     def __init__(self, config: SpikeWhaleConfig):
@@ -329,7 +357,7 @@ class ForwardContext:
         return self.max_cache_len > 0
 
 
-class MemoryCacheBranch(nn.Module):
+class MemoryCacheBranch(KeepsFloat32):
     """Memory Caching (arXiv 2602.24281) beside MLA:  out = tanh(mc_gate) · o_proj(y), with, for token t in segment s,
 
         φ(x) = elu(x ⊙ feature_scale) + 1,   M⁽ⁱ⁾ = Σ_{m∈i} φ(k_m) v_mᵀ,   z⁽ⁱ⁾ = Σ_{m∈i} φ(k_m)
@@ -641,13 +669,16 @@ class TokenCompressor(nn.Module):
         return self.proj(x)
 
 
-class MultiHeadHashLookup(nn.Module):
+class MultiHeadHashLookup(KeepsFloat32):
     """r_t = mean over available n ≤ N and heads j of table_j[idx_{n,j}(t)], where h = Σ_k P_{n,k} c_{t−n+1+k}.
 
     Sign-bit LSH (default): idx = Σ_b [h_b > 0]·2^b over ⌈log2 T⌉ projections per head (scale-invariant).
     Legacy (`engram_legacy_hash`): one projection per head, idx = trunc(|h|) mod T (the pre-v3 hash).
-    The projections are random buffers saved with the weights: they must be loaded, never regenerated.
+    The projections are random buffers saved with the weights: they must be loaded, never regenerated; they stay
+    float32 (the tables follow the model's dtype).
     """
+
+    float32_children = False
 
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__()

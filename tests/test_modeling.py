@@ -246,6 +246,34 @@ def test_bfloat16_forward_keeps_memory_cache_in_float32():
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
 
 
+@pytest.mark.parametrize("dtype, cast", [
+    (torch.bfloat16, lambda m: m.to(torch.bfloat16)),
+    (torch.bfloat16, lambda m: m.bfloat16()),
+    (torch.float16, lambda m: m.to("cpu", torch.float16)),
+    (torch.float16, lambda m: m.half()),
+])
+def test_a_cast_model_keeps_float32_where_a_load_in_that_dtype_does(tmp_path, dtype, cast):
+    """`.to(dtype)` / `.half()` / `.bfloat16()` leave the RoPE caches, the Engram hash projections and the
+    Memory-Cache branch float32 with their original values, as `from_pretrained(dtype=...)` does: the same tensors,
+    dtypes and logits."""
+    source = tiny_model(seed=4)
+    source.save_pretrained(tmp_path)
+    loaded = SpikeWhaleForCausalLM.from_pretrained(tmp_path, dtype=dtype).eval()
+    model = cast(tiny_model(seed=4))
+    got, want, original = model.state_dict(), loaded.state_dict(), source.state_dict()
+    assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in want.items()}
+    kept = [k for k, v in got.items() if v.dtype == torch.float32]
+    assert any(".attn.mc." in k for k in kept) and any("hash_proj" in k for k in kept)
+    assert any("rope.cos_cache" in k for k in kept) and any(".lookup.tables." in k for k in got if k not in kept)
+    assert all(torch.equal(got[k], original[k]) for k in kept)  # never rounded, then widened back
+    assert got["model.embed_tokens.weight"].dtype == dtype
+    ids = torch.randint(4, 16000, (2, 19), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+    assert all(v.dtype == torch.float32 for v in model.float().state_dict().values())
+    assert all(v.dtype == torch.float64 for v in model.double().state_dict().values() if v.is_floating_point())
+
+
 def test_save_then_load_in_fresh_process(tmp_path, fresh_python):
     from spike_whale.hub_export.folder import save_hub_folder
     from spike_whale.hub_export.init_tiny import build_tiny
