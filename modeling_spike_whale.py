@@ -28,6 +28,7 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
+import torch.utils.weak
 from safetensors import safe_open
 from torch import nn
 import transformers
@@ -1186,7 +1187,13 @@ class FewRowsKernel:
     weight-only int8 weight (`weight_only_int8`) with bf16 rows has two: F.linear, which torchao runs eagerly as its
     whole weight converted to bf16 and a GEMM, and `torch._weight_int8pack_mm` ("int8pack"), the kernel inductor
     lowers the same product to (Xeon with AMX, [2048, 768]: 38 against 270 µs for one row, 155 against 284 for 8,
-    300 against 269 for 16). The winner differs between CPUs, dtypes, row counts and thread counts. The first
+    300 against 269 for 16). A bf16 weight where no gradient flows has oneDNN's linear on a prepacked copy of it
+    ("packed", `packed_weight`, as inductor's freezing prepacks; bit for bit F.linear's values for the shapes checked
+    on the CPU below): on an AMD EPYC with AVX512-BF16 and no AMX, 2 threads, one row, cold weights, 338 against 500 µs
+    for [4096, 768], 144 against 184 for [768, 2048], 1,306 against 2,191 for the [16512, 768] `lm_head`; the copy
+    costs the weight's memory again, kept only for weights whose key takes it (114M bf16: 100 copies, 198 MB beside
+    244 MB of parameters; `FewRowsKernel.prepack = False` packs none from then on, `FewRowsKernel.packed.clear()`
+    drops those made). The winner differs between CPUs, dtypes, row counts and thread counts. The first
     `trials` calls of each candidate per key take turns on the model's own weights, timed where they run, so W is
     as cold as in a decode step; another product wins from then on only if its median is below `margin` ×
     F.linear's: per-call times on a shared machine scatter by about 10%, so a near-tie keeps the standard kernel.
@@ -1197,6 +1204,10 @@ class FewRowsKernel:
     trials = 9
     margin = 0.9
     forced: str | None = None
+    prepack = True
+    # Prepacked copies by weight (weak: they go with it), each with the weight's (version, data pointer) when packed,
+    # so an in-place update or new storage packs again.
+    packed = torch.utils.weak.WeakIdKeyDictionary()
     blocks = {"blocks2": 2, "blocks4": 4, "blocks8": 8}
     min_block_rows = 64
 
@@ -1215,28 +1226,37 @@ class FewRowsKernel:
             return ("linear", "int8pack")
         N = weight.shape[0]
         blocks = (k for k, s in cls.blocks.items() if N % s == 0 and N // s >= cls.min_block_rows)
-        return ("linear", "transposed", *blocks, *(("mv",) if rows == 1 else ()))
+        packed = cls.prepack and weight.dtype == torch.bfloat16 and not weight.is_inference() and cpu_has_mkldnn_bf16()
+        return ("linear", "transposed", *blocks, *(("mv",) if rows == 1 else ()), *(("packed",) if packed else ()))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
         if self.forced is not None:
             kind = self.forced if self.forced in self.candidates(weight, rows) else "linear"
-            return self.product(x, weight, bias, rows, kind)
+            grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+            return self.product(x, weight, bias, rows, "linear" if grad and kind == "packed" else kind)
         key = self.key(weight, rows)
         kind = self.chosen.get(key)
         # F.linear first and without another call: it is the choice for many keys, and this runs ~580 times a step.
         if kind == "linear" or torch.are_deterministic_algorithms_enabled():
             return F.linear(x, weight, bias)
+        grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # "packed" has no derivative
         if kind is not None:
-            return self.product(x, weight, bias, rows, kind)
+            unpacked = kind == "packed" and (grad or not self.prepack)
+            return self.product(x, weight, bias, rows, "linear" if unpacked else kind)
         timings = self.timings.setdefault(key, {k: [] for k in self.candidates(weight, rows)})
-        kind = min(timings, key=lambda k: len(timings[k]))  # take turns, in candidate order
+        kind = min((k for k in timings if not (grad and k == "packed")), key=lambda k: len(timings[k]))  # take turns
+        if kind == "packed":
+            self.packed_weight(weight)  # packing once per weight is not the product's time
         start = time.perf_counter()
         y = self.product(x, weight, bias, rows, kind)
         timings[kind].append(time.perf_counter() - start)
-        if all(len(t) == self.trials for t in timings.values()):
+        if all(len(t) >= self.trials for t in timings.values()):  # more where gradients left out "packed"
             medians = self.medians[key] = {k: statistics.median(t) for k, t in timings.items()}
             self.chosen[key] = self._fastest(medians, medians)
             del self.timings[key]
+            if self.chosen[key] != "packed":  # the trials' copies are not kept
+                for w in [w for w in self.packed if self.key(w, rows) == key]:
+                    del self.packed[w]
         return y
 
     def _fastest(self, medians: dict[str, float], kinds) -> str:
@@ -1251,7 +1271,7 @@ class FewRowsKernel:
         timed now (`time_in_walk_order`) where no earlier call has. `stored` (product by torch version, CPU model
         and key) answers a key timed in an earlier process and takes this one's, so that a choice made once stays
         made (single timings scatter)."""
-        kinds = [[k for k in self.candidates(w, rows) if k != "mv"] for w in weights]
+        kinds = [[k for k in self.candidates(w, rows) if k not in ("mv", "packed")] for w in weights]
         if self.forced is not None:
             return [self.forced if self.forced in ks else "linear" for ks in kinds]
         if torch.are_deterministic_algorithms_enabled():
@@ -1318,6 +1338,8 @@ class FewRowsKernel:
         if kind in cls.blocks:
             return cls.row_blocks_product(x, weight, bias, cls.blocks[kind])
         K = x.shape[-1]
+        if kind == "packed":
+            return torch.ops.mkldnn._linear_pointwise(x, cls.packed_weight(weight), bias, "none", [], "")
         if kind == "int8pack":  # torchao's y = (x·qᵀ)·s with s rounded to x's dtype, accumulated in float32
             y = torch._weight_int8pack_mm(x.reshape(rows, K), weight.qdata, weight.scale.reshape(-1).to(x.dtype))
         elif kind == "mv":
@@ -1329,6 +1351,17 @@ class FewRowsKernel:
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], weight.shape[0])
+
+    @classmethod
+    def packed_weight(cls, weight: torch.Tensor) -> torch.Tensor:
+        """oneDNN's prepacked copy of bf16 `weight` for its linear, packed again after the weight changed."""
+        tag = (weight._version, weight.data_ptr())
+        entry = cls.packed.get(weight)
+        if entry is None or entry[0] != tag:
+            # Never an inference tensor: a later step may run outside inference mode.
+            with torch.inference_mode(False), torch.no_grad():
+                entry = cls.packed[weight] = (tag, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
+        return entry[1]
 
     @classmethod
     def traced_product(cls, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
@@ -1380,6 +1413,15 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+@functools.cache
+def cpu_has_mkldnn_bf16() -> bool:
+    """Whether this torch has oneDNN's bf16 linear on prepacked weights (`FewRowsKernel`'s "packed")."""
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    except (AttributeError, RuntimeError):
+        return False
 
 
 @functools.cache

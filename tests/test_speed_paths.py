@@ -79,12 +79,16 @@ def test_low_precision_decode_attention_reads_in_float32_on_cpu(dtype):
         assert (got.float() - ref).abs().max() <= 2 * torch.finfo(dtype).eps * ref.abs().max()
 
 
-@pytest.mark.parametrize("kind", ["mv", "transposed"])
+@pytest.mark.parametrize("kind", ["mv", "transposed", "packed"])
 def test_bf16_decode_through_the_few_row_products_equals_bf16_recompute(monkeypatch, kind):
-    """bf16 decode steps whose products take `FEW_ROWS_KERNEL`'s W·x or (W·xᵀ)ᵀ (forced for every weight, for the
-    test; bf16 one-row products pick them by timing) keep greedy decoding's ids and equal a bf16 recompute (F.linear)
-    within the same tolerance as F.linear's own steps."""
+    """bf16 decode steps whose products take `FEW_ROWS_KERNEL`'s W·x, (W·xᵀ)ᵀ or oneDNN's prepacked linear (forced
+    for every weight, for the test; bf16 one-row products pick them by timing) keep greedy decoding's ids and equal a
+    bf16 recompute (F.linear) within the same tolerance as F.linear's own steps. The float32 Memory-Cache products
+    take the forced product too, except the prepacked one (bf16 only)."""
     import spike_whale.modeling_spike_whale as msw
+
+    if kind == "packed" and not msw.cpu_has_mkldnn_bf16():
+        pytest.skip("this torch has no oneDNN prepacked linear")
 
     monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
     monkeypatch.setattr(msw.FewRowsKernel, "forced", kind)
@@ -95,7 +99,7 @@ def test_bf16_decode_through_the_few_row_products_equals_bf16_recompute(monkeypa
     ids = prompt()
     assert torch.equal(greedy(model, ids, True), greedy(model, ids, False))
     steps, full = stepwise_logits(model, greedy(model, ids, True), prefill=5)
-    assert (torch.bfloat16, kind) in ran and (torch.float32, kind) in ran  # and the float32 Memory-Cache products
+    assert (torch.bfloat16, kind) in ran and ((torch.float32, kind) in ran) == (kind != "packed")
     assert (steps.float() - full.float()).abs().max() <= 8 * 2**-7 * full.float().abs().max()
 
 
@@ -235,6 +239,75 @@ def test_linear_forward_of_a_few_rows_equals_f_linear(monkeypatch):
         msw.linear_forward(torch.randn(1, 208, dtype=torch.float16), w.detach().half())
     assert routed == [((320, 208), 1), ((320, 208), 2), ((320, 208), 8), ((320, 208), 16), ((320, 208), 2),
                       ((320, 208), 1)]
+
+
+def test_packed_bf16_product_follows_its_weight(monkeypatch):
+    """"packed" (oneDNN's linear on a prepacked copy of a bf16 weight) is a candidate for bf16 weights only (not
+    float32, float16, an inference tensor, or with `prepack = False`); it gives F.linear's values within bf16
+    rounding with and without bias, packs each weight once and again after an in-place update or new storage; where
+    a gradient flows it is neither timed nor run (F.linear gives the gradients); and when a key's trials end on
+    another product, the trials' copies are dropped."""
+    import spike_whale.modeling_spike_whale as msw
+
+    if not msw.cpu_has_mkldnn_bf16():
+        pytest.skip("this torch has no oneDNN prepacked linear")
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(320, 208, generator=g).bfloat16(), torch.randn(320, generator=g).bfloat16()
+    assert msw.FewRowsKernel.candidates(w, 1)[-1] == "packed" and msw.FewRowsKernel.candidates(w, 16)[-1] == "packed"
+    assert "packed" not in msw.FewRowsKernel.candidates(w.float(), 1) + msw.FewRowsKernel.candidates(w.half(), 1)
+    with torch.inference_mode():
+        assert "packed" not in msw.FewRowsKernel.candidates(w.clone(), 1)
+    monkeypatch.setattr(msw.FewRowsKernel, "prepack", False)
+    assert "packed" not in msw.FewRowsKernel.candidates(w, 1)
+    monkeypatch.setattr(msw.FewRowsKernel, "prepack", True)
+
+    def close(got, x, w, b):
+        exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+        assert got.dtype == torch.bfloat16 and got.shape == exact.shape
+        assert (got.double() - exact).abs().max() <= 2**-7 * exact.abs().max()
+
+    with torch.no_grad():
+        for shape in ((1, 208), (1, 1, 208), (3, 1, 208), (16, 208)):
+            x = torch.randn(*shape, generator=g).bfloat16()
+            for bias in (None, b):
+                close(msw.FewRowsKernel.product(x, w, bias, x.numel() // 208, "packed"), x, w, bias)
+        packed = msw.FewRowsKernel.packed_weight(w)
+        assert msw.FewRowsKernel.packed_weight(w) is packed
+        w.mul_(-2)  # in place (an optimizer step, a loaded state dict)
+        assert msw.FewRowsKernel.packed_weight(w) is not packed
+        close(msw.FewRowsKernel.product(x, w, b, 16, "packed"), x, w, b)
+        param = torch.nn.Parameter(w.clone())
+        packed = msw.FewRowsKernel.packed_weight(param)
+        param.data = torch.randn(320, 208, generator=g).bfloat16()  # new storage (`.to()`, assignment)
+        assert msw.FewRowsKernel.packed_weight(param) is not packed
+        close(msw.FewRowsKernel.product(x, param, None, 16, "packed"), x, param, None)
+
+    w.requires_grad_()
+    monkeypatch.setattr(msw.FewRowsKernel, "forced", "packed")
+    x = torch.randn(2, 208, generator=g).bfloat16().requires_grad_()
+    got, want = msw.linear_forward(x, w, b), F.linear(x, w, b)
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, e) for a, e in zip(torch.autograd.grad(got.sum(), (x, w)),
+                                                  torch.autograd.grad(want.sum(), (x, w))))
+    monkeypatch.setattr(msw.FewRowsKernel, "forced", None)
+    kernel, ran = msw.FewRowsKernel(), []
+    product = kernel.product
+    monkeypatch.setattr(kernel, "product", lambda x, w, b, rows, k: ran.append(k) or product(x, w, b, rows, k))
+    for _ in range(6 * kernel.trials):  # past every other product's trials
+        kernel(x, w, None, 2)
+    assert ran and "packed" not in ran and kernel.key(w, 2) not in kernel.chosen  # trials wait for no-grad calls
+    w2 = torch.randn(320, 208, generator=g).bfloat16()
+    msw.FewRowsKernel.packed_weight(w2)
+    monkeypatch.setattr(kernel, "_fastest", lambda medians, kinds: "linear")
+    with torch.no_grad():
+        while kernel.key(w, 2) not in kernel.chosen:
+            kernel(x.detach(), w, None, 2)
+    assert "packed" in ran and w not in msw.FewRowsKernel.packed and w2 not in msw.FewRowsKernel.packed
+    kernel.chosen[kernel.key(w, 2)] = "packed"
+    monkeypatch.setattr(msw.FewRowsKernel, "prepack", False)  # switched off after the choice: F.linear, no copy
+    with torch.no_grad():
+        kernel(x.detach(), w, None, 2)
+    assert ran[-1] == "linear" and w not in msw.FewRowsKernel.packed
 
 
 def test_bf16_products_of_many_rows_run_in_float32_on_a_cpu_without_bf16_instructions(monkeypatch):
