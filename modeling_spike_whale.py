@@ -1232,19 +1232,19 @@ class FewRowsKernel:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
         if self.forced is not None:
             kind = self.forced if self.forced in self.candidates(weight, rows) else "linear"
-            grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-            return self.product(x, weight, bias, rows, "linear" if grad and kind == "packed" else kind)
+            kind = kind if kind != "packed" or self.packable(x, weight) else "linear"
+            return self.product(x, weight, bias, rows, kind)
         key = self.key(weight, rows)
         kind = self.chosen.get(key)
         # F.linear first and without another call: it is the choice for many keys, and this runs ~580 times a step.
         if kind == "linear" or torch.are_deterministic_algorithms_enabled():
             return F.linear(x, weight, bias)
-        grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # "packed" has no derivative
         if kind is not None:
-            unpacked = kind == "packed" and (grad or not self.prepack)
-            return self.product(x, weight, bias, rows, "linear" if unpacked else kind)
+            kind = kind if kind != "packed" or self.packable(x, weight) else "linear"
+            return self.product(x, weight, bias, rows, kind)
         timings = self.timings.setdefault(key, {k: [] for k in self.candidates(weight, rows)})
-        kind = min((k for k in timings if not (grad and k == "packed")), key=lambda k: len(timings[k]))  # take turns
+        kinds = [k for k in timings if k != "packed" or self.packable(x, weight)]
+        kind = min(kinds, key=lambda k: len(timings[k]))  # take turns, in candidate order
         if kind == "packed":
             self.packed_weight(weight)  # packing once per weight is not the product's time
         start = time.perf_counter()
@@ -1258,6 +1258,12 @@ class FewRowsKernel:
                 for w in [w for w in self.packed if self.key(w, rows) == key]:
                     del self.packed[w]
         return y
+
+    def packable(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether "packed" may multiply x by this weight now: prepacking on, no gradient to flow (the product has no
+        derivative), and a weight that counts its in-place updates (not an inference tensor)."""
+        return (self.prepack and not weight.is_inference()
+                and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
     def _fastest(self, medians: dict[str, float], kinds) -> str:
         """The product of `kinds` with the lowest median, where that is below `margin` × F.linear's; else F.linear."""
@@ -1365,7 +1371,7 @@ class FewRowsKernel:
 
     @classmethod
     def traced_product(cls, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
-        """The product named `kind` (not "mv") in a compiled graph, for any (symbolic) number of rows: row blocks as
+        """The product named `kind` (not "mv" or "packed") in a compiled graph, for any (symbolic) number of rows: row blocks as
         eagerly, and (W·Xᵀ)ᵀ as the first columns of W·[X; 0]ᵀ, as eagerly for one row (a one-column GEMM takes the
         slow path that F.linear's does: bf16 [2048, 768] on a Xeon with AMX, 227 µs against 159 µs for two columns)."""
         if kind in cls.blocks:

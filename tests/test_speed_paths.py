@@ -245,8 +245,9 @@ def test_packed_bf16_product_follows_its_weight(monkeypatch):
     """"packed" (oneDNN's linear on a prepacked copy of a bf16 weight) is a candidate for bf16 weights only (not
     float32, float16, an inference tensor, or with `prepack = False`); it gives F.linear's values within bf16
     rounding with and without bias, packs each weight once and again after an in-place update or new storage; where
-    a gradient flows it is neither timed nor run (F.linear gives the gradients); and when a key's trials end on
-    another product, the trials' copies are dropped."""
+    a gradient flows it is neither timed nor run (F.linear gives the gradients); when a key's trials end on
+    another product, the trials' copies are dropped; a key that took it multiplies an inference-tensor weight, or
+    any weight once `prepack` is off, by F.linear."""
     import spike_whale.modeling_spike_whale as msw
 
     if not msw.cpu_has_mkldnn_bf16():
@@ -304,6 +305,10 @@ def test_packed_bf16_product_follows_its_weight(monkeypatch):
             kernel(x.detach(), w, None, 2)
     assert "packed" in ran and w not in msw.FewRowsKernel.packed and w2 not in msw.FewRowsKernel.packed
     kernel.chosen[kernel.key(w, 2)] = "packed"
+    with torch.inference_mode():  # a weight of the same key that counts no in-place updates: F.linear
+        inference_weight = w.detach().clone()
+        assert torch.equal(kernel(x.detach(), inference_weight, None, 2), F.linear(x.detach(), inference_weight))
+    assert ran[-1] == "linear" and inference_weight not in msw.FewRowsKernel.packed
     monkeypatch.setattr(msw.FewRowsKernel, "prepack", False)  # switched off after the choice: F.linear, no copy
     with torch.no_grad():
         kernel(x.detach(), w, None, 2)
