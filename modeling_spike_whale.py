@@ -1371,9 +1371,10 @@ class FewRowsKernel:
 
     @classmethod
     def traced_product(cls, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
-        """The product named `kind` (not "mv" or "packed") in a compiled graph, for any (symbolic) number of rows: row blocks as
-        eagerly, and (W·Xᵀ)ᵀ as the first columns of W·[X; 0]ᵀ, as eagerly for one row (a one-column GEMM takes the
-        slow path that F.linear's does: bf16 [2048, 768] on a Xeon with AMX, 227 µs against 159 µs for two columns)."""
+        """The product named `kind` (not "mv" or "packed") in a compiled graph, for any (symbolic) number of rows: row
+        blocks as eagerly, and (W·Xᵀ)ᵀ as the first columns of W·[X; 0]ᵀ, as eagerly for one row (a one-column GEMM
+        takes the slow path that F.linear's does: bf16 [2048, 768] on a Xeon with AMX, 227 µs against 159 µs for two
+        columns)."""
         if kind in cls.blocks:
             return cls.row_blocks_product(x, weight, bias, cls.blocks[kind])
         if kind != "transposed":
