@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 import uuid
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
@@ -154,6 +154,27 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def derived(module: nn.Module, key, fn, *params: torch.Tensor) -> torch.Tensor:
+    """fn(), a few tiny ops on `params` (an HC softmax, a gate's tanh), kept on `module` under `key` while no gradient
+    is recorded and none of `params` has changed (the same tensors, storage and in-place version): a decode step would
+    otherwise run them again in each of its 48 slots. Computed afresh with gradients on (a kept value, maybe made in
+    inference mode, is never saved for a backward), under torch.compile (the graph holds them) and for inference
+    tensors (which count no versions)."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling() or any(p.is_inference() for p in params):
+        return fn()
+    tag = tuple((id(p), p._version, p.data_ptr()) for p in params)
+    cache = module.__dict__.setdefault("_derived", {})
+    hit = cache.get(key)
+    if hit is None or hit[0] != tag:  # the entry holds `params` too: no other tensor takes their ids while it lives
+        hit = cache[key] = (tag, fn(), params)
+    return hit[1]
+
+
+def _cat(parts, dim: int) -> torch.Tensor:
+    """torch.cat without the copy of a single part."""
+    return torch.cat(parts, dim) if len(parts) > 1 else parts[0]
+
+
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`t.to(device)` without the dispatch when it is already there."""
     return t if t.device == device else t.to(device)
@@ -280,6 +301,7 @@ class SegmentLayout:
     padded: bool  # some token is padding (always assumed under torch.compile: no host sync)
     first: torch.Tensor
     fin_mask: torch.Tensor
+    fin_readable: bool  # every row may read every finished entry (fin_mask all true; never assumed under torch.compile)
     chunk_mask: torch.Tensor
     own_mask: torch.Tensor | None
     own_count: torch.Tensor | None
@@ -314,8 +336,9 @@ class SegmentLayout:
             in_order = not torch.compiler.is_compiling() and bool(
                 (block_idx == torch.arange(S, device=positions.device)).all())
         padded = torch.compiler.is_compiling() or not bool(valid.all())
+        fin_readable = not torch.compiler.is_compiling() and bool(fin_mask.all())
         return cls(rel, n_rel, seg_len, onehot, base, new_segment, n_fin, valid, valid_f, padded, first, fin_mask,
-                   chunk_mask, own_mask, own_count, block_idx, in_order)
+                   fin_readable, chunk_mask, own_mask, own_count, block_idx, in_order)
 
     @functools.cached_property
     def reached(self) -> torch.Tensor:
@@ -352,10 +375,21 @@ class ForwardContext:
     need_weights: bool = False  # output_attentions: every slot returns its attention map
     attn_implementation: str | None = None  # config._attn_implementation, read once per forward
     keep_streams: bool = False  # output_hidden_states: every slot returns its residual streams
+    memo: dict = field(default_factory=dict, repr=False, compare=False)  # see `rope_tables`
 
     @property
     def cached(self) -> bool:
         return self.max_cache_len > 0
+
+    def rope_tables(self, rope: "SpikeWhaleRotaryEmbedding", device: torch.device, dtype: torch.dtype) -> tuple:
+        """rope's cos and sin at this chunk's positions, in `dtype`: looked up once per forward for each layer, whose
+        slot in every loop pass reads the same."""
+        if torch.compiler.is_compiling():
+            return tuple(_as(t, dtype) for t in rope(_on(self.positions, device)))
+        key = (id(rope), device, dtype)
+        if key not in self.memo:
+            self.memo[key] = tuple(_as(t, dtype) for t in rope(_on(self.positions, device)))
+        return self.memo[key]
 
 
 class MemoryCacheBranch(KeepsFloat32):
@@ -425,7 +459,7 @@ class MemoryCacheBranch(KeepsFloat32):
         """tanh(mc_gate) · o_proj(y), float32."""
         f32 = torch.float32
         out = linear_forward(y, _as(self.o_proj.weight, f32), _as(self.o_proj.bias, f32))
-        return torch.tanh(_as(self.mc_gate, f32)) * out
+        return derived(self, "gate", lambda: torch.tanh(_as(self.mc_gate, f32)), self.mc_gate) * out
 
     @staticmethod
     def _add_to_segment(sums: tuple | None, fk, v, gk, valid_f) -> tuple:
@@ -454,29 +488,38 @@ class MemoryCacheBranch(KeepsFloat32):
         """φ(q_t)ᵀM_t and φ(q_t)·z_t against the running totals after each token, M [B, S, nh, hd, hd], z [B, S, nh, hd]."""
         return torch.matmul(fq[..., None, :], M)[..., 0, :], (fq * z).sum(-1)
 
-    def _read(self, fq, gu, own_num, own_den, own_g, own_n, cands: tuple | None) -> torch.Tensor:
-        """y_t = Σ_i γ_{t,i} φ(q_t)ᵀM⁽ⁱ⁾ / (Σ_i γ_{t,i} φ(q_t)·z⁽ⁱ⁾ + ε), γ = softmax over the readable finished
-        segments' ⟨u_t, ḡ⁽ⁱ⁾⟩ and the own segment's ⟨u_t, own_g⟩/own_n; [B, S, nh, hd].
+    def _read(self, fq, gu, own: tuple | None, cands: tuple | None) -> torch.Tensor:
+        """y_t = Σ_i γ_{t,i} φ(q_t)ᵀM⁽ⁱ⁾ / (Σ_i γ_{t,i} φ(q_t)·z⁽ⁱ⁾ + ε), γ = softmax over the candidates' ⟨u_t, ḡ⁽ⁱ⁾⟩
+        and the own segment's ⟨u_t, own_g⟩/own_n; [B, S, nh, hd].
 
-        cands: (M [B, I, nh, hd, hd], z [B, I, nh, hd], ḡ [B, I, gd], readable [B, S, I]) or None."""
+        own: (φ(q_t)ᵀM_t, φ(q_t)·z_t, Σ W_k x, token count) of each token's own segment so far, or None where `cands`
+        ends with its totals (one token: `_memory_readout`). cands: (M [B, I, nh, hd, hd], z [B, I, nh, hd],
+        ḡ [B, I, gd], readable [B, S, I] or None: all) or None."""
         if cands is None:
-            return own_num / (own_den[..., None] + self.eps)
+            return own[0] / (own[1][..., None] + self.eps)
         cand_M, cand_z, cand_g, cand_mask = cands
         B, S, nh, hd = fq.shape
         I = cand_M.shape[1]
-        scores = torch.matmul(gu, cand_g.transpose(1, 2)).masked_fill(~cand_mask, float("-inf"))
-        diag = (gu * own_g).sum(-1, keepdim=True) / own_n.clamp(min=1)[..., None]
-        gamma = torch.softmax(torch.cat([scores, diag], -1), dim=-1)
-        g_fin, g_own = gamma[..., :-1], gamma[..., -1:]
+        scores = torch.matmul(gu, cand_g.transpose(1, 2))
+        if cand_mask is not None:
+            scores = scores.masked_fill(~cand_mask, float("-inf"))
+        if own is not None:
+            own_num, own_den, own_g, own_n = own
+            scores = torch.cat([scores, (gu * own_g).sum(-1, keepdim=True) / own_n.clamp(min=1)[..., None]], -1)
+        gamma = torch.softmax(scores, dim=-1)
         # Σ_i γ_{t,i} φ(q_t)ᵀ[M⁽ⁱ⁾ | z⁽ⁱ⁾] as one GEMM per head: the rows [γ_{t,1}φ(q_t), …, γ_{t,I}φ(q_t)] times the
         # stacked [M⁽ⁱ⁾ | z⁽ⁱ⁾], so no token builds its own mixed hd × hd memory. φ(q) goes head-major first, so those
         # rows (I times larger) are born in the GEMM's layout instead of being copied into it.
-        wq = (fq.transpose(1, 2).contiguous()[:, :, :, None] * g_fin[:, None, :, :, None]).reshape(B, nh, S, I * hd)
+        g_cand = gamma[..., :I] if own is not None else gamma
+        wq = (fq.transpose(1, 2).contiguous()[:, :, :, None] * g_cand[:, None, :, :, None]).reshape(B, nh, S, I * hd)
         Mz = torch.cat([cand_M, cand_z[..., None]], -1).transpose(1, 2).reshape(B, nh, I * hd, hd + 1)
         read = torch.matmul(wq, Mz).transpose(1, 2)
-        num = read[..., :hd] + g_own[..., None] * own_num
-        den = read[..., hd] + g_own * own_den
-        return num / (den[..., None] + self.eps)
+        num, den = read[..., :hd], read[..., hd:]
+        if own is not None:
+            g_own = gamma[..., I:]
+            num = num + g_own[..., None] * own_num
+            den = den + g_own[..., None] * own_den[..., None]
+        return num / (den + self.eps)
 
     def _memory_readout(self, x, lay: SegmentLayout, state: MemoryCacheState | None, ctx: ForwardContext, proj):
         B, S, _ = x.shape
@@ -505,10 +548,26 @@ class MemoryCacheBranch(KeepsFloat32):
                    torch.einsum("bsr,bsg->brg", E, gk), E.sum(1))
             seg_M, seg_z, seg_g, seg_n = self._carry_into_first(seg, state)
 
+        # Mean gate keys of the chunk's segments, read by later ones and kept for the finished.
+        seg_gmean = seg_g / seg_n.clamp(min=1)[..., None] if lay.n_rel > 1 else None
+
+        # Finished segments a token may read: the cache's (i < base) and this chunk's earlier ones (r' < rel).
+        cands = []
+        if state is not None and lay.n_fin > 0:
+            n = lay.n_fin
+            cands.append((state.fin_M[:, :n], state.fin_z[:, :n], state.fin_g[:, :n],
+                          None if lay.fin_readable else lay.fin_mask[:, None].expand(B, S, n)))
+        if lay.n_rel > 1:
+            cands.append((seg_M, seg_z, seg_gmean, lay.chunk_mask))
+
         # Causal running sums of each token's own segment.
-        if run is not None:
-            own_num, own_den = self._read_own_totals(fq, run[0], run[1])
-            own_g, own_n = run[2], run[3]
+        if run is not None and S == 1 and cands:
+            # One token: its segment's totals are one more candidate of the read's GEMM, their mean gate key its ḡ
+            # (a decode step's read in ~20 fewer ops).
+            cands.append((run[0], run[1], run[2] / run[3].clamp(min=1)[..., None], None))
+            own = None
+        elif run is not None:
+            own = (*self._read_own_totals(fq, run[0], run[1]), run[2], run[3])
         else:
             own_num, own_den, own_g, own_n = own if own is not None else self._own_segment_sums(fq, fk, v, gk, lay)
             if state is not None:
@@ -517,21 +576,16 @@ class MemoryCacheBranch(KeepsFloat32):
                 own_den = own_den + first[..., None] * torch.einsum("bshd,bhd->bsh", fq, state.run_z)
                 own_g = own_g + first[..., None] * state.run_g[:, None]
                 own_n = own_n + first * state.run_n[:, None]
-        # Mean gate keys of the chunk's segments, read by later ones and kept for the finished.
-        seg_gmean = seg_g / seg_n.clamp(min=1)[..., None] if lay.n_rel > 1 else None
-
-        # Finished segments a token may read: the cache's (i < base) and this chunk's earlier ones (r' < rel).
-        cands = []
-        if state is not None and lay.n_fin > 0:
-            n = lay.n_fin
-            cands.append((state.fin_M[:, :n], state.fin_z[:, :n], state.fin_g[:, :n], lay.fin_mask[:, None].expand(B, S, n)))
-        if lay.n_rel > 1:
-            cands.append((seg_M, seg_z, seg_gmean, lay.chunk_mask))
+            own = own_num, own_den, own_g, own_n
         cand = None
         if cands:
-            cand = tuple(torch.cat(parts, 1 if i < 3 else -1) if len(parts) > 1 else parts[0]
-                         for i, parts in enumerate(zip(*cands)))
-        y = self._read(fq, gu, own_num, own_den, own_g, own_n, cand)
+            M, z, g, masks = zip(*cands)
+            mask = None
+            if any(m is not None for m in masks):  # a candidate without a mask is readable by every token
+                mask = _cat([m if m is not None else torch.ones(B, S, gi.shape[1], dtype=torch.bool, device=x.device)
+                             for m, gi in zip(masks, g)], -1)
+            cand = (_cat(M, 1), _cat(z, 1), _cat(g, 1), mask)
+        y = self._read(fq, gu, own, cand)
         y = y.reshape(B, S, nh * hd)
 
         if not ctx.cached:
@@ -772,14 +826,21 @@ class HyperConnection(nn.Module):
         self.post_scale = nn.Parameter(torch.ones(hc_mult))
 
     def pre_op(self, X: torch.Tensor) -> torch.Tensor:
-        w = _as(torch.softmax(self.pre_logits, 0, dtype=torch.float32), X.dtype)
-        if X.shape[1] == 2:  # X₀ + w₁(X₁ − X₀), the weights summing to 1: one pass, where a K=2 GEMM is 1.3-5× slower
-            return torch.lerp(X[:, 0], X[:, 1], w[1])
+        two = X.shape[1] == 2
+        w = derived(self, ("pre", X.dtype, two), lambda: self._pre_weights(X.dtype, two), self.pre_logits)
+        if two:  # X₀ + w₁(X₁ − X₀), the weights summing to 1: one pass, where a K=2 GEMM is 1.3-5× slower
+            return torch.lerp(X[:, 0], X[:, 1], w)
         return torch.matmul(w, X.flatten(2)).view(X.shape[0], *X.shape[2:])
+
+    def _pre_weights(self, dtype: torch.dtype, two: bool) -> torch.Tensor:
+        """softmax(a) in `dtype`; for two streams w₁ alone."""
+        w = _as(torch.softmax(self.pre_logits, 0, dtype=torch.float32), dtype)
+        return w[1] if two else w
 
     def post_op(self, X: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         # one pass over the m streams (X + b·out as two ops writes an m-stream temporary first)
-        return torch.addcmul(X, _as(self.post_scale, X.dtype).view(-1, 1, 1), out[:, None])
+        b = derived(self, ("post", X.dtype), lambda: _as(self.post_scale, X.dtype).view(-1, 1, 1), self.post_scale)
+        return torch.addcmul(X, b, out[:, None])
 
 
 class HCOutputMix(nn.Module):
@@ -802,7 +863,8 @@ class DepthAttention:
     """
 
     @staticmethod
-    def mix(q, k, v, sources, gate) -> torch.Tensor:
+    def mix(q, k, v, sources, tanh_gate) -> torch.Tensor:
+        """ṽ mixed into v by tanh(g) (`tanh_gate`, in v's dtype)."""
         B, nh, S, hd = q.shape
         kvh = k.shape[1]
         qbar = q.view(B, kvh, nh // kvh, S, hd).mean(2)
@@ -810,7 +872,7 @@ class DepthAttention:
         values = torch.stack([_on(src[1], v.device) for src in sources] + [v])
         w = _as(torch.softmax((qbar * keys).sum(-1) / math.sqrt(hd), dim=0, dtype=torch.float32), v.dtype)
         mixed = (w[..., None] * values).sum(0)
-        return torch.lerp(v, mixed, _as(torch.tanh(gate), v.dtype))
+        return torch.lerp(v, mixed, tanh_gate)
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -1102,7 +1164,7 @@ class SpikeWhaleAttention(InputProjectionFusion, nn.Module):
         y, weights = attend(self, q, k, v, mask, dropout=dropout, scaling=self.scaling, is_causal=is_causal)
         return y.transpose(1, 2), weights
 
-    def _project(self, u: torch.Tensor, positions: torch.Tensor, proj: tuple | None = None):
+    def _project(self, u: torch.Tensor, ctx: ForwardContext, proj: tuple | None = None):
         """q [B, nh, S, hd] and k, v [B, kvh, S, hd]: low-rank Q, QK-norm, then partial RoPE on q and k.
 
         proj: u's (q_a_proj, k_proj, v_proj) outputs when the caller already has them (`fused_input`)."""
@@ -1114,7 +1176,7 @@ class SpikeWhaleAttention(InputProjectionFusion, nn.Module):
         v = v.view(B, S, -1, self.hd).transpose(1, 2)
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self.rope(_on(positions, u.device))
+        cos, sin = ctx.rope_tables(self.rope, u.device, q.dtype)
         # q's and k's heads rotated in one pass: the same element-wise ops, half the calls (a decode step's are tiny)
         q, k = apply_partial_rope(torch.cat([q, k], 1), cos, sin).split([q.shape[1], k.shape[1]], 1)
         return q, k, v
@@ -1123,7 +1185,9 @@ class SpikeWhaleAttention(InputProjectionFusion, nn.Module):
         """V after depth attention, and this layer's (k, v) if it is a depth checkpoint (else None)."""
         depth_entry = (k, v) if self.is_depth_checkpoint else None
         if self.depth_gate is not None and depth_sources:
-            v = DepthAttention.mix(q, k, v, depth_sources, self.depth_gate)
+            gate = self.depth_gate
+            tanh_gate = derived(self, ("depth", v.dtype), lambda: _as(torch.tanh(gate), v.dtype), gate)
+            v = DepthAttention.mix(q, k, v, depth_sources, tanh_gate)
         return v, depth_entry
 
     def _output(self, y: torch.Tensor, v_self: torch.Tensor) -> torch.Tensor:
@@ -1138,7 +1202,7 @@ class SpikeWhaleAttention(InputProjectionFusion, nn.Module):
         None without a cache). state: what the slot carries (None without a cache); its K/V buffers are written in
         place at `ctx.past`."""
         fused = self._fused_projections(u)
-        q, k, v = self._project(u, ctx.positions, fused[:3] if fused is not None else None)
+        q, k, v = self._project(u, ctx, fused[:3] if fused is not None else None)
         v, depth_entry = self._mix_depth(q, k, v, depth_sources)
         v_self = v
         new_kv = None

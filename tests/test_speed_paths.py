@@ -169,7 +169,7 @@ def test_memory_cache_read_mixes_reads_not_memories():
             return out
 
     with Sizes():
-        y = mc._read(fq, gu, own_num, own_den, own_g, own_n, (cand_M, cand_z, cand_g, readable))
+        y = mc._read(fq, gu, (own_num, own_den, own_g, own_n), (cand_M, cand_z, cand_g, readable))
     assert Sizes.largest < B * S * nh * hd * hd // 4
 
     d = torch.float64
@@ -183,6 +183,69 @@ def test_memory_cache_read_mixes_reads_not_memories():
         den = den + gamma[..., i, None] * torch.einsum("bshd,bhd->bsh", fq.to(d), cand_z[:, i].to(d))
     want = num / (den[..., None] + mc.eps)
     assert (y.to(d) - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+def test_memory_cache_one_token_reads_its_own_segment_as_a_candidate():
+    """A decode step's read: its own segment's running totals are one more candidate of the read's GEMM, with their
+    mean gate key as ḡ (`_memory_readout`, one token, finished segments to read). That is the read with the own
+    segment apart, to the float32 floor, and a candidate without a mask (None) is readable by every token."""
+    from conftest import tiny_config
+    from spike_whale.modeling_spike_whale import MemoryCacheBranch
+
+    B, I, nh, hd, gd = 3, 2, 4, 32, 16
+    mc = MemoryCacheBranch(tiny_config(mc_num_heads=nh, mc_head_dim=hd, mc_gate_dim=gd))
+    g = torch.Generator().manual_seed(1)
+    fq = torch.rand(B, 1, nh, hd, generator=g) + 0.5
+    gu, own_g, cand_g = (torch.randn(*shape, generator=g) for shape in ((B, 1, gd), (B, 1, gd), (B, I, gd)))
+    own_M, own_z = torch.rand(B, 1, nh, hd, hd, generator=g), torch.rand(B, 1, nh, hd, generator=g) + 1
+    own_n = torch.tensor([[1.0], [5.0], [200.0]])
+    cand_M, cand_z = torch.rand(B, I, nh, hd, hd, generator=g), torch.rand(B, I, nh, hd, generator=g) + 1
+    own = (*mc._read_own_totals(fq, own_M, own_z), own_g, own_n)
+    as_candidate = (torch.cat([cand_M, own_M], 1), torch.cat([cand_z, own_z], 1),
+                    torch.cat([cand_g, own_g / own_n[..., None]], 1))
+    readable = torch.tensor([[[True, True]], [[False, True]], [[False, False]]])
+    for mask in (readable, None):
+        want = mc._read(fq, gu, own, (cand_M, cand_z, cand_g, mask))
+        full = torch.cat([mask, torch.ones(B, 1, 1, dtype=torch.bool)], -1) if mask is not None else None
+        got = mc._read(fq, gu, None, (*as_candidate, full))
+        assert (got - want).abs().max() <= 2e-6 * want.abs().max()
+    everyone = torch.ones(B, 1, I, dtype=torch.bool)
+    assert torch.equal(mc._read(fq, gu, own, (cand_M, cand_z, cand_g, None)),
+                       mc._read(fq, gu, own, (cand_M, cand_z, cand_g, everyone)))
+
+
+def test_parameter_functions_kept_between_steps_follow_their_parameters():
+    """`derived` keeps an HC softmax or a gate's tanh between no-grad forwards, and recomputes it when the parameter
+    is updated in place or replaced; with gradients on it is computed afresh: the gradient reaches the parameter, and
+    a frozen model's training step after an inference-mode step saves no value kept there for its backward."""
+    from spike_whale.modeling_spike_whale import HyperConnection
+
+    hc = HyperConnection(2)
+    g = torch.Generator().manual_seed(0)
+    X, out = torch.randn(3, 2, 4, 8, generator=g), torch.randn(3, 4, 8, generator=g)
+
+    def fresh(X):
+        return torch.lerp(X[:, 0], X[:, 1], torch.softmax(hc.pre_logits.detach(), 0)[1])
+
+    with torch.no_grad():
+        assert torch.equal(hc.pre_op(X), fresh(X))
+        hc.pre_logits.add_(torch.tensor([0.0, 1.5]))
+        assert torch.equal(hc.pre_op(X), fresh(X))
+        hc.pre_logits = torch.nn.Parameter(torch.tensor([2.0, -1.0]))
+        assert torch.equal(hc.pre_op(X), fresh(X))
+        hc.post_op(X, out)
+        hc.post_scale.mul_(3.0)
+        assert torch.equal(hc.post_op(X, out), torch.addcmul(X, torch.full((2, 1, 1), 3.0), out[:, None]))
+    hc.pre_op(X).sum().backward()
+    assert hc.pre_logits.grad is not None and hc.pre_logits.grad.abs().sum() > 0
+
+    hc.requires_grad_(False)
+    hc.pre_logits.add_(0.25)  # changed: the next no-grad forward computes and keeps w again
+    with torch.inference_mode():
+        hc.pre_op(X)
+    Xg = X.clone().requires_grad_(True)
+    hc.pre_op(Xg).sum().backward()
+    assert torch.allclose(Xg.grad[:, 1], torch.softmax(hc.pre_logits, 0)[1].expand_as(Xg.grad[:, 1]))
 
 
 def test_linear_forward_of_a_few_rows_equals_f_linear(monkeypatch):
