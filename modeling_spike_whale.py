@@ -1341,24 +1341,27 @@ class FewRowsKernel:
         timed now (`time_in_walk_order`) where no earlier call has. `stored` (product by torch version, CPU model
         and key) answers a key timed in an earlier process and takes this one's, so that a choice made once stays
         made (single timings scatter)."""
-        kinds = [[k for k in self.candidates(w, rows) if k not in ("mv", "packed")] for w in weights]
+        kinds = [[k for k in self.candidates(w, rows) if k != "mv"] for w in weights]
         if self.forced is not None:
             return [self.forced if self.forced in ks else "linear" for ks in kinds]
         if torch.are_deterministic_algorithms_enabled():
             return ["linear"] * len(weights)
         keys = [self.key(w, rows) for w in weights]
-        # "timed in walk rounds": choices timed otherwise (earlier releases) are timed again
-        names = [f"torch {torch.__version__} | {cpu_model()} | timed in walk rounds | " + " ".join(map(str, k))
-                 for k in keys]
+        # The tag: choices timed otherwise, or without "packed" among the compiled products (earlier releases), are
+        # timed again.
+        names = [f"torch {torch.__version__} | {cpu_model()} | timed in walk rounds, packed traced | "
+                 + " ".join(map(str, k)) for k in keys]
         known = {k for k, n, ks in zip(keys, names, kinds) if stored is not None and stored.get(n) in ks}
         pending = {k: ks for k, ks in zip(keys, kinds) if k not in known and k not in self.walk_medians}
         if pending:
             self.time_in_walk_order(weights, keys, pending, rows, walk)
         chosen = []
-        for key, name, ks in zip(keys, names, kinds):
+        for weight, key, name, ks in zip(weights, keys, names, kinds):
             kind = stored[name] if key in known else self._fastest(self.walk_medians[key], ks)
             if stored is not None:
                 stored[name] = kind
+            if "packed" not in (kind, self.chosen.get(key)):  # the timing's copy, unless a product takes it
+                self.packed.pop(weight, None)
             chosen.append(kind)
         return chosen
 
@@ -1379,6 +1382,8 @@ class FewRowsKernel:
         inputs = {(w.shape[1], w.dtype): w.new_zeros(rows, w.shape[1]) for w in walk}
         for weight in walk:  # untimed: a weight's first read may fault its pages in (a model just loaded)
             F.linear(inputs[weight.shape[1], weight.dtype], weight)
+            if "packed" in kinds.get(timed.get(id(weight)), ()):
+                self.packed_weight(weight)  # packing once per weight is not the product's time
         per_kind = max(2, *(-(-self.trials // n) for n in counts.values()))  # rounds per product, each key ≥ trials
         times = {k: {kind: [] for kind in ks} for k, ks in kinds.items()}
         for r in range(per_kind * max(map(len, kinds.values()))):
@@ -1435,12 +1440,14 @@ class FewRowsKernel:
 
     @classmethod
     def traced_product(cls, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
-        """The product named `kind` (not "mv" or "packed") in a compiled graph, for any (symbolic) number of rows: row
-        blocks as eagerly, and (W·Xᵀ)ᵀ as the first columns of W·[X; 0]ᵀ, as eagerly for one row (a one-column GEMM
-        takes the slow path that F.linear's does: bf16 [2048, 768] on a Xeon with AMX, 227 µs against 159 µs for two
-        columns)."""
+        """The product named `kind` (not "mv") in a compiled graph, for any (symbolic) number of rows: row blocks as
+        eagerly; (W·Xᵀ)ᵀ as the first columns of W·[X; 0]ᵀ, as eagerly for one row (a one-column GEMM takes the slow
+        path that F.linear's does: bf16 [2048, 768] on a Xeon with AMX, 227 µs against 159 µs for two columns); and
+        the prepacked linear as the op `spike_whale::packed_linear` (`packed_linear`), where no gradient flows."""
         if kind in cls.blocks:
             return cls.row_blocks_product(x, weight, bias, cls.blocks[kind])
+        if kind == "packed" and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+            return torch.ops.spike_whale.packed_linear(x, weight, bias)
         if kind != "transposed":
             return F.linear(x, weight, bias)
         x2 = x.reshape(-1, x.shape[-1])
@@ -1461,6 +1468,22 @@ class FewRowsKernel:
 
 
 FEW_ROWS_KERNEL = FewRowsKernel()
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x·Wᵀ + b by oneDNN's linear on W's prepacked copy (`FewRowsKernel.packed_weight`): the op
+    `spike_whale::packed_linear`, which a compiled decode walk calls as an opaque kernel. Inductor lowers oneDNN's
+    own op only for a weight frozen into the graph as a constant, and the walk reads its weights as inputs (114M
+    bf16 FFN products in a compiled graph, AVX512-BF16 EPYC, 2 threads: 195 against 265 µs a call for F.linear)."""
+    return torch.ops.mkldnn._linear_pointwise(x, FewRowsKernel.packed_weight(weight), bias, "none", [], "")
+
+
+if not hasattr(torch.ops.spike_whale, "packed_linear"):  # once per process, whichever copy of this file comes first
+    _SPIKE_WHALE_OPS = torch.library.Library("spike_whale", "FRAGMENT")
+    _SPIKE_WHALE_OPS.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+    _SPIKE_WHALE_OPS.impl("packed_linear", packed_linear, "CompositeExplicitAutograd")
+    torch.library.register_fake("spike_whale::packed_linear", lib=_SPIKE_WHALE_OPS)(
+        lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight.shape[0]))
 
 
 def weight_only_int8(weight: torch.Tensor) -> bool:
@@ -2571,8 +2594,10 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         (`SpikeWhaleAttention.fuse_input_projections`). On CPU each FFN weight and rank→hidden up-projection is
         multiplied in the compiled walk by the product `FEW_ROWS_KERNEL` times fastest for one row on this machine
         (`_choose_compiled_products`: timed on the first call, well under a second for the 114M preset, and kept
-        beside the stored walks for later processes): one batched GEMM over blocks of its rows, or (W·Xᵀ)ᵀ (bf16 gate
-        and up on a Xeon with AMX: 174 against 240 µs a call in the compiled step); a float32 weight that keeps
+        beside the stored walks for later processes): one batched GEMM over blocks of its rows, (W·Xᵀ)ᵀ (bf16 gate
+        and up on a Xeon with AMX: 174 against 240 µs a call in the compiled step), or, for bf16, oneDNN's linear on
+        a prepacked copy through the op `spike_whale::packed_linear` (the FFN on an AVX512-BF16 EPYC: the 114M bf16
+        compiled step 1.20× faster, its copies 151 MB beside the weights); a float32 weight that keeps
         F.linear is stored column-major, which MKL reads 10-25% faster than row-major for a batch of a few rows. On CPU,
         `options={"cpp_wrapper": True}` trims the per-kernel dispatch further (4-9% faster at batch 1 in two
         benchmark runs) for about twice the compile time. On CPU inductor's pattern matcher is off unless some weight is

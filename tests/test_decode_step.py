@@ -457,6 +457,70 @@ def test_compile_decode_multiplies_bf16_weights_first_where_the_few_row_kernel_t
     assert float((compiled - eager)[valid].abs().max()) <= 2 ** -5 * float(eager[valid].abs().max())
 
 
+@pytest.mark.skipif(not msw.cpu_has_mkldnn_bf16(), reason="this torch has no oneDNN prepacked linear")
+def test_compile_decode_multiplies_bf16_weights_by_their_prepacked_copies_where_the_few_row_kernel_takes_them(
+        monkeypatch):
+    """bf16 weights whose one-row product `FEW_ROWS_KERNEL` takes as oneDNN's linear on a prepacked copy (forced here;
+    on an AVX512-BF16 EPYC it is the FFN's): the compiled walk calls the op `spike_whale::packed_linear` for them,
+    with eager bf16's logits within bf16 rounding; where a gradient flows it multiplies by F.linear instead (the op
+    has no derivative), with gradients equal to the eager walk's."""
+    monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
+    monkeypatch.setattr(msw.FewRowsKernel, "forced", "packed")
+    torch._dynamo.reset()
+    f32 = tiny_model(seed=4)
+    model = type(f32)._from_config(f32.config, dtype=torch.bfloat16).eval()
+    model.load_state_dict(f32.state_dict())
+    graphs = []
+
+    def backend(gm, example_inputs, **kwargs):
+        graphs.append(gm)
+        return gm.forward
+
+    def packed_calls(gm):
+        return [n for n in gm.graph.nodes if n.target in (torch.ops.spike_whale.packed_linear,
+                                                            torch.ops.spike_whale.packed_linear.default)]
+
+    ids, mask = batch(seed=6)
+    eager = decode_logits(model, ids, mask, prefill=L + 1).float()
+    ffn = model.model.layers[0].ffn
+    model.compile_decode(backend=backend)
+    try:
+        assert ffn.gate_proj.compiled_product == ffn.down_proj.compiled_product == "packed"
+        compiled = decode_logits(model, ids, mask, prefill=L + 1).float()
+        assert graphs and len(packed_calls(graphs[-1])) >= 5 * len(model.model.layers)  # q_b, o_b, gate, up, down
+        valid = mask.bool()
+        assert float((compiled - eager)[valid].abs().max()) <= 2 ** -5 * float(eager[valid].abs().max())
+
+        out = model(ids[:, :L + 1], attention_mask=mask[:, :L + 1], use_cache=True)
+        step = dict(attention_mask=mask[:, : L + 2], use_cache=True)  # a step inside the segment: compiled
+        n_graphs = len(graphs)
+        with torch.enable_grad():
+            loss = model(ids[:, L + 1:L + 2], past_key_values=out.past_key_values, **step).logits.float().square().sum()
+            grads = torch.autograd.grad(loss, [ffn.gate_proj.weight, ffn.down_proj.weight])
+        assert len(graphs) == n_graphs + 1 and not packed_calls(graphs[-1])  # traced again, with F.linear
+    finally:
+        model.compile_decode(enable=False)
+    out = model(ids[:, :L + 1], attention_mask=mask[:, :L + 1], use_cache=True)
+    with torch.enable_grad():
+        loss = model(ids[:, L + 1:L + 2], past_key_values=out.past_key_values, **step).logits.float().square().sum()
+        want = torch.autograd.grad(loss, [ffn.gate_proj.weight, ffn.down_proj.weight])
+    assert all(torch.equal(g, w) for g, w in zip(grads, want))
+
+
+def test_packed_linear_op_compiles_through_inductor():
+    """`spike_whale::packed_linear` in an inductor graph for any number of rows (dynamic shapes): oneDNN's values on
+    the weight's prepacked copy, bit for bit, with and without bias."""
+    if not msw.cpu_has_mkldnn_bf16():
+        pytest.skip("this torch has no oneDNN prepacked linear")
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
+    fn = torch.compile(lambda x, w, b: torch.ops.spike_whale.packed_linear(x, w, b) * 2, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for rows, bias in ((1, None), (3, b), (5, b)):
+            x = torch.randn(rows, 1, 64, generator=g).bfloat16()
+            assert torch.equal(fn(x, w, bias), msw.FewRowsKernel.product(x, w, bias, rows, "packed") * 2)
+
+
 def test_compile_decode_keeps_its_row_block_choices_for_later_processes(monkeypatch, tmp_path):
     """The compiled walk's row blocks are timed once per torch, CPU model, thread count and weight shape: the first
     `compile_decode` writes them to `compiled_products.json` in torch's cache directory, and a later process (a fresh

@@ -378,6 +378,33 @@ def test_packed_bf16_product_follows_its_weight(monkeypatch):
     assert ran[-1] == "linear" and w not in msw.FewRowsKernel.packed
 
 
+def test_compiled_walk_times_the_packed_product_and_keeps_only_the_copies_it_takes(monkeypatch):
+    """`FewRowsKernel.choose` (a compiled walk's products) times "packed" for bf16 weights beside the traceable
+    products, each weight packed before the timing; a key that takes another product leaves no copy behind, one that
+    takes it keeps its weights' copies for the walk."""
+    import spike_whale.modeling_spike_whale as msw
+
+    if not msw.cpu_has_mkldnn_bf16():
+        pytest.skip("this torch has no oneDNN prepacked linear")
+    g = torch.Generator().manual_seed(4)
+    small = [torch.randn(320, 208, generator=g).bfloat16() for _ in range(2)]
+    large = [torch.randn(416, 208, generator=g).bfloat16() for _ in range(2)]
+    kernel, timed = msw.FewRowsKernel(), []
+
+    def product(x, w, b, rows, kind):  # "packed" is the fastest for the large shape only
+        timed.append((kind, w in msw.FewRowsKernel.packed))
+        msw.time.sleep(1e-4 if kind == "packed" and w.shape[0] == 416 else 3e-4)
+        return F.linear(x, w, b)
+
+    monkeypatch.setattr(kernel, "product", product)
+    with torch.no_grad():
+        chosen = kernel.choose(small + large, 1)
+    assert chosen == ["linear", "linear", "packed", "packed"]
+    assert {kind for kind, _ in timed} == set(msw.FewRowsKernel.candidates(small[0], 1)) - {"mv"}
+    assert all(was_packed for kind, was_packed in timed if kind == "packed")
+    assert all(w not in msw.FewRowsKernel.packed for w in small) and all(w in msw.FewRowsKernel.packed for w in large)
+
+
 def test_bf16_products_of_many_rows_run_in_float32_on_a_cpu_without_bf16_instructions(monkeypatch):
     """Without bf16 instructions (MKL's bf16 GEMM is several times slower there), a bf16 product of 8+ rows is the
     float32 product rounded to bf16 once, gradients included; one row, and any CPU with bf16 instructions, keep
