@@ -1473,8 +1473,9 @@ FEW_ROWS_KERNEL = FewRowsKernel()
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x·Wᵀ + b by oneDNN's linear on W's prepacked copy (`FewRowsKernel.packed_weight`): the op
     `spike_whale::packed_linear`, which a compiled decode walk calls as an opaque kernel. Inductor lowers oneDNN's
-    own op only for a weight frozen into the graph as a constant, and the walk reads its weights as inputs (114M
-    bf16 FFN products in a compiled graph, AVX512-BF16 EPYC, 2 threads: 195 against 265 µs a call for F.linear)."""
+    own op only for a weight frozen into the graph as a constant, and the walk reads its weights as inputs (bf16
+    [2048, 768] and [768, 2048] products alternating in a compiled graph, AVX512-BF16 EPYC, 2 threads: 195 against
+    265 µs a call for F.linear's GEMM)."""
     return torch.ops.mkldnn._linear_pointwise(x, FewRowsKernel.packed_weight(weight), bias, "none", [], "")
 
 
@@ -2600,9 +2601,11 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         compiled step 1.20× faster, its copies 151 MB beside the weights); a float32 weight that keeps
         F.linear is stored column-major, which MKL reads 10-25% faster than row-major for a batch of a few rows. On CPU,
         `options={"cpp_wrapper": True}` trims the per-kernel dispatch further (4-9% faster at batch 1 in two
-        benchmark runs) for about twice the compile time. On CPU inductor's pattern matcher is off unless some weight is
-        quantized (a tensor subclass, such as torchao's int8 weights): its one-query attention rewrite is slower, but
-        inductor's int8 weight-only lowering lives there (an explicit `options={"pattern_matcher": ...}` wins).
+        benchmark runs) for about twice the compile time, though not for a bf16 walk with prepacked products, whose op
+        it calls back into Python (114M, EPYC: generate's step 75-78 against 62-64 ms). On CPU inductor's pattern
+        matcher is off unless some weight is quantized (a tensor subclass, such as torchao's int8 weights): its
+        one-query attention rewrite is slower, but inductor's int8 weight-only lowering lives there (an explicit
+        `options={"pattern_matcher": ...}` wins).
         """
         if not enable:
             self.model._compiled_run, self.model._compiled_for = None, None

@@ -423,12 +423,11 @@ def test_compile_decode_multiplies_by_row_blocks_where_the_few_row_kernel_takes_
     assert max(float((a - b).abs().max()) for a, b in zip(eager.logits, compiled.logits)) <= TOL
 
 
-def test_compile_decode_multiplies_bf16_weights_first_where_the_few_row_kernel_takes_them(monkeypatch):
-    """bf16 weights whose one-row product `FEW_ROWS_KERNEL` takes as (W·xᵀ)ᵀ (forced here; on a Xeon with AMX it is
-    ~1.4× F.linear's speed): the compiled walk multiplies them as (W·Xᵀ)ᵀ for any number of rows, keeps them
-    row-major, and decodes eager bf16's logits within bf16 rounding (the kernels sum in different orders)."""
+def bf16_walk_with_forced_product(monkeypatch, kind: str):
+    """(tiny_model(seed=4)'s weights in bf16, the graphs a compiled walk traces, a dynamo backend recording them and
+    running them as traced), with every few-row product forced to `kind` and dynamo's caches reset."""
     monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
-    monkeypatch.setattr(msw.FewRowsKernel, "forced", "transposed")
+    monkeypatch.setattr(msw.FewRowsKernel, "forced", kind)
     torch._dynamo.reset()
     f32 = tiny_model(seed=4)
     model = type(f32)._from_config(f32.config, dtype=torch.bfloat16).eval()
@@ -439,6 +438,14 @@ def test_compile_decode_multiplies_bf16_weights_first_where_the_few_row_kernel_t
         graphs.append(gm)
         return gm.forward
 
+    return model, graphs, backend
+
+
+def test_compile_decode_multiplies_bf16_weights_first_where_the_few_row_kernel_takes_them(monkeypatch):
+    """bf16 weights whose one-row product `FEW_ROWS_KERNEL` takes as (W·xᵀ)ᵀ (forced here; on a Xeon with AMX it is
+    ~1.4× F.linear's speed): the compiled walk multiplies them as (W·Xᵀ)ᵀ for any number of rows, keeps them
+    row-major, and decodes eager bf16's logits within bf16 rounding (the kernels sum in different orders)."""
+    model, graphs, backend = bf16_walk_with_forced_product(monkeypatch, "transposed")
     ids, mask = batch(seed=6)
     eager = decode_logits(model, ids, mask, prefill=L + 1).float()
     attn, ffn = model.model.layers[0].attn, model.model.layers[0].ffn
@@ -464,17 +471,7 @@ def test_compile_decode_multiplies_bf16_weights_by_their_prepacked_copies_where_
     on an AVX512-BF16 EPYC it is the FFN's): the compiled walk calls the op `spike_whale::packed_linear` for them,
     with eager bf16's logits within bf16 rounding; where a gradient flows it multiplies by F.linear instead (the op
     has no derivative), with gradients equal to the eager walk's."""
-    monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
-    monkeypatch.setattr(msw.FewRowsKernel, "forced", "packed")
-    torch._dynamo.reset()
-    f32 = tiny_model(seed=4)
-    model = type(f32)._from_config(f32.config, dtype=torch.bfloat16).eval()
-    model.load_state_dict(f32.state_dict())
-    graphs = []
-
-    def backend(gm, example_inputs, **kwargs):
-        graphs.append(gm)
-        return gm.forward
+    model, graphs, backend = bf16_walk_with_forced_product(monkeypatch, "packed")
 
     def packed_calls(gm):
         return [n for n in gm.graph.nodes if n.target in (torch.ops.spike_whale.packed_linear,
