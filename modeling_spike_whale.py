@@ -2588,7 +2588,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         process only. To keep the per-pass dispatch cheap, the guards on built-in modules and on parameter tensors are
         skipped (`compiled_decode_guards`): moving or re-typing the model afterwards raises until this is called again;
         call it again too after giving weights another layout or registering module hooks. `enable=False` returns
-        to eager decoding.
+        to eager decoding and drops the walk's prepacked copies.
 
         It re-stores weights for the one-token GEMMs, with the same shapes and values (`state_dict` and
         `save_pretrained` are unchanged): each attention's projections of its input become one matrix
@@ -2612,7 +2612,8 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             for layer in self.model.layers:
                 layer.attn.fuse_input_projections(enable=False)  # fused again by the next eager no-grad forward
             for linear in self._column_major_linears():
-                vars(linear).pop("compiled_product", None)
+                if vars(linear).pop("compiled_product", None) == "packed":
+                    FewRowsKernel.packed.pop(linear.weight, None)  # the walk's copy; eager products pack their own
             return
         reason = compile_blocker(self.model)
         if reason is not None:

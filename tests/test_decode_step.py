@@ -497,6 +497,7 @@ def test_compile_decode_multiplies_bf16_weights_by_their_prepacked_copies_where_
         assert len(graphs) == n_graphs + 1 and not packed_calls(graphs[-1])  # traced again, with F.linear
     finally:
         model.compile_decode(enable=False)
+    assert ffn.gate_proj.weight not in msw.FewRowsKernel.packed  # the walk's copies go with it
     out = model(ids[:, :L + 1], attention_mask=mask[:, :L + 1], use_cache=True)
     with torch.enable_grad():
         loss = model(ids[:, L + 1:L + 2], past_key_values=out.past_key_values, **step).logits.float().square().sum()
