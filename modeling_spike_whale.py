@@ -992,6 +992,9 @@ class FusedLinears:
     adapter); otherwise its owner runs the Linears one by one.
     """
 
+    # The fused GEMM's products in a compiled decode walk (`compiled_kind`; `compile_decode` chooses them).
+    compiled_product = compiled_product_rows = "linear"
+
     def __init__(self, linears: tuple[nn.Linear, ...]):
         self.linears = linears
         self.sizes = [linear.out_features for linear in linears]
@@ -1028,7 +1031,7 @@ class FusedLinears:
                 and self.only_compute(self.linears))
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        parts = linear_forward(x, self.weight).split(self.sizes, -1)
+        parts = linear_forward(x, self.weight, None, compiled_kind(self, x)).split(self.sizes, -1)
         return tuple(y if linear.bias is None else y + linear.bias for y, linear in zip(parts, self.linears))
 
 
@@ -1335,12 +1338,13 @@ class FewRowsKernel:
         return best if medians[best] < self.margin * medians["linear"] else "linear"
 
     def choose(self, weights: list[torch.Tensor], rows: int, stored: dict[str, str] | None = None,
-               walk: list[torch.Tensor] | None = None) -> list[str]:
+               walk: list[torch.Tensor] | None = None, keep: list[torch.Tensor] = ()) -> list[str]:
         """The product a compiled walk takes for `rows` rows by each of `weights` (`compile_decode`): per key, the
         fastest of those it can trace (`traced_product`; not W·x, which has no form for a symbolic row count),
         timed now (`time_in_walk_order`) where no earlier call has. `stored` (product by torch version, CPU model
         and key) answers a key timed in an earlier process and takes this one's, so that a choice made once stays
-        made (single timings scatter)."""
+        made (single timings scatter). `keep`: weights whose prepacked copy stays whatever this call takes (another
+        row count's product takes it)."""
         kinds = [[k for k in self.candidates(w, rows) if k != "mv"] for w in weights]
         if self.forced is not None:
             return [self.forced if self.forced in ks else "linear" for ks in kinds]
@@ -1355,12 +1359,13 @@ class FewRowsKernel:
         pending = {k: ks for k, ks in zip(keys, kinds) if k not in known and k not in self.walk_medians}
         if pending:
             self.time_in_walk_order(weights, keys, pending, rows, walk)
-        chosen = []
+        chosen, kept = [], {id(w) for w in keep}
         for weight, key, name, ks in zip(weights, keys, names, kinds):
             kind = stored[name] if key in known else self._fastest(self.walk_medians[key], ks)
             if stored is not None:
                 stored[name] = kind
-            if "packed" not in (kind, self.chosen.get(key)):  # the timing's copy, unless a product takes it
+            # The timing's copy, unless a product takes it.
+            if "packed" not in (kind, self.chosen.get(key)) and id(weight) not in kept:
                 self.packed.pop(weight, None)
             chosen.append(kind)
         return chosen
@@ -1451,7 +1456,10 @@ class FewRowsKernel:
         if kind != "transposed":
             return F.linear(x, weight, bias)
         x2 = x.reshape(-1, x.shape[-1])
-        y = torch.mm(weight, F.pad(x2, (0, 0, 0, 1)).t())[:, : x2.shape[0]].t()
+        # Row-major, as F.linear's and the eager product's: a strided result would reach the slot states (the
+        # Memory-Cache sums of a fused projection's q/k/v) and change their strides, and with them the next step's
+        # guards (one more compile).
+        y = torch.mm(weight, F.pad(x2, (0, 0, 0, 1)).t())[:, : x2.shape[0]].t().contiguous()
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -1534,6 +1542,10 @@ def cpu_has_native_bf16() -> bool:
 # 94 ms), while one row stays bf16 (half the weight bytes to stream). Rows 2-7 were not measured.
 BF16_AS_FLOAT32_MIN_ROWS = 8
 
+# The rows a compiled walk's batch products are timed at (`_choose_compiled_products`): one graph serves every batch
+# of 2 or more, so one representative count picks their product.
+COMPILED_BATCH_ROWS = 8
+
 
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    compiled_product: str = "linear") -> torch.Tensor:
@@ -1566,14 +1578,25 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return FEW_ROWS_KERNEL(x, weight, bias, rows)
 
 
+def compiled_kind(owner, x: torch.Tensor) -> str:
+    """The product `owner` (a SpikeWhaleLinear or FusedLinears) multiplies x by in a compiled decode walk
+    (`compile_decode`'s choices): `compiled_product` for one row, `compiled_product_rows` for several. A compiled step
+    has one row per sequence, and dynamo specialises a batch of one, so a batch-1 graph and the graph of larger
+    batches each trace their own."""
+    if torch.compiler.is_compiling() and x.numel() != x.shape[-1]:
+        return owner.compiled_product_rows
+    return owner.compiled_product
+
+
 class SpikeWhaleLinear(nn.Linear):
-    """nn.Linear computed by `linear_forward` (same parameters and state dict); `compiled_product` is `compile_decode`'s
-    choice of product under torch.compile (a `FewRowsKernel` product; "linear": F.linear)."""
+    """nn.Linear computed by `linear_forward` (same parameters and state dict), multiplied in a compiled decode walk by
+    the product `compiled_kind` names (a `FewRowsKernel` product; "linear": F.linear)."""
 
     compiled_product = "linear"
+    compiled_product_rows = "linear"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_forward(x, self.weight, self.bias, self.compiled_product)
+        return linear_forward(x, self.weight, self.bias, compiled_kind(self, x))
 
 
 class SpikeWhaleMLP(InputProjectionFusion, nn.Module):
@@ -1854,8 +1877,9 @@ class PersistentDecodeWalk:
     (`TORCHINDUCTOR_CACHE_DIR`, by default /tmp/torchinductor_<user>); nothing is written next to the model. The key
     hashes the torch and Python versions, the source and module name of this package, the compile options, the
     thread count (CPU kernels specialise on it), every layer parameter's name, shape, stride, dtype and device, and
-    the Linears' `compiled_product`, since the stored guards cannot check what identity guards check in-process
-    (`stored_decode_guards`). A call runs the first stored graph whose guards pass, else compiles, stores and runs a new one (a new batch size, say).
+    the products the walk's Linears and fused projections take (`compiled_kind`), since the stored guards cannot
+    check what identity guards check in-process (`stored_decode_guards`). A call runs the first stored graph whose
+    guards pass, else compiles, stores and runs a new one (a new batch size, say).
     `options` and `compile_kwargs` are `torch.compile`'s (inductor backend; the walk is always one graph, `fullgraph`)."""
 
     def __init__(self, model: "SpikeWhaleModel", options: dict, compile_kwargs: dict):
@@ -1887,8 +1911,10 @@ class PersistentDecodeWalk:
         for name, p in model.layers.named_parameters():
             digest.update(repr((name, tuple(p.shape), p.stride(), p.dtype, p.device.type, type(p.data))).encode())
         for name, module in model.layers.named_modules():
-            if getattr(module, "compiled_product", "linear") != "linear":
-                digest.update(repr((name, module.compiled_product)).encode())
+            for owner, label in ((module, name), (getattr(module, "fused_input", None), f"{name}.fused_input")):
+                kinds = getattr(owner, "compiled_product", "linear"), getattr(owner, "compiled_product_rows", "linear")
+                if kinds != ("linear", "linear"):
+                    digest.update(repr((label, *kinds)).encode())
         return digest.hexdigest()[:32]
 
     def __call__(self, *args):
@@ -2593,9 +2619,10 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         It re-stores weights for the one-token GEMMs, with the same shapes and values (`state_dict` and
         `save_pretrained` are unchanged): each attention's projections of its input become one matrix
         (`SpikeWhaleAttention.fuse_input_projections`). On CPU each FFN weight and rank→hidden up-projection is
-        multiplied in the compiled walk by the product `FEW_ROWS_KERNEL` times fastest for one row on this machine
-        (`_choose_compiled_products`: timed on the first call, well under a second for the 114M preset, and kept
-        beside the stored walks for later processes): one batched GEMM over blocks of its rows, (W·Xᵀ)ᵀ (bf16 gate
+        multiplied in the compiled walk by the product `FEW_ROWS_KERNEL` times fastest on this machine, for one row in
+        a batch-1 graph and for `COMPILED_BATCH_ROWS` rows in the graph of larger batches (`_choose_compiled_products`:
+        timed on the first call, about a second for the 114M preset, and kept beside the stored walks for later
+        processes): one batched GEMM over blocks of its rows, (W·Xᵀ)ᵀ (bf16 gate
         and up on a Xeon with AMX: 174 against 240 µs a call in the compiled step), or, for bf16, oneDNN's linear on
         a prepacked copy through the op `spike_whale::packed_linear` (the FFN on an AVX512-BF16 EPYC: the 114M bf16
         compiled step 1.20× faster, its copies 151 MB beside the weights); a float32 weight that keeps
@@ -2612,7 +2639,8 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             for layer in self.model.layers:
                 layer.attn.fuse_input_projections(enable=False)  # fused again by the next eager no-grad forward
             for linear in self._column_major_linears():
-                if vars(linear).pop("compiled_product", None) == "packed":
+                kinds = vars(linear).pop("compiled_product", None), vars(linear).pop("compiled_product_rows", None)
+                if "packed" in kinds:
                     FewRowsKernel.packed.pop(linear.weight, None)  # the walk's copy; eager products pack their own
             return
         reason = compile_blocker(self.model)
@@ -2635,6 +2663,8 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         for module in self.model.modules():
             if isinstance(module, SpikeWhaleMLP):
                 module.fuse_input_projections(enable=False)
+        for layer in self.model.layers:
+            layer.attn.fuse_input_projections()
         if self.device.type == "cpu":
             self._choose_compiled_products(persistent)
             with torch.no_grad():
@@ -2643,15 +2673,14 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
                     # layout; a column-major bf16 weight runs ~28x slower than a row-major one on a CPU without bf16
                     # instructions (one row against [2048, 768]: 6.7 against 0.23 ms). Other products keep row-major.
                     if (type(linear.weight.data) is torch.Tensor and linear.weight.dtype == torch.float32
-                            and getattr(linear, "compiled_product", "linear") == "linear"):
+                            and getattr(linear, "compiled_product", "linear") == "linear"
+                            and getattr(linear, "compiled_product_rows", "linear") == "linear"):
                         linear.weight.data = linear.weight.data.t().contiguous().t()
             # Its attention rewrite swaps in a CPU SDPA kernel slower than the two small matmuls of one query; but it
             # also holds inductor's int8 weight-only lowering (`_weight_int8pack_mm`), so quantized (tensor-subclass)
             # weights keep it on.
             if plain_weights:
                 options["pattern_matcher"] = False
-        for layer in self.model.layers:
-            layer.attn.fuse_input_projections()
         compile_kwargs.setdefault("dynamic", True)
         # torch.compile takes `mode` or `options`, not both; this walk needs options, so a mode becomes them.
         mode = compile_kwargs.pop("mode", None) or "default"
@@ -2679,10 +2708,14 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         self.model._compiled_for = (self.model.embed_tokens.weight.dtype, self.model.embed_tokens.weight.device)
 
     def _choose_compiled_products(self, persistent: bool) -> None:
-        """Gives each SpikeWhaleLinear of `_column_major_linears` the product `FEW_ROWS_KERNEL` takes for one row (timed
-        on the model's weights, see `FewRowsKernel.choose`) as its `compiled_product` in the compiled walk: with the
-        114M preset's float32 FFN weights multiplied by blocks of their rows, 16 layers streamed them at 24 GB/s
-        against 14 GB/s column-major (AVX2 EPYC, 2 threads; blocks of a column-major W ran at 9 GB/s).
+        """Gives each SpikeWhaleLinear of `_column_major_linears` and each attention's fused input projections
+        (`FusedLinears`) the products `FEW_ROWS_KERNEL` takes for one row and for `COMPILED_BATCH_ROWS` rows (timed on the model's weights, see `FewRowsKernel.choose`) as its
+        `compiled_product` and `compiled_product_rows` in the compiled walk: with the 114M preset's float32 FFN
+        weights multiplied by blocks of their rows, 16 layers streamed them at 24 GB/s against 14 GB/s column-major
+        (AVX2 EPYC, 2 threads; blocks of a column-major W ran at 9 GB/s). The fastest product for one row can be the
+        slowest for a batch: on an AVX512-BF16 EPYC (float32, 2 threads) (W·Xᵀ)ᵀ won one row of [2048, 768], and with
+        8 rows, in a compiled chain of 48 such products, took 1,204 µs a call against 637 for blocks of 4 rows (the
+        114M batch-8 step: 75 of its 190 ms in that product of the FFN's gate and up).
         `persistent`: the choices are kept in `compiled_products.json` beside the stored walks and reused by later
         processes, whose stored walk (keyed on them) would otherwise be compiled again after a near-tie timed the
         other way."""
@@ -2692,17 +2725,27 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             with contextlib.suppress(OSError, ValueError), open(path) as f:
                 stored = dict(json.load(f))
         before = dict(stored)
-        linears = [lin for lin in self._column_major_linears()
-                   if isinstance(lin, SpikeWhaleLinear) and type(lin.weight.data) is torch.Tensor
-                   and lin.weight.dtype in FEW_ROWS_DTYPES and lin.weight.is_contiguous()
-                   and lin.weight.numel() >= FEW_ROWS_MIN_WEIGHT]
-        # What a decode step reads between two reads of one of them: every plain weight of the layers, in order.
-        walk = [m.weight for m in self.model.layers.modules() if isinstance(m, nn.Linear)
-                and type(m.weight.data) is torch.Tensor and m.weight.dtype.is_floating_point]
+        owners = [lin for lin in self._column_major_linears() if isinstance(lin, SpikeWhaleLinear)]
+        owners += [layer.attn.fused_input for layer in self.model.layers if layer.attn.fused_input is not None]
+        owners = [o for o in owners if type(o.weight.data) is torch.Tensor and o.weight.dtype in FEW_ROWS_DTYPES
+                  and o.weight.is_contiguous() and o.weight.numel() >= FEW_ROWS_MIN_WEIGHT]
+        # What a decode step reads between two reads of one of them: every plain weight of the layers, in order (a
+        # fused matrix in place of its blocks).
+        walk, fused = [], set()
+        for m in self.model.layers.modules():
+            if getattr(m, "fused_input", None) is not None:
+                walk.append(m.fused_input.weight)
+                fused.update(id(linear) for linear in m.fused_input.linears)
+            elif (isinstance(m, nn.Linear) and id(m) not in fused and type(m.weight.data) is torch.Tensor
+                  and m.weight.dtype.is_floating_point):
+                walk.append(m.weight)
+        weights = [o.weight for o in owners]
         with torch.no_grad():
-            kinds = FEW_ROWS_KERNEL.choose([lin.weight for lin in linears], 1, stored, walk)
-        for linear, kind in zip(linears, kinds):
-            linear.compiled_product = kind
+            one = FEW_ROWS_KERNEL.choose(weights, 1, stored, walk)
+            several = FEW_ROWS_KERNEL.choose(weights, COMPILED_BATCH_ROWS, stored, walk,
+                                             keep=[w for w, kind in zip(weights, one) if kind == "packed"])
+        for owner, kind, kind_rows in zip(owners, one, several):
+            owner.compiled_product, owner.compiled_product_rows = kind, kind_rows
         if path is not None and stored != before:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             partial = f"{path}.{uuid.uuid4().hex}"

@@ -423,6 +423,58 @@ def test_compile_decode_multiplies_by_row_blocks_where_the_few_row_kernel_takes_
     assert max(float((a - b).abs().max()) for a, b in zip(eager.logits, compiled.logits)) <= TOL
 
 
+def test_compile_decode_multiplies_a_batch_by_the_product_timed_fastest_for_several_rows(monkeypatch, tmp_path):
+    """The compiled walk takes the product timed fastest for one row in its batch-1 graph and the one timed fastest
+    for `COMPILED_BATCH_ROWS` rows in the graph of larger batches (here, by fake timings, blocks of W's rows and
+    (W·Xᵀ)ᵀ): on the FFN and rank→hidden Linears and the fused input projections of every layer's attention, with
+    eager decoding's ids and logits at batch 1 and 3; `enable=False` clears both choices."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the fake timings' choices stay out of the user's
+    monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
+    monkeypatch.setattr(msw.FewRowsKernel, "min_block_rows", 1)
+    kernel = msw.FewRowsKernel()
+    monkeypatch.setattr(msw, "FEW_ROWS_KERNEL", kernel)
+    fastest = {1: "blocks2", msw.COMPILED_BATCH_ROWS: "transposed"}
+    monkeypatch.setattr(kernel, "product", lambda x, w, b, rows, kind: msw.time.sleep(
+        1e-4 if kind == fastest.get(rows) else 3e-4) or torch.nn.functional.linear(x, w, b))
+    torch._dynamo.reset()
+    model = tiny_model(seed=4)
+    graphs = []
+
+    def backend(gm, example_inputs, **kwargs):
+        graphs.append(gm)
+        return gm.forward
+
+    def calls(gms, op):
+        return sum(n.target is op for gm in gms for n in gm.graph.nodes)
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(5, 200, (rows, L + 1), generator=g) for rows in (1, 3)]
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    attn, ffn = model.model.layers[0].attn, model.model.layers[0].ffn
+    n_products = 6 * len(model.model.layers)  # q_b, o_b, gate, up, down and the fused q_a/kv/Memory-Cache inputs
+    with torch.no_grad():
+        eager = [model.generate(ids, **kw) for ids in prompts]
+        model.compile_decode(backend=backend)
+        try:
+            for owner in (ffn.gate_proj, attn.o_b_proj, attn.fused_input):
+                assert (owner.compiled_product, owner.compiled_product_rows) == ("blocks2", "transposed")
+            compiled, traced = [], []
+            for ids in prompts:
+                before = len(graphs)
+                compiled.append(model.generate(ids, **kw))
+                traced.append(graphs[before:])
+        finally:
+            model.compile_decode(enable=False)
+    assert "compiled_product_rows" not in vars(ffn.gate_proj) and ffn.gate_proj.compiled_product_rows == "linear"
+    one, batch3 = traced
+    assert one and batch3
+    assert calls(one, torch.bmm) == n_products and calls(one, torch.mm) == 0
+    assert calls(batch3, torch.mm) == n_products and calls(batch3, torch.bmm) == 0
+    for want, got in zip(eager, compiled):
+        assert torch.equal(want.sequences, got.sequences)
+        assert max(float((a - b).abs().max()) for a, b in zip(want.logits, got.logits)) <= TOL
+
+
 def bf16_walk_with_forced_product(monkeypatch, kind: str):
     """(tiny_model(seed=4)'s weights in bf16, the graphs a compiled walk traces, a dynamo backend recording them and
     running them as traced), with every few-row product forced to `kind` and dynamo's caches reset."""
