@@ -2618,11 +2618,11 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
 
         It re-stores weights for the one-token GEMMs, with the same shapes and values (`state_dict` and
         `save_pretrained` are unchanged): each attention's projections of its input become one matrix
-        (`SpikeWhaleAttention.fuse_input_projections`). On CPU each FFN weight and rank→hidden up-projection is
-        multiplied in the compiled walk by the product `FEW_ROWS_KERNEL` times fastest on this machine, for one row in
-        a batch-1 graph and for `COMPILED_BATCH_ROWS` rows in the graph of larger batches (`_choose_compiled_products`:
-        timed on the first call, about a second for the 114M preset, and kept beside the stored walks for later
-        processes): one batched GEMM over blocks of its rows, (W·Xᵀ)ᵀ (bf16 gate
+        (`SpikeWhaleAttention.fuse_input_projections`). On CPU that matrix, each FFN weight and each rank→hidden
+        up-projection is multiplied in the compiled walk by the product `FEW_ROWS_KERNEL` times fastest on this
+        machine, for one row in a batch-1 graph and for `COMPILED_BATCH_ROWS` rows in the graph of larger batches
+        (`_choose_compiled_products`: timed on the first call and kept beside the
+        stored walks for later processes): one batched GEMM over blocks of its rows, (W·Xᵀ)ᵀ (bf16 gate
         and up on a Xeon with AMX: 174 against 240 µs a call in the compiled step), or, for bf16, oneDNN's linear on
         a prepacked copy through the op `spike_whale::packed_linear` (the FFN on an AVX512-BF16 EPYC: the 114M bf16
         compiled step 1.20× faster, its copies 151 MB beside the weights); a float32 weight that keeps
@@ -2636,12 +2636,12 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         """
         if not enable:
             self.model._compiled_run, self.model._compiled_for = None, None
+            for owner in self._compiled_owners():
+                kinds = vars(owner).pop("compiled_product", None), vars(owner).pop("compiled_product_rows", None)
+                if "packed" in kinds:
+                    FewRowsKernel.packed.pop(owner.weight, None)  # the walk's copy; eager products pack their own
             for layer in self.model.layers:
                 layer.attn.fuse_input_projections(enable=False)  # fused again by the next eager no-grad forward
-            for linear in self._column_major_linears():
-                kinds = vars(linear).pop("compiled_product", None), vars(linear).pop("compiled_product_rows", None)
-                if "packed" in kinds:
-                    FewRowsKernel.packed.pop(linear.weight, None)  # the walk's copy; eager products pack their own
             return
         reason = compile_blocker(self.model)
         if reason is not None:
@@ -2708,8 +2708,8 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         self.model._compiled_for = (self.model.embed_tokens.weight.dtype, self.model.embed_tokens.weight.device)
 
     def _choose_compiled_products(self, persistent: bool) -> None:
-        """Gives each SpikeWhaleLinear of `_column_major_linears` and each attention's fused input projections
-        (`FusedLinears`) the products `FEW_ROWS_KERNEL` takes for one row and for `COMPILED_BATCH_ROWS` rows (timed on the model's weights, see `FewRowsKernel.choose`) as its
+        """Gives each of `_compiled_owners` the products `FEW_ROWS_KERNEL` takes for one row and for
+        `COMPILED_BATCH_ROWS` rows (timed on the model's weights, see `FewRowsKernel.choose`) as its
         `compiled_product` and `compiled_product_rows` in the compiled walk: with the 114M preset's float32 FFN
         weights multiplied by blocks of their rows, 16 layers streamed them at 24 GB/s against 14 GB/s column-major
         (AVX2 EPYC, 2 threads; blocks of a column-major W ran at 9 GB/s). The fastest product for one row can be the
@@ -2725,10 +2725,9 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             with contextlib.suppress(OSError, ValueError), open(path) as f:
                 stored = dict(json.load(f))
         before = dict(stored)
-        owners = [lin for lin in self._column_major_linears() if isinstance(lin, SpikeWhaleLinear)]
-        owners += [layer.attn.fused_input for layer in self.model.layers if layer.attn.fused_input is not None]
-        owners = [o for o in owners if type(o.weight.data) is torch.Tensor and o.weight.dtype in FEW_ROWS_DTYPES
-                  and o.weight.is_contiguous() and o.weight.numel() >= FEW_ROWS_MIN_WEIGHT]
+        owners = [o for o in self._compiled_owners() if type(o.weight.data) is torch.Tensor
+                  and o.weight.dtype in FEW_ROWS_DTYPES and o.weight.is_contiguous()
+                  and o.weight.numel() >= FEW_ROWS_MIN_WEIGHT]
         # What a decode step reads between two reads of one of them: every plain weight of the layers, in order (a
         # fused matrix in place of its blocks).
         walk, fused = [], set()
@@ -2756,6 +2755,12 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             finally:
                 if os.path.exists(partial):
                     os.remove(partial)
+
+    def _compiled_owners(self) -> list:
+        """What the compiled walk multiplies by a chosen product (`compiled_kind`): the SpikeWhaleLinears of
+        `_column_major_linears` and each attention's fused input projections (`FusedLinears`)."""
+        owners = [linear for linear in self._column_major_linears() if isinstance(linear, SpikeWhaleLinear)]
+        return owners + [layer.attn.fused_input for layer in self.model.layers if layer.attn.fused_input is not None]
 
     def _column_major_linears(self) -> list[nn.Linear]:
         """The Linears whose one-token GEMMs MKL runs faster column-major: the FFN's, and the rank→hidden

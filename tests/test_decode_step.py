@@ -534,7 +534,8 @@ def test_compile_decode_multiplies_bf16_weights_by_their_prepacked_copies_where_
     ffn = model.model.layers[0].ffn
     model.compile_decode(backend=backend)
     try:
-        assert ffn.gate_proj.compiled_product == ffn.down_proj.compiled_product == "packed"
+        fused = model.model.layers[0].attn.fused_input  # q_a and k/v (the Memory Cache's stay float32)
+        assert ffn.gate_proj.compiled_product == ffn.down_proj.compiled_product == fused.compiled_product == "packed"
         compiled = decode_logits(model, ids, mask, prefill=L + 1).float()
         assert graphs and len(packed_calls(graphs[-1])) >= 5 * len(model.model.layers)  # q_b, o_b, gate, up, down
         valid = mask.bool()
@@ -550,6 +551,7 @@ def test_compile_decode_multiplies_bf16_weights_by_their_prepacked_copies_where_
     finally:
         model.compile_decode(enable=False)
     assert ffn.gate_proj.weight not in msw.FewRowsKernel.packed  # the walk's copies go with it
+    assert fused.weight not in msw.FewRowsKernel.packed
     out = model(ids[:, :L + 1], attention_mask=mask[:, :L + 1], use_cache=True)
     with torch.enable_grad():
         loss = model(ids[:, L + 1:L + 2], past_key_values=out.past_key_values, **step).logits.float().square().sum()
