@@ -386,6 +386,17 @@ def test_the_walk_compiles_without_graph_breaks():
     assert float((compiled - eager)[mask.bool()].abs().max()) <= TOL
 
 
+def recording_backend():
+    """(the graphs a compiled walk traces, a dynamo backend that records each and runs it as traced)."""
+    graphs = []
+
+    def backend(gm, example_inputs, **kwargs):
+        graphs.append(gm)
+        return gm.forward
+
+    return graphs, backend
+
+
 def test_compile_decode_multiplies_by_row_blocks_where_the_few_row_kernel_takes_them(monkeypatch):
     """Where `FEW_ROWS_KERNEL` takes a one-row product as the batched GEMM over blocks of W's rows (forced here, for
     every weight), `compile_decode` gives the FFN and rank→hidden SpikeWhaleLinears that `compiled_product` and keeps
@@ -396,11 +407,7 @@ def test_compile_decode_multiplies_by_row_blocks_where_the_few_row_kernel_takes_
     monkeypatch.setattr(msw.FewRowsKernel, "min_block_rows", 1)
     torch._dynamo.reset()
     model = tiny_model(seed=4)
-    graphs = []
-
-    def backend(gm, example_inputs, **kwargs):
-        graphs.append(gm)
-        return gm.forward
+    graphs, backend = recording_backend()
 
     ids = torch.randint(5, 200, (1, L + 1), generator=torch.Generator().manual_seed(5))
     kw = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
@@ -438,11 +445,7 @@ def test_compile_decode_multiplies_a_batch_by_the_product_timed_fastest_for_seve
         1e-4 if kind == fastest.get(rows) else 3e-4) or torch.nn.functional.linear(x, w, b))
     torch._dynamo.reset()
     model = tiny_model(seed=4)
-    graphs = []
-
-    def backend(gm, example_inputs, **kwargs):
-        graphs.append(gm)
-        return gm.forward
+    graphs, backend = recording_backend()
 
     def calls(gms, op):
         return sum(n.target is op for gm in gms for n in gm.graph.nodes)
@@ -484,13 +487,7 @@ def bf16_walk_with_forced_product(monkeypatch, kind: str):
     f32 = tiny_model(seed=4)
     model = type(f32)._from_config(f32.config, dtype=torch.bfloat16).eval()
     model.load_state_dict(f32.state_dict())
-    graphs = []
-
-    def backend(gm, example_inputs, **kwargs):
-        graphs.append(gm)
-        return gm.forward
-
-    return model, graphs, backend
+    return model, *recording_backend()
 
 
 def test_compile_decode_multiplies_bf16_weights_first_where_the_few_row_kernel_takes_them(monkeypatch):
