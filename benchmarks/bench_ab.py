@@ -13,7 +13,8 @@ its bf16 rows, through `_from_config(dtype=...)`, which keeps the float32 module
 `compile_config` if the base has no `compile_decode`; new: `generate(..., compile_config=CompileConfig())`; each
 compiled model is its own twin, since compiling re-stores weights, and its compile is done before timing). Greedy, prompt 128, 32 new tokens; decode time
 only (prefill excluded, generate's per-step overhead included; `_common.time_generate`). Rounds alternate which
-model goes first. Every row asserts the two models emit the same ids. Only the ratios mean anything when other
+model goes first. Every row asserts the two models emit the same ids; `--ids count` (for bf16 products that sum in
+another order and may round to other ids) prints and records the share of equal ids instead. Only the ratios mean anything when other
 processes share the machine: each round's two runs are back to back.
 
 `--interleave steps` (eager rows only) alternates single decode steps instead of whole `generate` calls: each
@@ -87,6 +88,16 @@ def interleaved_steps(models: dict, ids: torch.Tensor, steps: int) -> tuple[dict
     return seconds, torch.cat(tokens["old"], 1), torch.cat(tokens["new"], 1)
 
 
+def same_ids(old: torch.Tensor, new: torch.Tensor, mode: str, where: str) -> float:
+    """The share of equal ids; with `mode` "equal" anything below all of them raises."""
+    share = float((old == new).float().mean()) if old.shape == new.shape else 0.0
+    if share < 1 and mode == "equal":
+        raise AssertionError(f"{where}: the two models emitted different ids")
+    if share < 1:
+        print(f"  {where}: {100 * share:.1f}% of the ids equal", flush=True)
+    return share
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", default="781e662", help="git revision to compare against (default 781e662)")
@@ -98,6 +109,8 @@ def main(argv=None):
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--interleave", choices=("generate", "steps"), default="generate",
                    help="alternate whole generate calls (default) or single decode steps (eager rows only)")
+    p.add_argument("--ids", choices=("equal", "count"), default="equal",
+                   help="assert equal ids (default) or count how many are equal")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ab.json"))
     args = p.parse_args(argv)
     if args.interleave == "steps" and any(not row.startswith("eager") for row in args.rows):
@@ -151,12 +164,11 @@ def main(argv=None):
         for row in args.rows:
             kind, batch = row.split("_b")[0], int(row.split("_b")[1])
             ids = prompt_ids(batch, args.prompt)
-            ms = {"old": [], "new": []}
+            ms, agreement = {"old": [], "new": []}, []
             for r in range(args.rounds if args.interleave == "steps" else 0):
                 seconds, old_ids, new_ids = interleaved_steps({side: models[side][kind] for side in ms}, ids,
                                                               args.new_tokens)
-                if not torch.equal(old_ids, new_ids):
-                    raise AssertionError(f"{row}, round {r + 1}: the two models emitted different ids")
+                agreement.append(same_ids(old_ids, new_ids, args.ids, f"{row}, round {r + 1}"))
                 for side in ms:
                     ms[side] += [1000 * t for t in seconds[side]]
                 print(f"  {row} round {r + 1} ({args.new_tokens} alternating steps): old "
@@ -169,8 +181,7 @@ def main(argv=None):
                     res = time_generate(models[side][kind], ids, args.new_tokens, **kwargs[side][kind])
                     ms[side].append(res["ms_per_step"])
                     out[side] = res["ids"]
-                if not torch.equal(out["old"], out["new"]):
-                    raise AssertionError(f"{row}, round {r + 1}: the two models emitted different ids")
+                agreement.append(same_ids(out["old"], out["new"], args.ids, f"{row}, round {r + 1}"))
                 print(f"  {row} round {r + 1} ({order[0]} first): old {ms['old'][-1]:.1f} ms/step, "
                       f"new {ms['new'][-1]:.1f} ms/step, new/old speed {ms['old'][-1] / ms['new'][-1]:.3f}x",
                       flush=True)
@@ -178,19 +189,23 @@ def main(argv=None):
             results[row] = {
                 "old_ms_per_step": ms["old"], "new_ms_per_step": ms["new"],
                 "old_median_ms": old_ms, "new_median_ms": new_ms, "speed_ratio_of_medians": old_ms / new_ms,
+                "equal_ids_share": agreement,
                 "paired_median_speed_ratio": statistics.median(o / n for o, n in zip(ms["old"], ms["new"])),
                 "pairs_new_faster": sum(o > n for o, n in zip(ms["old"], ms["new"])), "pairs": len(ms["old"]),
                 "same_ids": True,
             }
         load_after = os.getloadavg()
 
+    shares = [share for res in results.values() for share in res["equal_ids_share"]]
+    ids_line = ("same ids in every row" if all(share == 1 for share in shares)
+                else f"{100 * min(shares):.1f}% of the ids equal in the worst round")
     print(f"\n{'row':<14}{'old ms/step':>13}{'new ms/step':>13}{'new/old':>10}{'paired':>10}{'new faster':>12}")
     for row, res in results.items():
         print(f"{row:<14}{res['old_median_ms']:>13.1f}{res['new_median_ms']:>13.1f}"
               f"{res['speed_ratio_of_medians']:>9.3f}x{res['paired_median_speed_ratio']:>9.3f}x"
               f"{res['pairs_new_faster']:>6} of {res['pairs']}")
     print(f"(new/old: speed ratio, > 1 means the new code is faster; load average {load_before[0]:.2f} -> "
-          f"{load_after[0]:.2f}; same ids in every row)")
+          f"{load_after[0]:.2f}; {ids_line})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "base": args.base, "head": head, "dirty": dirty, "preset": PRESET, "dtype": args.dtype,

@@ -570,6 +570,67 @@ def test_packed_linear_op_compiles_through_inductor():
             assert torch.equal(fn(x, w, bias), msw.FewRowsKernel.product(x, w, bias, rows, "packed") * 2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compile_decode_multiplies_one_row_by_the_float32_reduction_where_the_few_row_kernel_takes_it(
+        monkeypatch, dtype):
+    """Where `FEW_ROWS_KERNEL` takes a one-row product as the float32 reduction (forced here; on an AVX512-BF16 EPYC it
+    wins the bf16 FFN), the batch-1 graph sums x_k·W_nk for every chosen product instead of a GEMM, and a batch, for
+    which the reduction is no candidate (it reads W once per row), keeps F.linear: eager decoding's ids and logits
+    (float32: to `TOL`; bf16: within bf16 rounding, the sums run in another order)."""
+    model, graphs, backend = bf16_walk_with_forced_product(monkeypatch, "reduce")
+    model = model.to(dtype)
+    attn, ffn = model.model.layers[0].attn, model.model.layers[0].ffn
+    kw = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(5, 200, (rows, L + 1), generator=g) for rows in (1, 3)]
+    with torch.no_grad():
+        eager = [model.generate(ids, **kw) for ids in prompts]
+        model.compile_decode(backend=backend)
+        try:
+            for owner in (ffn.gate_proj, ffn.down_proj, attn.o_b_proj, attn.fused_input):
+                assert (owner.compiled_product, owner.compiled_product_rows) == ("reduce", "linear")
+            traced = []
+            for ids in prompts:
+                before = len(graphs)
+                traced.append((model.generate(ids, **kw), graphs[before:]))
+        finally:
+            model.compile_decode(enable=False)
+    sums = [sum(n.target == "sum" for gm in gms for n in gm.graph.nodes) for _, gms in traced]
+    assert all(len(gms) == 1 for _, gms in traced)  # one graph per batch size
+    assert sums[0] - sums[1] == 6 * len(model.model.layers)  # q_b, o_b, gate, up, down and the fused inputs
+    for (got, _), want in zip(traced, eager):
+        assert torch.equal(want.sequences, got.sequences)
+        for a, b in zip(want.logits, got.logits):
+            tol = TOL if dtype == torch.float32 else 2 ** -5 * float(a.abs().max())
+            assert float((a.float() - b.float()).abs().max()) <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reduce_product_compiles_through_inductor_and_is_timed_as_compiled(dtype):
+    """The float32 reduction is F.linear's function (float32 accumulation, one rounding to x's dtype) as inductor
+    compiles it in a graph of dynamic shapes, with and without bias; `FewRowsKernel.choose` times it for one row only
+    (plain float weights, not a batch), on its kernel compiled once per shape (`compiled_reduce`)."""
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
+    fn = torch.compile(msw.FewRowsKernel.reduce_product, fullgraph=True, dynamic=True)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    with torch.no_grad():
+        for rows, bias in ((1, None), (1, b), (3, b)):
+            x = torch.randn(rows, 1, 64, generator=g).to(dtype)
+            want = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+            for got in (fn(x, w, bias), msw.FewRowsKernel.product(x, w, bias, rows, "reduce")):
+                assert got.dtype == dtype and got.shape == want.shape
+                assert float((got.double() - want).abs().max()) <= tol * float(want.abs().max())
+        kernel = msw.FewRowsKernel()
+        weights = [torch.randn(256, 128, generator=g).to(dtype) for _ in range(2)]
+        assert "reduce" in kernel.traced_candidates(weights[0], 1)
+        assert "reduce" not in kernel.traced_candidates(weights[0], msw.COMPILED_BATCH_ROWS)
+        chosen = kernel.choose(weights, 1)
+    medians = kernel.walk_medians[kernel.key(weights[0], 1)]
+    assert "reduce" in medians and medians["reduce"] > 0 and chosen[0] in medians
+    assert ((torch.Size([1, 128]), dtype), (weights[0].shape, dtype)) in msw.FewRowsKernel.reduce_kernels
+
+
 def test_compile_decode_keeps_its_row_block_choices_for_later_processes(monkeypatch, tmp_path):
     """The compiled walk's row blocks are timed once per torch, CPU model, thread count and weight shape: the first
     `compile_decode` writes them to `compiled_products.json` in torch's cache directory, and a later process (a fresh

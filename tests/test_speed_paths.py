@@ -397,10 +397,11 @@ def test_compiled_walk_times_the_packed_product_and_keeps_only_the_copies_it_tak
         return F.linear(x, w, b)
 
     monkeypatch.setattr(kernel, "product", product)
+    monkeypatch.setattr(kernel, "compiled_reduce", lambda x, w, b: None)  # its untimed first call compiles it
     with torch.no_grad():
         chosen = kernel.choose(small + large, 1)
     assert chosen == ["linear", "linear", "packed", "packed"]
-    assert {kind for kind, _ in timed} == set(msw.FewRowsKernel.candidates(small[0], 1)) - {"mv"}
+    assert {kind for kind, _ in timed} == set(msw.FewRowsKernel.traced_candidates(small[0], 1))
     assert all(was_packed for kind, was_packed in timed if kind == "packed")
     assert all(w not in msw.FewRowsKernel.packed for w in small) and all(w in msw.FewRowsKernel.packed for w in large)
 
@@ -484,15 +485,16 @@ def test_few_rows_kernel_times_every_product_on_first_use_and_keeps_the_fastest(
 
 
 def test_few_rows_kernel_chooses_for_compile_decode_by_timing_in_rounds(monkeypatch):
-    """`FewRowsKernel.choose` (what `compile_decode` asks) times a key's traceable products (not W·x) after one
-    untimed F.linear per weight (a model just loaded from a memory-mapped file would otherwise time its page faults:
-    the 114M FFN products all came out F.linear in such a process), in rounds of one product for all the key's
+    """`FewRowsKernel.choose` (what `compile_decode` asks) times a key's traceable products (not W·x; for one row the
+    float32 reduction, compiled for each shape before any timing) after one untimed F.linear per weight (a model just
+    loaded from a memory-mapped file would otherwise time its page faults: the 114M FFN products all came out
+    F.linear in such a process), in rounds of one product for all the key's
     weights, each key at least `trials` times per product; eager decoding's own choices are left alone, and a key
     already timed, `forced` and deterministic algorithms are answered without timing."""
     import spike_whale.modeling_spike_whale as msw
 
     kernel, clock, seen = msw.FewRowsKernel(), [0.0], []
-    cost = {"linear": 3.0, "transposed": 2.9, "blocks2": 2.0, "blocks4": 1.0, "mv": 0.5}
+    cost = {"linear": 3.0, "transposed": 2.9, "blocks2": 2.0, "blocks4": 1.0, "mv": 0.5, "reduce": 1.5}
 
     def product(x, w, b, rows, kind):
         seen.append((w.data_ptr(), kind))
@@ -501,28 +503,33 @@ def test_few_rows_kernel_chooses_for_compile_decode_by_timing_in_rounds(monkeypa
 
     monkeypatch.setattr(kernel, "product", product)
     monkeypatch.setattr(msw.time, "perf_counter", lambda: clock[0])
+    compiled = []
+    monkeypatch.setattr(kernel, "compiled_reduce", lambda x, w, b: compiled.append((w.data_ptr(), clock[0])))
     weights = [torch.randn(320, 208) for _ in range(3)]
     warm, linear = [], torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear",
                         lambda x, w, *a: warm.append((w.data_ptr(), clock[0])) or linear(x, w, *a))
     assert kernel.choose(weights, 1) == ["blocks4"] * 3
     assert warm == [(w.data_ptr(), 0.0) for w in weights]  # each weight read once, before any timing
-    kinds = ["linear", "transposed", "blocks2", "blocks4"]  # 3 rounds each: 3 weights × 3 ≥ 9 trials
-    assert seen == [(w.data_ptr(), kinds[r % 4]) for r in range(12) for w in weights]
-    assert kernel.choose(weights, 1) == ["blocks4"] * 3 and len(seen) == 36  # already timed
+    assert compiled == warm  # and its reduction compiled
+    kinds = ["linear", "transposed", "blocks2", "blocks4", "reduce"]  # 3 rounds each: 3 weights × 3 ≥ 9 trials
+    assert seen == [(w.data_ptr(), kinds[r % 5]) for r in range(15) for w in weights]
+    assert kernel.choose(weights, 1) == ["blocks4"] * 3 and len(seen) == 45  # already timed
     assert kernel.chosen == {} and kernel.walk_medians[(320, 208, 1, torch.get_num_threads(), torch.float32)] == {
         k: pytest.approx(cost[k]) for k in kinds}
     monkeypatch.setattr(kernel, "forced", "mv")
     assert kernel.choose(weights, 1) == ["linear"] * 3  # no traced form
     monkeypatch.setattr(kernel, "forced", "blocks8")
     assert kernel.choose(weights, 2) == ["linear"] * 3  # 40-row blocks do not apply to 320 rows
+    monkeypatch.setattr(kernel, "forced", "reduce")
+    assert kernel.choose(weights, 2) == ["linear"] * 3  # one row only: a batch would read W once per row
     monkeypatch.setattr(kernel, "forced", "blocks2")
-    assert kernel.choose(weights, 2) == ["blocks2"] * 3 and len(seen) == 36
+    assert kernel.choose(weights, 2) == ["blocks2"] * 3 and len(seen) == 45
     monkeypatch.setattr(kernel, "forced", None)
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        assert kernel.choose(weights, 3) == ["linear"] * 3 and len(seen) == 36
+        assert kernel.choose(weights, 3) == ["linear"] * 3 and len(seen) == 45
     finally:
         torch.use_deterministic_algorithms(deterministic)
 
@@ -537,7 +544,8 @@ def test_few_rows_kernel_times_compiled_choices_in_walk_order(monkeypatch):
 
     kernel, clock, seen = msw.FewRowsKernel(), [0.0], []
     cost = {(320, "linear"): 3.0, (320, "transposed"): 2.0, (320, "blocks2"): 2.9, (320, "blocks4"): 2.8,
-            (208, "linear"): 1.0, (208, "transposed"): 2.0, (208, "blocks2"): 2.5}
+            (320, "reduce"): 3.5, (208, "linear"): 1.0, (208, "transposed"): 2.0, (208, "blocks2"): 2.5,
+            (208, "reduce"): 3.0}
 
     def product(x, w, b, rows, kind):
         seen.append((w.data_ptr(), kind))
@@ -545,6 +553,7 @@ def test_few_rows_kernel_times_compiled_choices_in_walk_order(monkeypatch):
         return x @ w.t()
 
     monkeypatch.setattr(kernel, "product", product)
+    monkeypatch.setattr(kernel, "compiled_reduce", lambda x, w, b: None)
     monkeypatch.setattr(msw.time, "perf_counter", lambda: clock[0])
     up = [torch.randn(320, 208) for _ in range(2)]
     down = [torch.randn(208, 320) for _ in range(2)]
@@ -557,15 +566,16 @@ def test_few_rows_kernel_times_compiled_choices_in_walk_order(monkeypatch):
     assert kernel.choose([up[0], down[0], up[1], down[1]], 1, stored, walk) == [
         "transposed", "linear", "transposed", "linear"]
     assert read[:6] == [w.data_ptr() for w in walk]  # the untimed first reads
-    up_kinds, down_kinds = ["linear", "transposed", "blocks2", "blocks4"], ["linear", "transposed", "blocks2"]
-    # 2 weights per key: 5 rounds per product for 9 trials; the key with 4 products sets the count, 20 rounds
+    up_kinds = ["linear", "transposed", "blocks2", "blocks4", "reduce"]
+    down_kinds = ["linear", "transposed", "blocks2", "reduce"]
+    # 2 weights per key: 5 rounds per product for 9 trials; the key with 5 products sets the count, 25 rounds
     order = ((up[0], up_kinds), (down[0], down_kinds), (up[1], up_kinds), (down[1], down_kinds))
-    assert seen == [(w.data_ptr(), kinds[r % len(kinds)]) for r in range(20) for w, kinds in order]
-    assert read.count(other[0].data_ptr()) == read.count(other[1].data_ptr()) == 1 + 20  # read every round
+    assert seen == [(w.data_ptr(), kinds[r % len(kinds)]) for r in range(25) for w, kinds in order]
+    assert read.count(other[0].data_ptr()) == read.count(other[1].data_ptr()) == 1 + 25  # read every round
     assert sorted(stored.values()) == ["linear", "transposed"] and all("timed in walk rounds" in n for n in stored)
     fresh = msw.FewRowsKernel()
     monkeypatch.setattr(fresh, "product", product)
-    assert fresh.choose(down, 1, stored) == ["linear", "linear"] and len(seen) == 80  # answered by `stored`
+    assert fresh.choose(down, 1, stored) == ["linear", "linear"] and len(seen) == 100  # answered by `stored`
 
 
 def test_linear_forward_traces_into_one_graph_for_every_row_count():
