@@ -1260,13 +1260,13 @@ class FewRowsKernel:
     for [4096, 768], 144 against 184 for [768, 2048], 1,306 against 2,191 for the [16512, 768] `lm_head`; the copy
     costs the weight's memory again, kept only for weights whose key takes it (114M bf16: 100 copies, 198 MB beside
     244 MB of parameters; `FewRowsKernel.prepack = False` packs none from then on, `FewRowsKernel.packed.clear()`
-    drops those made). A compiled walk has one more for one row of a plain float weight: Σ_k x_k·W_nk as a float32
-    reduction ("reduce", `reduce_product`), which inductor emits as one vectorised pass over W converting each
-    element as it reads it (AVX512-BF16 EPYC, 2 threads, a compiled chain of the 114M FFN's 64 products: bf16 10.9
-    against 16.3 ms for "packed" and 19.4 for F.linear; float32 18.5 against 20.2 for "blocks4"; with 8 rows it reads
-    W once per row, 1.9× slower than F.linear). The winner differs between CPUs, dtypes, row counts and thread counts. The first
-    `trials` calls of each candidate per key take turns on the model's own weights, timed where they run, so W is
-    as cold as in a decode step; another product wins from then on only if its median is below `margin` ×
+    drops those made). A walk compiled by inductor has one more for one row of a plain float weight: Σ_k x_k·W_nk
+    as a float32 reduction ("reduce", `reduce_product`), which inductor emits as one vectorised pass over W
+    converting each element as it reads it (AVX512-BF16 EPYC, 2 threads, a compiled chain of the 114M FFN's 64
+    products: bf16 10.9 against 16.3 ms for "packed" and 19.4 for F.linear; float32 18.5 against 20.2 for "blocks4";
+    with 8 rows it reads W once per row, 1.9× slower than F.linear). The winner differs between CPUs, dtypes, row
+    counts and thread counts. The first `trials` calls of each candidate per key take turns on the model's own
+    weights, timed where they run, so W is as cold as in a decode step; another product wins from then on only if its median is below `margin` ×
     F.linear's: per-call times on a shared machine scatter by about 10%, so a near-tie keeps the standard kernel.
     `medians` keeps every candidate's median per key (diagnostics). `forced` (a product's name;
     F.linear where it does not apply) skips the timing; under `torch.use_deterministic_algorithms(True)` F.linear
@@ -1302,12 +1302,13 @@ class FewRowsKernel:
         return ("linear", "transposed", *blocks, *(("mv",) if rows == 1 else ()), *(("packed",) if packed else ()))
 
     @classmethod
-    def traced_candidates(cls, weight: torch.Tensor, rows: int) -> tuple[str, ...]:
+    def traced_candidates(cls, weight: torch.Tensor, rows: int, reduce: bool = True) -> tuple[str, ...]:
         """The products a compiled walk can take (`traced_product`): `candidates` but W·x, which has no form for a
-        symbolic row count, and for one row of a plain float CPU weight the float32 reduction ("reduce")."""
+        symbolic row count, and, where `reduce` (the walk is inductor's, which fuses it), for one row of a plain float
+        CPU weight the float32 reduction ("reduce")."""
         kinds = tuple(k for k in cls.candidates(weight, rows) if k != "mv")
         plain = type(weight) in (torch.Tensor, nn.Parameter) and weight.is_cpu and weight.dtype.is_floating_point
-        return (*kinds, "reduce") if rows == 1 and plain else kinds
+        return (*kinds, "reduce") if reduce and rows == 1 and plain else kinds
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
         if self.forced is not None:
@@ -1351,15 +1352,16 @@ class FewRowsKernel:
         return best if medians[best] < self.margin * medians["linear"] else "linear"
 
     def choose(self, weights: list[torch.Tensor], rows: int, stored: dict[str, str] | None = None,
-               walk: list[torch.Tensor] | None = None, keep: list[torch.Tensor] = ()) -> list[str]:
+               walk: list[torch.Tensor] | None = None, keep: list[torch.Tensor] = (), reduce: bool = True) -> list[str]:
         """The product a compiled walk takes for `rows` rows by each of `weights` (`compile_decode`): per key, the
-        fastest of those it can trace (`traced_candidates`), timed now (`time_in_walk_order`) where no earlier call has. `stored` (product by torch version, CPU model
-        and key) answers a key timed in an earlier process and takes this one's, so that a choice made once stays
-        made (single timings scatter). `keep`: weights whose prepacked copy stays whatever this call takes (another
-        row count's product takes it)."""
-        kinds = [self.traced_candidates(w, rows) for w in weights]
-        if self.forced is not None:
-            return [self.forced if self.forced in ks else "linear" for ks in kinds]
+        fastest of those it can trace (`traced_candidates`, the reduction only where `reduce`: another backend than
+        inductor runs it unfused), timed now (`time_in_walk_order`) where no earlier call has. `stored` (product by
+        torch version, CPU model and key) answers a key timed in an earlier process and takes this one's, so that a
+        choice made once stays made (single timings scatter). `keep`: weights whose prepacked copy stays whatever this
+        call takes (another row count's product takes it)."""
+        if self.forced is not None:  # whatever the backend: a diagnostic's or a test's choice
+            return [self.forced if self.forced in self.traced_candidates(w, rows) else "linear" for w in weights]
+        kinds = [self.traced_candidates(w, rows, reduce) for w in weights]
         if torch.are_deterministic_algorithms_enabled():
             return ["linear"] * len(weights)
         keys = [self.key(w, rows) for w in weights]
@@ -1368,7 +1370,9 @@ class FewRowsKernel:
         names = [f"torch {torch.__version__} | {cpu_model()} | timed in walk rounds, packed and reduce traced | "
                  + " ".join(map(str, k)) for k in keys]
         known = {k for k, n, ks in zip(keys, names, kinds) if stored is not None and stored.get(n) in ks}
-        pending = {k: ks for k, ks in zip(keys, kinds) if k not in known and k not in self.walk_medians}
+        # Timed again where an earlier call (another backend's walk) left a product out.
+        pending = {k: ks for k, ks in zip(keys, kinds)
+                   if k not in known and not set(ks) <= set(self.walk_medians.get(k, ()))}
         if pending:
             self.time_in_walk_order(weights, keys, pending, rows, walk)
         chosen, kept = [], {id(w) for w in keep}
@@ -1501,7 +1505,8 @@ class FewRowsKernel:
         if kernel is None:
             from torch.fx.experimental.proxy_tensor import make_fx
 
-            graph = make_fx(cls.reduce_product if bias is not None else lambda x, w: cls.reduce_product(x, w, None))(*args)
+            product = cls.reduce_product if bias is not None else lambda x, w: cls.reduce_product(x, w, None)
+            graph = make_fx(product)(*args)
             kernel = cls.reduce_kernels[key] = torch._inductor.compile(graph, list(args))
         return kernel(*args)
 
@@ -2655,7 +2660,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         process only. To keep the per-pass dispatch cheap, the guards on built-in modules and on parameter tensors are
         skipped (`compiled_decode_guards`): moving or re-typing the model afterwards raises until this is called again;
         call it again too after giving weights another layout or registering module hooks. `enable=False` returns
-        to eager decoding and drops the walk's prepacked copies.
+        to eager decoding, drops the walk's prepacked copies and stores column-major weights row-major again.
 
         It re-stores weights for the one-token GEMMs, with the same shapes and values (`state_dict` and
         `save_pretrained` are unchanged): each attention's projections of its input become one matrix
@@ -2685,6 +2690,12 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
                     FewRowsKernel.packed.pop(owner.weight, None)  # the walk's copy; eager products pack their own
             for layer in self.model.layers:
                 layer.attn.fuse_input_projections(enable=False)  # fused again by the next eager no-grad forward
+            with torch.no_grad():
+                for linear in self._column_major_linears():
+                    # Row-major again: the eager few-row products take row-major weights only, and a later
+                    # compile_decode times the products of row-major ones.
+                    if type(linear.weight.data) is torch.Tensor and not linear.weight.is_contiguous():
+                        linear.weight.data = linear.weight.data.contiguous()
             return
         reason = compile_blocker(self.model)
         if reason is not None:
@@ -2709,7 +2720,9 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         for layer in self.model.layers:
             layer.attn.fuse_input_projections()
         if self.device.type == "cpu":
-            self._choose_compiled_products(persistent)
+            # Another backend would run the reduction unfused, and its choices are not kept (nor is its walk).
+            inductor = compile_kwargs.get("backend", "inductor") == "inductor"
+            self._choose_compiled_products(persistent and inductor, reduce=inductor)
             with torch.no_grad():
                 for linear in self._column_major_linears():
                     # float32 only, where MKL reads it faster. A quantized weight (a tensor subclass) keeps its own
@@ -2750,7 +2763,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             self.model._compiled_run = compiled_run
         self.model._compiled_for = (self.model.embed_tokens.weight.dtype, self.model.embed_tokens.weight.device)
 
-    def _choose_compiled_products(self, persistent: bool) -> None:
+    def _choose_compiled_products(self, persistent: bool, reduce: bool = True) -> None:
         """Gives each of `_compiled_owners` the products `FEW_ROWS_KERNEL` takes for one row and for
         `COMPILED_BATCH_ROWS` rows (timed on the model's weights, see `FewRowsKernel.choose`) as its
         `compiled_product` and `compiled_product_rows` in the compiled walk: with the 114M preset's float32 FFN
@@ -2783,7 +2796,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
                 walk.append(m.weight)
         weights = [o.weight for o in owners]
         with torch.no_grad():
-            one = FEW_ROWS_KERNEL.choose(weights, 1, stored, walk)
+            one = FEW_ROWS_KERNEL.choose(weights, 1, stored, walk, reduce=reduce)
             several = FEW_ROWS_KERNEL.choose(weights, COMPILED_BATCH_ROWS, stored, walk,
                                              keep=[w for w, kind in zip(weights, one) if kind == "packed"])
         for owner, kind, kind_rows in zip(owners, one, several):

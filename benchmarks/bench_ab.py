@@ -5,17 +5,18 @@
     python benchmarks/bench_ab.py --rows eager_b1 --interleave steps --rounds 10   # 10 × 32 alternating steps
     python benchmarks/bench_ab.py --rows eager_b1 --dtype bfloat16 --interleave steps   # bf16 weights
 
-The base revision's package files (the repo root's *.py) are taken with `git archive REV` into a temporary folder
-as a package named `spike_whale_base` (nothing is written into the checkout or .git). Both models are the 114M
-preset with the SAME random state dict (seed 0), in `--dtype` (float32 by default; built as `bench_speed.py` builds
-its bf16 rows, through `_from_config(dtype=...)`, which keeps the float32 modules float32). Rows: eager batch 1 / 8
+The base revision's package files (the repo root's *.py) are taken with `git archive REV` into a temporary folder as
+a package named `spike_whale_base` (nothing is written into the checkout or .git). Both models are the 114M preset
+with the SAME random state dict (seed 0), in `--dtype` (float32 by default; built as `bench_speed.py` builds its
+bf16 rows, through `_from_config(dtype=...)`, which keeps the float32 modules float32). Rows: eager batch 1 / 8
 (plain `generate`), compiled batch 1 / 8 (base: the API it had -- `model.compile_decode()` at 781e662, or
 `compile_config` if the base has no `compile_decode`; new: `generate(..., compile_config=CompileConfig())`; each
-compiled model is its own twin, since compiling re-stores weights, and its compile is done before timing). Greedy, prompt 128, 32 new tokens; decode time
-only (prefill excluded, generate's per-step overhead included; `_common.time_generate`). Rounds alternate which
-model goes first. Every row asserts the two models emit the same ids; `--ids count` (for bf16 products that sum in
-another order and may round to other ids) prints and records the share of equal ids instead. Only the ratios mean anything when other
-processes share the machine: each round's two runs are back to back.
+compiled model is its own twin, since compiling re-stores weights, and its compile is done before timing). Greedy,
+prompt 128, 32 new tokens; decode time only (prefill excluded, generate's per-step overhead included;
+`_common.time_generate`). Rounds alternate which model goes first. Every row asserts the two models emit the same
+ids; `--ids count` (for bf16 products that sum in another order and may round to other ids) prints and records the
+share of equal ids instead. Only the ratios mean anything when other processes share the machine: each round's two
+runs are back to back.
 
 `--interleave steps` (eager rows only) alternates single decode steps instead of whole `generate` calls: each
 round is a fresh prefill per model and then `--new-tokens` greedy `forward` steps, old and new one after the other

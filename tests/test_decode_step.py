@@ -612,6 +612,34 @@ def test_compile_decode_multiplies_one_row_by_the_float32_reduction_where_the_fe
             assert float((a.float() - b.float()).abs().max()) <= tol
 
 
+def test_only_an_inductor_walk_takes_the_float32_reduction(monkeypatch, tmp_path):
+    """Another backend than inductor would run the reduction unfused (each call converting its whole weight to
+    float32), so `compile_decode` with one neither times nor takes it, and neither reads nor writes the stored choices
+    (whose winners may be "reduce"); for inductor's walk `_choose_compiled_products` takes it where it is fastest."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
+    kernel = msw.FewRowsKernel()
+    monkeypatch.setattr(msw, "FEW_ROWS_KERNEL", kernel)
+    timed = []
+    monkeypatch.setattr(kernel, "product", lambda x, w, b, rows, kind: timed.append(kind) or msw.time.sleep(
+        1e-4 if kind == "reduce" else 3e-4) or torch.nn.functional.linear(x, w, b))
+    monkeypatch.setattr(kernel, "compiled_reduce", lambda x, w, b: None)
+    model = tiny_model(seed=4)
+    gate = model.model.layers[0].ffn.gate_proj
+    _, backend = recording_backend()
+    model.compile_decode(backend=backend)
+    try:
+        assert timed and "reduce" not in timed and gate.compiled_product == "linear"
+        assert not gate.weight.is_contiguous()  # float32 F.linear: re-stored column-major
+    finally:
+        model.compile_decode(enable=False)
+    assert gate.weight.is_contiguous()  # row-major again, for eager decoding and the next compile
+    path = tmp_path / "spike_whale_decode" / "compiled_products.json"
+    assert not path.exists()
+    model._choose_compiled_products(persistent=True)
+    assert gate.compiled_product == "reduce" and "reduce" in json.loads(path.read_text()).values()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reduce_product_compiles_through_inductor_and_is_timed_as_compiled(dtype):
     """The float32 reduction is F.linear's function (float32 accumulation, one rounding to x's dtype) as inductor
