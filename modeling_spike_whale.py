@@ -1266,11 +1266,11 @@ class FewRowsKernel:
     products: bf16 10.9 against 16.3 ms for "packed" and 19.4 for F.linear; float32 18.5 against 20.2 for "blocks4";
     with 8 rows it reads W once per row, 1.9× slower than F.linear). The winner differs between CPUs, dtypes, row
     counts and thread counts. The first `trials` calls of each candidate per key take turns on the model's own
-    weights, timed where they run, so W is as cold as in a decode step; another product wins from then on only if its median is below `margin` ×
-    F.linear's: per-call times on a shared machine scatter by about 10%, so a near-tie keeps the standard kernel.
-    `medians` keeps every candidate's median per key (diagnostics). `forced` (a product's name;
-    F.linear where it does not apply) skips the timing; under `torch.use_deterministic_algorithms(True)` F.linear
-    runs, so that no result depends on a timing."""
+    weights, timed where they run, so W is as cold as in a decode step; another product wins from then on only if its
+    median is below `margin` × F.linear's: per-call times on a shared machine scatter by about 10%, so a near-tie keeps
+    the standard kernel. `medians` keeps every candidate's median per key (diagnostics). `forced` (a product's name;
+    F.linear where it does not apply) skips the timing; under `torch.use_deterministic_algorithms(True)` F.linear runs,
+    so that no result depends on a timing."""
 
     trials = 9
     margin = 0.9
@@ -2671,8 +2671,8 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         stored walks for later processes): one batched GEMM over blocks of its rows, (W·Xᵀ)ᵀ (bf16 gate
         and up on a Xeon with AMX: 174 against 240 µs a call in the compiled step), for one row a float32 reduction
         that inductor fuses into one pass over W ("reduce": on an AVX512-BF16 EPYC every such product of the 114M
-        preset, float32 and bf16; its bf16 compiled step 1.28× faster than on prepacked copies), or, for bf16,
-        oneDNN's linear on a prepacked copy through the op `spike_whale::packed_linear` (there the bf16 FFN of a
+        preset but [128, 768], float32 and bf16; its bf16 compiled step 1.28× faster than on prepacked copies), or,
+        for bf16, oneDNN's linear on a prepacked copy through the op `spike_whale::packed_linear` (there the bf16 FFN of a
         batch; its copies 151 MB beside the weights); a float32 weight that keeps
         F.linear is stored column-major, which MKL reads 10-25% faster than row-major for a batch of a few rows. On CPU,
         `options={"cpp_wrapper": True}` trims the per-kernel dispatch further (4-9% faster at batch 1 in two
