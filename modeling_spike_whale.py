@@ -1260,7 +1260,9 @@ class FewRowsKernel:
     for [4096, 768], 144 against 184 for [768, 2048], 1,306 against 2,191 for the [16512, 768] `lm_head`; the copy
     costs the weight's memory again, kept only for weights whose key takes it (114M bf16: 100 copies, 198 MB beside
     244 MB of parameters; `FewRowsKernel.prepack = False` packs none from then on, `FewRowsKernel.packed.clear()`
-    drops those made). A walk compiled by inductor has one more for one row of a plain float weight: Σ_k x_k·W_nk
+    drops those made). In a compiled walk an int8 weight's standard product is "int8pack", and with inductor one row
+    has its float32 reduction too ("int8reduce"; 114M shapes, bf16 rows, cold: 1.2-1.6× faster than "int8pack" on
+    an AVX512-BF16 EPYC). A walk compiled by inductor has one more for one row of a plain float weight: Σ_k x_k·W_nk
     as a float32 reduction ("reduce", `reduce_product`), which inductor emits as one vectorised pass over W
     converting each element as it reads it (AVX512-BF16 EPYC, 2 threads, a compiled chain of the 114M FFN's 64
     products: bf16 10.9 against 16.3 ms for "packed" and 19.4 for F.linear; float32 18.5 against 20.2 for "blocks4";
@@ -1284,7 +1286,8 @@ class FewRowsKernel:
     reduce_kernels: dict[tuple, object] = {}  # `compiled_reduce`'s, by the shapes and dtypes of its arguments
 
     def __init__(self):
-        # Keyed by (*weight shape, rows, threads, dtype of the stored elements: int8 for a weight-only int8 weight).
+        # Keyed by (*weight shape, rows, threads, dtype of the stored elements); a weight-only int8 weight's ends with
+        # int8 and the dtype of its rows.
         self.chosen: dict[tuple, str] = {}
         self.medians: dict[tuple, dict[str, float]] = {}  # seconds per call, by product
         self.walk_medians: dict[tuple, dict[str, float]] = {}  # the same, timed for a compiled walk (`choose`)
@@ -1305,7 +1308,12 @@ class FewRowsKernel:
     def traced_candidates(cls, weight: torch.Tensor, rows: int, reduce: bool = True) -> tuple[str, ...]:
         """The products a compiled walk can take (`traced_product`): `candidates` but W·x, which has no form for a
         symbolic row count, and, where `reduce` (the walk is inductor's, which fuses it), for one row of a plain float
-        CPU weight the float32 reduction ("reduce")."""
+        CPU weight the float32 reduction ("reduce"). The first is the standard the others must beat. A weight-only int8
+        weight has `torch._weight_int8pack_mm` ("int8pack", the kernel inductor's pattern matcher lowers torchao's
+        product to) and, where `reduce`, for one row its float32 reduction ("int8reduce")."""
+        if weight_only_int8(weight):
+            # Both explicit, so the walk needs no pattern matcher to lower torchao's product (`compile_decode`).
+            return ("int8pack", "int8reduce") if reduce and rows == 1 and weight.is_cpu else ("int8pack",)
         kinds = tuple(k for k in cls.candidates(weight, rows) if k != "mv")
         plain = type(weight) in (torch.Tensor, nn.Parameter) and weight.is_cpu and weight.dtype.is_floating_point
         return (*kinds, "reduce") if reduce and rows == 1 and plain else kinds
@@ -1347,9 +1355,11 @@ class FewRowsKernel:
                 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
     def _fastest(self, medians: dict[str, float], kinds) -> str:
-        """The product of `kinds` with the lowest median, where that is below `margin` × F.linear's; else F.linear."""
+        """The product of `kinds` with the lowest median, where that is below `margin` × the first's (the standard
+        product: F.linear, or "int8pack" in a compiled walk); else the first."""
+        standard = next(iter(kinds))
         best = min(kinds, key=medians.get)
-        return best if medians[best] < self.margin * medians["linear"] else "linear"
+        return best if medians[best] < self.margin * medians[standard] else standard
 
     def choose(self, weights: list[torch.Tensor], rows: int, stored: dict[str, str] | None = None,
                walk: list[torch.Tensor] | None = None, keep: list[torch.Tensor] = (), reduce: bool = True) -> list[str]:
@@ -1360,7 +1370,8 @@ class FewRowsKernel:
         choice made once stays made (single timings scatter). `keep`: weights whose prepacked copy stays whatever this
         call takes (another row count's product takes it)."""
         if self.forced is not None:  # whatever the backend: a diagnostic's or a test's choice
-            return [self.forced if self.forced in self.traced_candidates(w, rows) else "linear" for w in weights]
+            return [self.forced if self.forced in ks else ks[0]
+                    for ks in (self.traced_candidates(w, rows) for w in weights)]
         kinds = [self.traced_candidates(w, rows, reduce) for w in weights]
         if torch.are_deterministic_algorithms_enabled():
             return ["linear"] * len(weights)
@@ -1372,12 +1383,12 @@ class FewRowsKernel:
         known = {k for k, n, ks in zip(keys, names, kinds) if stored is not None and stored.get(n) in ks}
         # Timed again where an earlier call (another backend's walk) left a product out.
         pending = {k: ks for k, ks in zip(keys, kinds)
-                   if k not in known and not set(ks) <= set(self.walk_medians.get(k, ()))}
+                   if k not in known and len(ks) > 1 and not set(ks) <= set(self.walk_medians.get(k, ()))}
         if pending:
             self.time_in_walk_order(weights, keys, pending, rows, walk)
         chosen, kept = [], {id(w) for w in keep}
         for weight, key, name, ks in zip(weights, keys, names, kinds):
-            kind = stored[name] if key in known else self._fastest(self.walk_medians[key], ks)
+            kind = stored[name] if key in known else ks[0] if len(ks) == 1 else self._fastest(self.walk_medians[key], ks)
             if stored is not None:
                 stored[name] = kind
             # The timing's copy, unless a product takes it.
@@ -1400,13 +1411,17 @@ class FewRowsKernel:
         counts = collections.Counter(timed.values())
         read = {id(w) for w in walk or ()}
         walk = [*(walk or ()), *(w for w in weights if id(w) not in read)]
-        inputs = {(w.shape[1], w.dtype): w.new_zeros(rows, w.shape[1]) for w in walk}
+        # Rows of the dtype the weight multiplies (an int8 weight's: the dtype it dequantizes to).
+        inputs = {(w.shape[1], w.dtype): torch.zeros(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in walk}
         for weight in walk:  # untimed: a weight's first read may fault its pages in (a model just loaded)
-            F.linear(inputs[weight.shape[1], weight.dtype], weight)
-            if "packed" in kinds.get(timed.get(id(weight)), ()):
+            x, weight_kinds = inputs[weight.shape[1], weight.dtype], kinds.get(timed.get(id(weight)), ())
+            F.linear(x, weight)
+            if "packed" in weight_kinds:
                 self.packed_weight(weight)  # packing once per weight is not the product's time
-            if "reduce" in kinds.get(timed.get(id(weight)), ()):
-                self.compiled_reduce(inputs[weight.shape[1], weight.dtype], weight, None)  # nor compiling it
+            if "reduce" in weight_kinds:  # nor compiling it
+                self.compiled_reduce(self.reduce_product, x, weight, None)
+            if "int8reduce" in weight_kinds:
+                self.compiled_reduce(self.int8_reduce_product, x, weight.qdata, weight.scale, None)
         per_kind = max(2, *(-(-self.trials // n) for n in counts.values()))  # rounds per product, each key ≥ trials
         times = {k: {kind: [] for kind in ks} for k, ks in kinds.items()}
         for r in range(per_kind * max(map(len, kinds.values()))):
@@ -1425,8 +1440,9 @@ class FewRowsKernel:
     @staticmethod
     def key(weight: torch.Tensor, rows: int) -> tuple:
         plain = type(weight) in (torch.Tensor, nn.Parameter)  # first: this runs ~580 times a step
-        dtype = torch.int8 if not plain and weight_only_int8(weight) else weight.dtype
-        return (*weight.shape, rows, torch.get_num_threads(), dtype)
+        if not plain and weight_only_int8(weight):  # and the dtype of its rows (float32 for the Memory Cache's)
+            return (*weight.shape, rows, torch.get_num_threads(), torch.int8, weight.dtype)
+        return (*weight.shape, rows, torch.get_num_threads(), weight.dtype)
 
     @classmethod
     def product(cls, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, kind: str):
@@ -1439,10 +1455,12 @@ class FewRowsKernel:
         if kind == "packed":
             return torch.ops.mkldnn._linear_pointwise(x, cls.packed_weight(weight), bias, "none", [], "")
         if kind == "reduce":
-            return cls.compiled_reduce(x, weight, bias)
-        if kind == "int8pack":  # torchao's y = (x·qᵀ)·s with s rounded to x's dtype, accumulated in float32
-            y = torch._weight_int8pack_mm(x.reshape(rows, K), weight.qdata, weight.scale.reshape(-1).to(x.dtype))
-        elif kind == "mv":
+            return cls.compiled_reduce(cls.reduce_product, x, weight, bias)
+        if kind == "int8reduce":
+            return cls.compiled_reduce(cls.int8_reduce_product, x, weight.qdata, weight.scale, bias)
+        if kind == "int8pack":
+            return cls.int8pack_product(x, weight.qdata, weight.scale, bias)
+        if kind == "mv":
             y = torch.mv(weight, x.reshape(K))
         elif rows == 1:  # column 0 of W·[x; 0]ᵀ
             y = torch.mm(weight, F.pad(x.reshape(1, K), (0, 0, 0, 1)).t())[:, 0].contiguous()
@@ -1476,6 +1494,10 @@ class FewRowsKernel:
             return torch.ops.spike_whale.packed_linear(x, weight, bias)
         if kind == "reduce":
             return cls.reduce_product(x, weight, bias)
+        if kind == "int8reduce":
+            return cls.int8_reduce_product(x, weight.qdata, weight.scale, bias)
+        if kind == "int8pack":  # opaque: inductor's own lowering of it takes no scale converted in the graph
+            return torch.ops.spike_whale.int8pack_linear(x, weight.qdata, weight.scale, bias)
         if kind != "transposed":
             return F.linear(x, weight, bias)
         x2 = x.reshape(-1, x.shape[-1])
@@ -1494,20 +1516,40 @@ class FewRowsKernel:
         y = (x.float().unsqueeze(-2) * weight.float()).sum(-1)
         return (y if bias is None else y + bias.float()).to(x.dtype)
 
+    @staticmethod
+    def int8_reduce_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
+                            bias: torch.Tensor | None) -> torch.Tensor:
+        """(x·qᵀ)·s + b as Σ_k x_k·q_nk in float32 times s rounded to x's dtype (`int8pack_product`'s function),
+        rounded to x's dtype once: compiled, one pass over the int8 weight per row of x."""
+        y = (x.float().unsqueeze(-2) * qdata.float()).sum(-1) * scale.reshape(-1).to(x.dtype).float()
+        return (y if bias is None else y + bias.float()).to(x.dtype)
+
+    @staticmethod
+    def int8pack_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+        """torchao's weight-only int8 y = (x·qᵀ)·s + b by `torch._weight_int8pack_mm` (s rounded to x's dtype, the
+        products accumulated in float32); also the op `spike_whale::int8pack_linear` of a compiled walk."""
+        K = x.shape[-1]
+        y = torch._weight_int8pack_mm(x.reshape(-1, K), qdata, scale.reshape(-1).to(x.dtype))
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], qdata.shape[0])
+
     @classmethod
-    def compiled_reduce(cls, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """`reduce_product` as inductor compiles it for these shapes and dtypes (compiled once per process and kept
-        in `reduce_kernels`), for timing it outside a compiled walk: called directly, without dynamo's guards, so
-        that its time is close to its time inside the walk's graph."""
-        args = (x, weight) if bias is None else (x, weight, bias)
-        key = tuple((a.shape, a.dtype) for a in args)
+    def compiled_reduce(cls, product, *args: torch.Tensor | None) -> torch.Tensor:
+        """`product` (`reduce_product` or `int8_reduce_product`) as inductor compiles it for these shapes and dtypes
+        (once per process, kept in `reduce_kernels`), for timing it outside a compiled walk: called directly, without
+        dynamo's guards, so that its time is close to its time inside the walk's graph. The last arg is the bias or
+        None."""
+        *args, bias = args
+        args = (*args, bias) if bias is not None else tuple(args)
+        key = (product.__name__, *((a.shape, a.dtype) for a in args))
         kernel = cls.reduce_kernels.get(key)
         if kernel is None:
             from torch.fx.experimental.proxy_tensor import make_fx
 
-            product = cls.reduce_product if bias is not None else lambda x, w: cls.reduce_product(x, w, None)
-            graph = make_fx(product)(*args)
-            kernel = cls.reduce_kernels[key] = torch._inductor.compile(graph, list(args))
+            traced = product if bias is not None else lambda *a: product(*a, None)
+            kernel = cls.reduce_kernels[key] = torch._inductor.compile(make_fx(traced)(*args), list(args))
         return kernel(*args)
 
     @staticmethod
@@ -1533,12 +1575,16 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, FewRowsKernel.packed_weight(weight), bias, "none", [], "")
 
 
-if not hasattr(torch.ops.spike_whale, "packed_linear"):  # once per process, whichever copy of this file comes first
-    _SPIKE_WHALE_OPS = torch.library.Library("spike_whale", "FRAGMENT")
-    _SPIKE_WHALE_OPS.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-    _SPIKE_WHALE_OPS.impl("packed_linear", packed_linear, "CompositeExplicitAutograd")
-    torch.library.register_fake("spike_whale::packed_linear", lib=_SPIKE_WHALE_OPS)(
-        lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight.shape[0]))
+_SPIKE_WHALE_OPS = torch.library.Library("spike_whale", "FRAGMENT")
+for _name, _schema, _impl in (
+    ("packed_linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor", packed_linear),
+    ("int8pack_linear", "(Tensor x, Tensor qdata, Tensor scale, Tensor? bias) -> Tensor", FewRowsKernel.int8pack_product),
+):
+    if not hasattr(torch.ops.spike_whale, _name):  # once per process, whichever copy of this file comes first
+        _SPIKE_WHALE_OPS.define(_name + _schema)
+        _SPIKE_WHALE_OPS.impl(_name, _impl, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"spike_whale::{_name}", lib=_SPIKE_WHALE_OPS)(
+            lambda x, weight, *rest: x.new_empty(*x.shape[:-1], weight.shape[0]))
 
 
 def weight_only_int8(weight: torch.Tensor) -> bool:
@@ -2677,10 +2723,13 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         F.linear is stored column-major, which MKL reads 10-25% faster than row-major for a batch of a few rows. On CPU,
         `options={"cpp_wrapper": True}` trims the per-kernel dispatch further (4-9% faster at batch 1 in two
         benchmark runs) for about twice the compile time, though not for a bf16 walk with prepacked products, whose op
-        it calls back into Python (114M, EPYC: generate's step 75-78 against 62-64 ms). On CPU inductor's pattern
-        matcher is off unless some weight is quantized (a tensor subclass, such as torchao's int8 weights): its
-        one-query attention rewrite is slower, but inductor's int8 weight-only lowering lives there (an explicit
-        `options={"pattern_matcher": ...}` wins).
+        it calls back into Python (114M, EPYC: generate's step 75-78 against 62-64 ms). A weight-only int8 weight
+        (torchao through `TorchAoConfig`) is multiplied by `torch._weight_int8pack_mm` (the op
+        `spike_whale::int8pack_linear`) or, for one row with inductor, by its float32 reduction ("int8reduce"),
+        whichever is timed faster. On CPU inductor's pattern matcher is off, since its one-query attention rewrite
+        swaps in a slower CPU SDPA kernel, unless a quantized weight of the layers has no such product of its own
+        (one below `FEW_ROWS_MIN_WEIGHT` elements, or another quantization): inductor's lowering of torchao's int8
+        product lives there (an explicit `options={"pattern_matcher": ...}` wins).
         """
         if not enable:
             self.model._compiled_run, self.model._compiled_for = None, None
@@ -2732,10 +2781,11 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
                             and getattr(linear, "compiled_product", "linear") == "linear"
                             and getattr(linear, "compiled_product_rows", "linear") == "linear"):
                         linear.weight.data = linear.weight.data.t().contiguous().t()
-            # Its attention rewrite swaps in a CPU SDPA kernel slower than the two small matmuls of one query; but it
-            # also holds inductor's int8 weight-only lowering (`_weight_int8pack_mm`), so quantized (tensor-subclass)
-            # weights keep it on.
-            if plain_weights:
+            # Its attention rewrite swaps in a CPU SDPA kernel slower than the two small matmuls of one query (114M,
+            # int8 weights, bf16: 354 µs a call, 48 a step); it also holds inductor's lowering of torchao's int8
+            # product, which the walk's int8 weights do not need where each takes an int8 product of its own.
+            if all(type(p.data) is torch.Tensor or getattr(owner, "compiled_product", "").startswith("int8")
+                   for owner, p in self._layer_weights()):
                 options["pattern_matcher"] = False
         compile_kwargs.setdefault("dynamic", True)
         # torch.compile takes `mode` or `options`, not both; this walk needs options, so a mode becomes them.
@@ -2781,9 +2831,9 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             with contextlib.suppress(OSError, ValueError), open(path) as f:
                 stored = dict(json.load(f))
         before = dict(stored)
-        owners = [o for o in self._compiled_owners() if type(o.weight.data) is torch.Tensor
-                  and o.weight.dtype in FEW_ROWS_DTYPES and o.weight.is_contiguous()
-                  and o.weight.numel() >= FEW_ROWS_MIN_WEIGHT]
+        owners = [o for o in self._compiled_owners() if o.weight.numel() >= FEW_ROWS_MIN_WEIGHT and (
+            weight_only_int8(o.weight) or type(o.weight.data) is torch.Tensor
+            and o.weight.dtype in FEW_ROWS_DTYPES and o.weight.is_contiguous())]
         # What a decode step reads between two reads of one of them: every plain weight of the layers, in order (a
         # fused matrix in place of its blocks).
         walk, fused = [], set()
@@ -2820,6 +2870,12 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         in_fused = {id(linear) for f in fused for linear in f.linears}
         return [m for m in self.model.layers.modules() if isinstance(m, SpikeWhaleLinear) and id(m) not in in_fused] \
             + fused
+
+    def _layer_weights(self):
+        """(module, parameter) for every parameter of the decoder layers: what a compiled walk reads."""
+        for module in self.model.layers.modules():
+            for p in module.parameters(recurse=False):
+                yield module, p
 
     def _column_major_linears(self) -> list[nn.Linear]:
         """The Linears whose one-token GEMMs MKL runs faster column-major: the FFN's, and the rank→hidden

@@ -4,11 +4,14 @@
     python benchmarks/bench_ab.py --rows eager_b8 --rounds 11
     python benchmarks/bench_ab.py --rows eager_b1 --interleave steps --rounds 10   # 10 × 32 alternating steps
     python benchmarks/bench_ab.py --rows eager_b1 --dtype bfloat16 --interleave steps   # bf16 weights
+    python benchmarks/bench_ab.py --rows compiled_b1 --dtype bfloat16 --int8   # torchao int8 weights, bf16 rows
 
 The base revision's package files (the repo root's *.py) are taken with `git archive REV` into a temporary folder as
 a package named `spike_whale_base` (nothing is written into the checkout or .git). Both models are the 114M preset
 with the SAME random state dict (seed 0), in `--dtype` (float32 by default; built as `bench_speed.py` builds its
-bf16 rows, through `_from_config(dtype=...)`, which keeps the float32 modules float32). Rows: eager batch 1 / 8
+bf16 rows, through `_from_config(dtype=...)`, which keeps the float32 modules float32; with `--int8`, saved and
+loaded back through transformers' `TorchAoConfig(Int8WeightOnlyConfig())` in `--dtype`, as `bench_speed.py`'s int8
+rows). Rows: eager batch 1 / 8
 (plain `generate`), compiled batch 1 / 8 (base: the API it had -- `model.compile_decode()` at 781e662, or
 `compile_config` if the base has no `compile_decode`; new: `generate(..., compile_config=CompileConfig())`; each
 compiled model is its own twin, since compiling re-stores weights, and its compile is done before timing). Greedy,
@@ -108,6 +111,7 @@ def main(argv=None):
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--int8", action="store_true", help="weight-only int8 weights (torchao), activations in --dtype")
     p.add_argument("--interleave", choices=("generate", "steps"), default="generate",
                    help="alternate whole generate calls (default) or single decode steps (eager rows only)")
     p.add_argument("--ids", choices=("equal", "count"), default="equal",
@@ -127,11 +131,20 @@ def main(argv=None):
         base_modeling, base_configuration = import_base(args.base, Path(tmp))
         BaseLM = base_modeling.SpikeWhaleForCausalLM
         torch.manual_seed(0)
-        state = SpikeWhaleForCausalLM(SpikeWhaleConfig.from_preset(PRESET)).eval().state_dict()
+        reference = SpikeWhaleForCausalLM(SpikeWhaleConfig.from_preset(PRESET)).eval()
+        state, folder = reference.state_dict(), Path(tmp) / "saved"
+        if args.int8:
+            reference.save_pretrained(folder)
 
         def build(new: bool):
             cls, cfg = ((SpikeWhaleForCausalLM, SpikeWhaleConfig) if new
                         else (BaseLM, base_configuration.SpikeWhaleConfig))
+            if args.int8:
+                from torchao.quantization import Int8WeightOnlyConfig
+                from transformers import TorchAoConfig
+
+                return cls.from_pretrained(folder, quantization_config=TorchAoConfig(Int8WeightOnlyConfig()),
+                                           dtype=getattr(torch, args.dtype)).eval()
             model = cls._from_config(cfg.from_preset(PRESET), dtype=getattr(torch, args.dtype)).eval()
             model.load_state_dict(state)
             return model
@@ -142,7 +155,7 @@ def main(argv=None):
         kwargs = {"old": {"eager": {}, "compiled": {} if base_compiles else {"compile_config": CompileConfig()}},
                   "new": {"eager": {}, "compiled": {"compile_config": CompileConfig()}}}
         load_before = os.getloadavg()
-        print(f"{PRESET}, {args.dtype}, {torch.get_num_threads()} threads, load average {load_before[0]:.2f}; "
+        print(f"{PRESET}, {args.dtype}{' rows, int8 weights' if args.int8 else ''}, {torch.get_num_threads()} threads, load average {load_before[0]:.2f}; "
               f"old = {args.base}, new = {head}{' (dirty)' if dirty else ''}; prompt {args.prompt}, "
               f"{args.new_tokens} new tokens, {args.rounds} rounds", flush=True)
         compile_s = {}
@@ -209,7 +222,7 @@ def main(argv=None):
           f"{load_after[0]:.2f}; {ids_line})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
-        "base": args.base, "head": head, "dirty": dirty, "preset": PRESET, "dtype": args.dtype,
+        "base": args.base, "head": head, "dirty": dirty, "preset": PRESET, "dtype": args.dtype, "int8": args.int8,
         "threads": torch.get_num_threads(),
         "prompt": args.prompt, "new_tokens": args.new_tokens, "rounds": args.rounds, "interleave": args.interleave,
         "load_average": [load_before[0], load_after[0]], "compile_s": compile_s, "rows": results,

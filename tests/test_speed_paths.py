@@ -397,7 +397,7 @@ def test_compiled_walk_times_the_packed_product_and_keeps_only_the_copies_it_tak
         return F.linear(x, w, b)
 
     monkeypatch.setattr(kernel, "product", product)
-    monkeypatch.setattr(kernel, "compiled_reduce", lambda x, w, b: None)  # its untimed first call compiles it
+    monkeypatch.setattr(kernel, "compiled_reduce", lambda product, x, w, b: None)  # its untimed first call compiles it
     with torch.no_grad():
         chosen = kernel.choose(small + large, 1)
     assert chosen == ["linear", "linear", "packed", "packed"]
@@ -504,7 +504,7 @@ def test_few_rows_kernel_chooses_for_compile_decode_by_timing_in_rounds(monkeypa
     monkeypatch.setattr(kernel, "product", product)
     monkeypatch.setattr(msw.time, "perf_counter", lambda: clock[0])
     compiled = []
-    monkeypatch.setattr(kernel, "compiled_reduce", lambda x, w, b: compiled.append((w.data_ptr(), clock[0])))
+    monkeypatch.setattr(kernel, "compiled_reduce", lambda product, x, w, b: compiled.append((w.data_ptr(), clock[0])))
     weights = [torch.randn(320, 208) for _ in range(3)]
     warm, linear = [], torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear",
@@ -553,7 +553,7 @@ def test_few_rows_kernel_times_compiled_choices_in_walk_order(monkeypatch):
         return x @ w.t()
 
     monkeypatch.setattr(kernel, "product", product)
-    monkeypatch.setattr(kernel, "compiled_reduce", lambda x, w, b: None)
+    monkeypatch.setattr(kernel, "compiled_reduce", lambda product, x, w, b: None)
     monkeypatch.setattr(msw.time, "perf_counter", lambda: clock[0])
     up = [torch.randn(320, 208) for _ in range(2)]
     down = [torch.randn(208, 320) for _ in range(2)]
@@ -867,3 +867,59 @@ def test_int8_weight_only_decodes_through_compile_config(tmp_path, monkeypatch):
     on_weights = {e.guard_type for e in kept if "._parameters['weight']" in e.name}
     assert "TYPE_MATCH" in on_weights and kept
     assert not on_weights & {"TENSOR_MATCH", "TENSOR_SUBCLASS_METADATA_MATCH", "EQUALS_MATCH"}, on_weights
+
+
+@pytest.mark.skipif(torchao_missing, reason="torchao is not installed (the optional `int8` extra)")
+@pytest.mark.skipif(
+    version.parse(transformers.__version__) < version.parse("5.24"),
+    reason="transformers < 5.24 refuses assisted decoding with a compileable cache, so compile_config does not "
+    "apply to the loop-slot cache there",
+)
+def test_int8_compiled_walk_multiplies_by_its_own_int8_products_without_the_pattern_matcher(tmp_path, monkeypatch):
+    """An inductor walk of int8 weights with bf16 rows: every int8 weight of the layers takes an explicit int8 product
+    ("int8pack" for rows, "int8reduce" forced here for one row), so inductor's pattern matcher stays off and its
+    rewrite of the one-query attention into CPU SDPA does not happen; the reduction computes int8pack's function
+    (bf16 tolerance) and the compiled step gives the eager int8 step's logits within bf16's."""
+    import spike_whale.modeling_spike_whale as msw
+    from torch._inductor.utils import run_and_get_code
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import CompileConfig, TorchAoConfig
+
+    tiny_model(seed=7).save_pretrained(tmp_path)
+    model = SpikeWhaleForCausalLM.from_pretrained(
+        tmp_path, quantization_config=TorchAoConfig(Int8WeightOnlyConfig()), dtype=torch.bfloat16
+    ).eval()
+    w = model.model.layers[0].ffn.gate_proj.weight
+    assert msw.FewRowsKernel.traced_candidates(w, 1) == ("int8pack", "int8reduce")
+    assert msw.FewRowsKernel.traced_candidates(w, 1, reduce=False) == msw.FewRowsKernel.traced_candidates(w, 8) \
+        == ("int8pack",)
+    bias = torch.randn(w.shape[0])
+    for x in (torch.randn(1, 1, w.shape[1], dtype=torch.bfloat16), torch.randn(1, w.shape[1])):  # bf16, MC float32
+        with torch.no_grad():
+            ref = msw.FewRowsKernel.product(x, w, bias, 1, "int8pack").float()
+            got = msw.FewRowsKernel.product(x, w, bias, 1, "int8reduce")
+        assert got.dtype == x.dtype and got.shape == ref.shape
+        assert (got.float() - ref).abs().max() <= 2 * 2**-8 * ref.abs().max()
+
+    monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
+    monkeypatch.setattr(msw.FewRowsKernel, "forced", "int8reduce")
+    ids = prompt()
+
+    def first_step_logits(**kwargs):
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, min_new_tokens=3,
+                                 do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                                 **kwargs)
+        return out.sequences, out.logits
+
+    eager_ids, eager_logits = first_step_logits()
+    (compiled_ids, compiled_logits), code = run_and_get_code(first_step_logits, compile_config=CompileConfig())
+    code = "".join(code)
+    owners = model._compiled_owners()
+    assert owners and {(o.compiled_product, o.compiled_product_rows) for o in owners} == {("int8reduce", "int8pack")}
+    assert "scaled_dot_product" not in code  # the pattern matcher was off
+    assert torch.equal(compiled_ids[:, : ids.shape[1] + 1], eager_ids[:, : ids.shape[1] + 1])
+    for step in (1, 2):  # decode steps (step 0 is the eager prefill); the same prefix of ids so far
+        if torch.equal(compiled_ids[:, : ids.shape[1] + step], eager_ids[:, : ids.shape[1] + step]):
+            full = eager_logits[step].float()
+            assert (compiled_logits[step].float() - full).abs().max() <= 8 * 2**-7 * full.abs().max()
