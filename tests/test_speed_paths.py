@@ -740,10 +740,16 @@ def test_long_chunk_sums_match_a_per_segment_reference(S, left_pad):
             assert float(on[b, t]) == float(m.sum())
 
 
-torchao_missing = importlib.util.find_spec("torchao") is None
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
+                                   reason="torchao is not installed (the optional `int8` extra)")
+needs_compile_config = pytest.mark.skipif(
+    version.parse(transformers.__version__) < version.parse("5.24"),
+    reason="transformers < 5.24 refuses assisted decoding with a compileable cache, so compile_config does not "
+    "apply to the loop-slot cache there",
+)
 
 
-@pytest.mark.skipif(torchao_missing, reason="torchao is not installed (the optional `int8` extra)")
+@needs_torchao
 def test_int8_weight_only_loads_through_torchao_config_and_generates(tmp_path):
     from torchao.quantization import Int8WeightOnlyConfig
     from transformers import TorchAoConfig
@@ -767,7 +773,7 @@ def test_int8_weight_only_loads_through_torchao_config_and_generates(tmp_path):
     assert (ref - q).abs().max() <= 0.1 * ref.abs().max()  # weight-only int8, per-row scales: close to float32
 
 
-@pytest.mark.skipif(torchao_missing, reason="torchao is not installed (the optional `int8` extra)")
+@needs_torchao
 def test_int8_weight_only_with_bf16_activations_keeps_float32_parts_and_decodes_exactly(tmp_path):
     """int8 weights with `dtype=torch.bfloat16`: the route on which inductor lowers int8 weight-only matmuls to
     `_weight_int8pack_mm` (bf16 activations and scales only; benchmarks/bench_speed.py's int8_compiled row). The
@@ -791,7 +797,7 @@ def test_int8_weight_only_with_bf16_activations_keeps_float32_parts_and_decodes_
     assert (steps.float() - full.float()).abs().max() <= 8 * 2**-7 * full.float().abs().max()
 
 
-@pytest.mark.skipif(torchao_missing, reason="torchao is not installed (the optional `int8` extra)")
+@needs_torchao
 def test_int8_few_row_product_is_torchaos_product_and_decodes_exactly(tmp_path, monkeypatch):
     """Eager bf16 rows by a weight-only int8 weight: `FEW_ROWS_KERNEL`'s candidates are F.linear (torchao's own
     product) and `_weight_int8pack_mm`, which computes the same y = (x·qᵀ)·s up to bf16 rounding; forced for every
@@ -835,12 +841,8 @@ def test_int8_few_row_product_is_torchaos_product_and_decodes_exactly(tmp_path, 
     assert (steps.float() - full.float()).abs().max() <= 8 * 2**-7 * full.float().abs().max()
 
 
-@pytest.mark.skipif(torchao_missing, reason="torchao is not installed (the optional `int8` extra)")
-@pytest.mark.skipif(
-    version.parse(transformers.__version__) < version.parse("5.24"),
-    reason="transformers < 5.24 refuses assisted decoding with a compileable cache, so compile_config does not "
-    "apply to the loop-slot cache there",
-)
+@needs_torchao
+@needs_compile_config
 def test_int8_weight_only_decodes_through_compile_config(tmp_path, monkeypatch):
     """compile_config with a torchao int8 model: compile_decode leaves the quantized weights' layout alone (re-storing
     them column-major raised NotImplementedError for `aten.t`) and the compiled step gives the eager int8 ids. The
@@ -869,12 +871,8 @@ def test_int8_weight_only_decodes_through_compile_config(tmp_path, monkeypatch):
     assert not on_weights & {"TENSOR_MATCH", "TENSOR_SUBCLASS_METADATA_MATCH", "EQUALS_MATCH"}, on_weights
 
 
-@pytest.mark.skipif(torchao_missing, reason="torchao is not installed (the optional `int8` extra)")
-@pytest.mark.skipif(
-    version.parse(transformers.__version__) < version.parse("5.24"),
-    reason="transformers < 5.24 refuses assisted decoding with a compileable cache, so compile_config does not "
-    "apply to the loop-slot cache there",
-)
+@needs_torchao
+@needs_compile_config
 def test_int8_compiled_walk_multiplies_by_its_own_int8_products_without_the_pattern_matcher(tmp_path, monkeypatch):
     """An inductor walk of int8 weights with bf16 rows: every int8 weight of the layers takes an explicit int8 product
     ("int8pack" for rows, "int8reduce" forced here for one row), so inductor's pattern matcher stays off and its
