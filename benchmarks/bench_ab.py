@@ -155,7 +155,8 @@ def main(argv=None):
         kwargs = {"old": {"eager": {}, "compiled": {} if base_compiles else {"compile_config": CompileConfig()}},
                   "new": {"eager": {}, "compiled": {"compile_config": CompileConfig()}}}
         load_before = os.getloadavg()
-        print(f"{PRESET}, {args.dtype}{' rows, int8 weights' if args.int8 else ''}, {torch.get_num_threads()} threads, load average {load_before[0]:.2f}; "
+        weights = " rows, int8 weights" if args.int8 else ""
+        print(f"{PRESET}, {args.dtype}{weights}, {torch.get_num_threads()} threads, load average {load_before[0]:.2f}; "
               f"old = {args.base}, new = {head}{' (dirty)' if dirty else ''}; prompt {args.prompt}, "
               f"{args.new_tokens} new tokens, {args.rounds} rounds", flush=True)
         compile_s = {}
