@@ -1388,7 +1388,10 @@ class FewRowsKernel:
             self.time_in_walk_order(weights, keys, pending, rows, walk)
         chosen, kept = [], {id(w) for w in keep}
         for weight, key, name, ks in zip(weights, keys, names, kinds):
-            kind = stored[name] if key in known else ks[0] if len(ks) == 1 else self._fastest(self.walk_medians[key], ks)
+            if key in known:
+                kind = stored[name]
+            else:  # a single candidate is not timed
+                kind = ks[0] if len(ks) == 1 else self._fastest(self.walk_medians[key], ks)
             if stored is not None:
                 stored[name] = kind
             # The timing's copy, unless a product takes it.
@@ -1419,9 +1422,9 @@ class FewRowsKernel:
             if "packed" in weight_kinds:
                 self.packed_weight(weight)  # packing once per weight is not the product's time
             if "reduce" in weight_kinds:  # nor compiling it
-                self.compiled_reduce(self.reduce_product, x, weight, None)
+                self.compiled_reduce(x, weight, None)
             if "int8reduce" in weight_kinds:
-                self.compiled_reduce(self.int8_reduce_product, x, weight.qdata, weight.scale, None)
+                self.compiled_reduce(x, weight.qdata, None, weight.scale)
         per_kind = max(2, *(-(-self.trials // n) for n in counts.values()))  # rounds per product, each key ≥ trials
         times = {k: {kind: [] for kind in ks} for k, ks in kinds.items()}
         for r in range(per_kind * max(map(len, kinds.values()))):
@@ -1455,9 +1458,9 @@ class FewRowsKernel:
         if kind == "packed":
             return torch.ops.mkldnn._linear_pointwise(x, cls.packed_weight(weight), bias, "none", [], "")
         if kind == "reduce":
-            return cls.compiled_reduce(cls.reduce_product, x, weight, bias)
+            return cls.compiled_reduce(x, weight, bias)
         if kind == "int8reduce":
-            return cls.compiled_reduce(cls.int8_reduce_product, x, weight.qdata, weight.scale, bias)
+            return cls.compiled_reduce(x, weight.qdata, bias, weight.scale)
         if kind == "int8pack":
             return cls.int8pack_product(x, weight.qdata, weight.scale, bias)
         if kind == "mv":
@@ -1495,7 +1498,7 @@ class FewRowsKernel:
         if kind == "reduce":
             return cls.reduce_product(x, weight, bias)
         if kind == "int8reduce":
-            return cls.int8_reduce_product(x, weight.qdata, weight.scale, bias)
+            return cls.reduce_product(x, weight.qdata, bias, weight.scale)
         if kind == "int8pack":  # opaque: inductor's own lowering of it takes no scale converted in the graph
             return torch.ops.spike_whale.int8pack_linear(x, weight.qdata, weight.scale, bias)
         if kind != "transposed":
@@ -1510,18 +1513,14 @@ class FewRowsKernel:
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
-    def reduce_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def reduce_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       scale: torch.Tensor | None = None) -> torch.Tensor:
         """x·Wᵀ + b as Σ_k x_k·W_nk + b_n in float32, rounded to x's dtype once (F.linear's function): compiled, one
-        pass over W per row of x."""
+        pass over W per row of x. With `scale` (W an int8 weight's values), Σ_k x_k·W_nk is multiplied by s_n rounded
+        to x's dtype before the bias (`int8pack_product`'s function)."""
         y = (x.float().unsqueeze(-2) * weight.float()).sum(-1)
-        return (y if bias is None else y + bias.float()).to(x.dtype)
-
-    @staticmethod
-    def int8_reduce_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
-                            bias: torch.Tensor | None) -> torch.Tensor:
-        """(x·qᵀ)·s + b as Σ_k x_k·q_nk in float32 times s rounded to x's dtype (`int8pack_product`'s function),
-        rounded to x's dtype once: compiled, one pass over the int8 weight per row of x."""
-        y = (x.float().unsqueeze(-2) * qdata.float()).sum(-1) * scale.reshape(-1).to(x.dtype).float()
+        if scale is not None:
+            y = y * scale.reshape(-1).to(x.dtype).float()
         return (y if bias is None else y + bias.float()).to(x.dtype)
 
     @staticmethod
@@ -1536,20 +1535,22 @@ class FewRowsKernel:
         return y.view(*x.shape[:-1], qdata.shape[0])
 
     @classmethod
-    def compiled_reduce(cls, product, *args: torch.Tensor | None) -> torch.Tensor:
-        """`product` (`reduce_product` or `int8_reduce_product`) as inductor compiles it for these shapes and dtypes
-        (once per process, kept in `reduce_kernels`), for timing it outside a compiled walk: called directly, without
-        dynamo's guards, so that its time is close to its time inside the walk's graph. The last arg is the bias or
-        None."""
-        *args, bias = args
-        args = (*args, bias) if bias is not None else tuple(args)
-        key = (product.__name__, *((a.shape, a.dtype) for a in args))
+    def compiled_reduce(cls, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        scale: torch.Tensor | None = None) -> torch.Tensor:
+        """`reduce_product` as inductor compiles it for these shapes and dtypes (compiled once per process and kept
+        in `reduce_kernels`), for timing it outside a compiled walk: called directly, without dynamo's guards, so
+        that its time is close to its time inside the walk's graph."""
+        given = {k: t for k, t in (("bias", bias), ("scale", scale)) if t is not None}
+        args = (x, weight, *given.values())
+        key = tuple((a.shape, a.dtype) for a in args)  # an int8 weight, and only it, comes with a scale
         kernel = cls.reduce_kernels.get(key)
         if kernel is None:
             from torch.fx.experimental.proxy_tensor import make_fx
 
-            traced = product if bias is not None else lambda *a: product(*a, None)
-            kernel = cls.reduce_kernels[key] = torch._inductor.compile(make_fx(traced)(*args), list(args))
+            def product(x, weight, *rest):
+                return cls.reduce_product(x, weight, **{"bias": None, **dict(zip(given, rest))})
+
+            kernel = cls.reduce_kernels[key] = torch._inductor.compile(make_fx(product)(*args), list(args))
         return kernel(*args)
 
     @staticmethod
@@ -1578,7 +1579,8 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 _SPIKE_WHALE_OPS = torch.library.Library("spike_whale", "FRAGMENT")
 for _name, _schema, _impl in (
     ("packed_linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor", packed_linear),
-    ("int8pack_linear", "(Tensor x, Tensor qdata, Tensor scale, Tensor? bias) -> Tensor", FewRowsKernel.int8pack_product),
+    ("int8pack_linear", "(Tensor x, Tensor qdata, Tensor scale, Tensor? bias) -> Tensor",
+     FewRowsKernel.int8pack_product),
 ):
     if not hasattr(torch.ops.spike_whale, _name):  # once per process, whichever copy of this file comes first
         _SPIKE_WHALE_OPS.define(_name + _schema)
@@ -2727,9 +2729,9 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         (torchao through `TorchAoConfig`) is multiplied by `torch._weight_int8pack_mm` (the op
         `spike_whale::int8pack_linear`) or, for one row with inductor, by its float32 reduction ("int8reduce"),
         whichever is timed faster. On CPU inductor's pattern matcher is off, since its one-query attention rewrite
-        swaps in a slower CPU SDPA kernel, unless a quantized weight of the layers has no such product of its own
-        (one below `FEW_ROWS_MIN_WEIGHT` elements, or another quantization): inductor's lowering of torchao's int8
-        product lives there (an explicit `options={"pattern_matcher": ...}` wins).
+        swaps in a CPU SDPA kernel (for the float walk, slower), unless a quantized weight of the layers has no such
+        product of its own (one below `FEW_ROWS_MIN_WEIGHT` elements, or another quantization): inductor's lowering of
+        torchao's int8 product lives there (an explicit `options={"pattern_matcher": ...}` wins).
         """
         if not enable:
             self.model._compiled_run, self.model._compiled_for = None, None
@@ -2781,11 +2783,11 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
                             and getattr(linear, "compiled_product", "linear") == "linear"
                             and getattr(linear, "compiled_product_rows", "linear") == "linear"):
                         linear.weight.data = linear.weight.data.t().contiguous().t()
-            # Its attention rewrite swaps in a CPU SDPA kernel slower than the two small matmuls of one query (114M,
-            # int8 weights, bf16: 354 µs a call, 48 a step); it also holds inductor's lowering of torchao's int8
-            # product, which the walk's int8 weights do not need where each takes an int8 product of its own.
-            if all(type(p.data) is torch.Tensor or getattr(owner, "compiled_product", "").startswith("int8")
-                   for owner, p in self._layer_weights()):
+            # Its attention rewrite swaps in a CPU SDPA kernel slower than the two small matmuls of one query; it also
+            # holds inductor's lowering of torchao's int8 product, which the walk's int8 weights do not need where
+            # each takes an int8 product of its own (so an int8 walk is the float walk's graph, products aside).
+            if all(type(p.data) is torch.Tensor or getattr(m, "compiled_product", "").startswith("int8")
+                   for m in self.model.layers.modules() for p in m.parameters(recurse=False)):
                 options["pattern_matcher"] = False
         compile_kwargs.setdefault("dynamic", True)
         # torch.compile takes `mode` or `options`, not both; this walk needs options, so a mode becomes them.
@@ -2870,12 +2872,6 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         in_fused = {id(linear) for f in fused for linear in f.linears}
         return [m for m in self.model.layers.modules() if isinstance(m, SpikeWhaleLinear) and id(m) not in in_fused] \
             + fused
-
-    def _layer_weights(self):
-        """(module, parameter) for every parameter of the decoder layers: what a compiled walk reads."""
-        for module in self.model.layers.modules():
-            for p in module.parameters(recurse=False):
-                yield module, p
 
     def _column_major_linears(self) -> list[nn.Linear]:
         """The Linears whose one-token GEMMs MKL runs faster column-major: the FFN's, and the rank→hidden

@@ -397,7 +397,7 @@ def test_compiled_walk_times_the_packed_product_and_keeps_only_the_copies_it_tak
         return F.linear(x, w, b)
 
     monkeypatch.setattr(kernel, "product", product)
-    monkeypatch.setattr(kernel, "compiled_reduce", lambda product, x, w, b: None)  # its untimed first call compiles it
+    monkeypatch.setattr(kernel, "compiled_reduce", lambda x, w, b, scale=None: None)  # its untimed first call compiles it
     with torch.no_grad():
         chosen = kernel.choose(small + large, 1)
     assert chosen == ["linear", "linear", "packed", "packed"]
@@ -504,7 +504,7 @@ def test_few_rows_kernel_chooses_for_compile_decode_by_timing_in_rounds(monkeypa
     monkeypatch.setattr(kernel, "product", product)
     monkeypatch.setattr(msw.time, "perf_counter", lambda: clock[0])
     compiled = []
-    monkeypatch.setattr(kernel, "compiled_reduce", lambda product, x, w, b: compiled.append((w.data_ptr(), clock[0])))
+    monkeypatch.setattr(kernel, "compiled_reduce", lambda x, w, b, scale=None: compiled.append((w.data_ptr(), clock[0])))
     weights = [torch.randn(320, 208) for _ in range(3)]
     warm, linear = [], torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear",
@@ -553,7 +553,7 @@ def test_few_rows_kernel_times_compiled_choices_in_walk_order(monkeypatch):
         return x @ w.t()
 
     monkeypatch.setattr(kernel, "product", product)
-    monkeypatch.setattr(kernel, "compiled_reduce", lambda product, x, w, b: None)
+    monkeypatch.setattr(kernel, "compiled_reduce", lambda x, w, b, scale=None: None)
     monkeypatch.setattr(msw.time, "perf_counter", lambda: clock[0])
     up = [torch.randn(320, 208) for _ in range(2)]
     down = [torch.randn(208, 320) for _ in range(2)]
