@@ -408,6 +408,7 @@ class MemoryCacheBranch(KeepsFloat32):
 
     eps = 1e-6
     short_chunk = 8  # longest chunk read through its per-token running sums (S·hd² floats per head)
+    read_floats = 1 << 18  # the most floats of candidate-weighted query rows `_read` builds at once
 
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__()
@@ -509,11 +510,15 @@ class MemoryCacheBranch(KeepsFloat32):
         gamma = torch.softmax(scores, dim=-1)
         # Σ_i γ_{t,i} φ(q_t)ᵀ[M⁽ⁱ⁾ | z⁽ⁱ⁾] as one GEMM per head: the rows [γ_{t,1}φ(q_t), …, γ_{t,I}φ(q_t)] times the
         # stacked [M⁽ⁱ⁾ | z⁽ⁱ⁾], so no token builds its own mixed hd × hd memory. φ(q) goes head-major first, so those
-        # rows (I times larger) are born in the GEMM's layout instead of being copied into it.
+        # rows (I times larger) are born in the GEMM's layout instead of being copied into it. A long chunk builds them
+        # `read_floats` at a time: all at once, a 4,096-token prefill of the 114M preset made 32 MiB of them per slot,
+        # which glibc's malloc hands out as fresh pages, faulted in again by every call.
         g_cand = gamma[..., :I] if own is not None else gamma
-        wq = (fq.transpose(1, 2).contiguous()[:, :, :, None] * g_cand[:, None, :, :, None]).reshape(B, nh, S, I * hd)
+        fq_heads = fq.transpose(1, 2).contiguous()
         Mz = torch.cat([cand_M, cand_z[..., None]], -1).transpose(1, 2).reshape(B, nh, I * hd, hd + 1)
-        read = torch.matmul(wq, Mz).transpose(1, 2)
+        rows = S if torch.compiler.is_compiling() else max(1, self.read_floats // (B * nh * I * hd))
+        read = _cat([torch.matmul((fq_heads[:, :, a : a + rows, None] * g_cand[:, None, a : a + rows, :, None])
+                                  .reshape(B, nh, -1, I * hd), Mz) for a in range(0, S, rows)], 2).transpose(1, 2)
         num, den = read[..., :hd], read[..., hd:]
         if own is not None:
             g_own = gamma[..., I:]

@@ -29,6 +29,12 @@ Rows (`--rows` picks a subset):
                  and the time of each loop pass of a batch-1 eager decode step, float32 and bf16 (passes 2 and 3 re-read
                  pass 1's blocks, so they are faster only where those stay cached)
 
+The script runs under glibc malloc with fixed thresholds (`STEADY_MALLOC`, set in the environment before the
+process starts: it re-runs itself once); `--glibc-defaults` measures under glibc's dynamic ones instead. With those,
+a freed block above the mmap threshold (at most 32 MiB) goes back to the kernel and the next one is faulted in
+afresh, so a long prefill's time depends on what ran before it in the process: at 4096 tokens, float32, the Llama
+anchor alone faulted in 9-10 GB a forward, and 0 when it ran after spike_whale, which faulted in 3 GB.
+
 Decode tok/s = generated tokens / time between the first and the last decode step of greedy `generate` (prefill
 excluded, generate's per-step overhead included). Compile time (the first steps of a compiled twin) is reported
 separately and excluded. Where other processes share the machine, absolute numbers are skewed; the ratios of
@@ -61,6 +67,9 @@ ROOT = Path(__file__).resolve().parents[1]
 ALL_ROWS = ("eager", "compiled", "bf16", "bf16_compiled", "int8", "int8_bf16", "int8_compiled", "prefill",
             "prefill_long", "compile_cost", "roofline", "cache")
 QUICK_ROWS = ("eager", "compiled", "bf16", "int8", "prefill", "compile_cost", "roofline")
+# glibc malloc keeps freed blocks up to 1 GiB in its heap for the next tensor, and returns heap memory to the kernel
+# only above 4 GiB free: every model's large tensors reuse pages instead of faulting in fresh ones.
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
 TARGETS = {"eager": 1.0, "compiled": 1.3, "bf16": 1.5, "bf16_compiled": 1.5, "int8": 2.0, "int8_bf16": 2.0,
            "int8_compiled": 2.0, "prefill": 0.9,
            "prefill_long": 0.9, "mc_share": 0.15, "compile_cost_s": 10.0}
@@ -290,7 +299,19 @@ def main(argv=None) -> int:
     p.add_argument("--rows", nargs="+", choices=ALL_ROWS, default=None, help=f"default all; quick {' '.join(QUICK_ROWS)}")
     p.add_argument("--also", nargs="+", choices=ALL_ROWS, default=[], help="rows added to the defaults")
     p.add_argument("--out", default=None)
+    p.add_argument("--glibc-defaults", action="store_true",
+                   help="glibc malloc's dynamic thresholds (default: STEADY_MALLOC for both models)")
     args = p.parse_args(argv)
+    glibc = platform.libc_ver()[0] == "glibc"
+    env = {k: v for k, v in os.environ.items() if k not in STEADY_MALLOC}
+    if not args.glibc_defaults:
+        env.update(STEADY_MALLOC)
+    if glibc and env != dict(os.environ):  # glibc reads them as the process starts: run again (once) with them set
+        argv = sys.argv[1:] if argv is None else list(argv)
+        os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv], env)
+    allocator = ("glibc malloc, " + ("dynamic thresholds (its defaults)" if args.glibc_defaults else
+                                     ", ".join(f"{k}={v}" for k, v in STEADY_MALLOC.items()))
+                 if glibc else "not glibc (STEADY_MALLOC does not apply)")
     new = args.new_tokens or (32 if args.quick else 128)
     repeats = args.repeats or (1 if args.quick else 2)
     rows_on = set(args.rows or (QUICK_ROWS if args.quick else ALL_ROWS)) | set(args.also)
@@ -309,6 +330,7 @@ def main(argv=None) -> int:
           f"{spike.config.num_loop_slots} loop slots); Llama anchor {n_params(llama):,} parameters, 48 layers")
     print(f"CPU {cpu['model']}: avx512_bf16 {cpu['avx512_bf16']}, amx_bf16 {cpu['amx_bf16']}, L3 {cpu['l3']}; "
           f"{torch.get_num_threads()} torch threads of {os.cpu_count()} CPUs, load average {load_before[0]:.2f}")
+    print(f"allocator: {allocator}")
     print(f"prompt {args.prompt}, {new} new tokens, {repeats} interleaved round(s), rows: {' '.join(sorted(rows_on))}",
           flush=True)
 
@@ -526,7 +548,7 @@ def main(argv=None) -> int:
                     "copy_bandwidth_bytes_s": bandwidth},
         "settings": {"prompt": args.prompt, "new_tokens": new, "repeats": repeats, "batch_sizes": args.batch_sizes,
                      "compile_batch_sizes": compile_bs, "prefill_lengths": prefill_lengths, "rows": sorted(rows_on),
-                     "quick": args.quick, "context_window": context},
+                     "quick": args.quick, "context_window": context, "allocator": allocator},
         "params": {"spike_whale": n_params(spike), "llama": n_params(llama)},
         "table": table,
         "runs": [dict(row=k[0], batch=k[1], model=k[2], **v) for k, v in medians.items()],

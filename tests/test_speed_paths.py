@@ -140,9 +140,12 @@ def test_bf16_loads_keep_the_memory_cache_branch_float32(tmp_path):
     assert torch.equal(greedy(loaded, ids, True), greedy(loaded, ids, False))
 
 
-def test_memory_cache_read_mixes_reads_not_memories():
+@pytest.mark.parametrize("block_rows", [None, 1, 5])
+def test_memory_cache_read_mixes_reads_not_memories(block_rows):
     """`_read` is the card's γ-softmax mix of the segment reads (to ~1e-6 in float32, against float64 per segment),
-    computed without a per-token mixed hd × hd memory (that [B, S, nh, hd, hd] tensor was 11% of a bf16 prefill)."""
+    computed without a per-token mixed hd × hd memory (that [B, S, nh, hd, hd] tensor was 11% of a bf16 prefill), and,
+    where `read_floats` holds only `block_rows` tokens' candidate-weighted query rows, a block of tokens at a time
+    (1 row; 5, which leaves a shorter last block)."""
     from torch.overrides import TorchFunctionMode
 
     from conftest import tiny_config
@@ -159,6 +162,9 @@ def test_memory_cache_read_mixes_reads_not_memories():
     readable = torch.rand(B, S, I, generator=g) > 0.4
     readable[0, 0] = False  # a token that reads only its own segment
 
+    if block_rows is not None:
+        mc.read_floats = block_rows * B * nh * I * hd
+
     class Sizes(TorchFunctionMode):
         largest = 0
 
@@ -171,6 +177,8 @@ def test_memory_cache_read_mixes_reads_not_memories():
     with Sizes():
         y = mc._read(fq, gu, (own_num, own_den, own_g, own_n), (cand_M, cand_z, cand_g, readable))
     assert Sizes.largest < B * S * nh * hd * hd // 4
+    if block_rows is not None:  # no tensor holds the whole chunk's rows, B·nh·S·I·hd floats
+        assert Sizes.largest < B * nh * S * I * hd
 
     d = torch.float64
     logits = torch.cat([(gu[:, :, None] * cand_g[:, None]).sum(-1).masked_fill(~readable, float("-inf")),
