@@ -30,8 +30,8 @@ Rows (`--rows` picks a subset):
                  pass 1's blocks, so they are faster only where those stay cached)
 
 The script runs under glibc malloc with fixed thresholds (`STEADY_MALLOC`, set in the environment before the
-process starts: it re-runs itself once); `--glibc-defaults` measures under glibc's dynamic ones instead. With those,
-a freed block above the mmap threshold (at most 32 MiB) goes back to the kernel and the next one is faulted in
+process starts: it re-runs itself once); `--glibc-defaults` measures under glibc's dynamic ones instead. Under the
+dynamic ones, a freed block above the mmap threshold (at most 32 MiB) goes back to the kernel and the next one is faulted in
 afresh, so a long prefill's time depends on what ran before it in the process: at 4096 tokens, float32, the Llama
 anchor alone faulted in 9-10 GB a forward, and 0 when it ran after spike_whale, which faulted in 3 GB.
 
