@@ -517,8 +517,10 @@ class MemoryCacheBranch(KeepsFloat32):
         fq_heads = fq.transpose(1, 2).contiguous()
         Mz = torch.cat([cand_M, cand_z[..., None]], -1).transpose(1, 2).reshape(B, nh, I * hd, hd + 1)
         rows = S if torch.compiler.is_compiling() else max(1, self.read_floats // (B * nh * I * hd))
-        read = _cat([torch.matmul((fq_heads[:, :, a : a + rows, None] * g_cand[:, None, a : a + rows, :, None])
-                                  .reshape(B, nh, -1, I * hd), Mz) for a in range(0, S, rows)], 2).transpose(1, 2)
+        blocks = ([(fq_heads, g_cand)] if rows >= S  # one block unsliced: a decode step's read, no slice calls
+                  else [(fq_heads[:, :, a : a + rows], g_cand[:, a : a + rows]) for a in range(0, S, rows)])
+        read = _cat([torch.matmul((f[:, :, :, None] * g[:, None, :, :, None]).reshape(B, nh, -1, I * hd), Mz)
+                     for f, g in blocks], 2).transpose(1, 2)
         num, den = read[..., :hd], read[..., hd:]
         if own is not None:
             g_own = gamma[..., I:]

@@ -29,11 +29,11 @@ Rows (`--rows` picks a subset):
                  and the time of each loop pass of a batch-1 eager decode step, float32 and bf16 (passes 2 and 3 re-read
                  pass 1's blocks, so they are faster only where those stay cached)
 
-The script runs under glibc malloc with fixed thresholds (`STEADY_MALLOC`, set in the environment before the
-process starts: it re-runs itself once); `--glibc-defaults` measures under glibc's dynamic ones instead. Under the
-dynamic ones, a freed block above the mmap threshold (at most 32 MiB) goes back to the kernel and the next one is faulted in
+The script runs under glibc malloc with fixed thresholds (`STEADY_MALLOC`, set in the environment before the process
+starts: it re-runs itself once); `--glibc-defaults` measures under glibc's dynamic ones instead. Under the dynamic
+ones, a freed block above the mmap threshold (at most 32 MiB) goes back to the kernel and the next one is faulted in
 afresh, so a long prefill's time depends on what ran before it in the process: at 4096 tokens, float32, the Llama
-anchor alone faulted in 9-10 GB a forward, and 0 when it ran after spike_whale, which faulted in 3 GB.
+anchor alone faulted in 9.6-11 GB a forward, and 0 when it ran after spike_whale, which faulted in 3.3 GB.
 
 Decode tok/s = generated tokens / time between the first and the last decode step of greedy `generate` (prefill
 excluded, generate's per-step overhead included). Compile time (the first steps of a compiled twin) is reported
