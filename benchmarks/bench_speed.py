@@ -18,7 +18,9 @@ Rows (`--rows` picks a subset):
   int8_compiled  the same loaded with `dtype=torch.bfloat16`, through `compile_config`: the walk multiplies each
                  int8 weight by `_weight_int8pack_mm` or, for one row, its float32 reduction, whichever
                  `FewRowsKernel` times faster (the count of each is reported)
-  prefill        forward tok/s over a 512-token prompt, float32 and bf16, and the Memory-Cache branch's share
+  prefill        forward tok/s over a 512-token prompt, float32 and bf16, the Memory-Cache branch's share, and
+                 where each model's forward spends its time (`prefill_breakdown`: products, Memory Cache, norms,
+                 the attention's and FFN's other work, the rest)
   prefill_long   the same at 4096 tokens (both models get a 4096+ context window; parameters are unchanged)
   compile_cost   the first compiled decode step in a fresh process loading the same model, after this one
                  compiled it (torch's persistent compile caches)
@@ -206,17 +208,36 @@ def compile_kwargs(model) -> dict:
     return {"compile_config": config, "cache_implementation": "static"}
 
 
-def mc_share(model, ids: torch.Tensor) -> float | None:
-    """Fraction of one prefill forward's wall time spent inside the Memory-Cache branches (forward hooks)."""
-    branches = [layer.attn.mc for layer in model.model.layers if getattr(layer.attn, "mc", None) is not None]
-    if not branches:
-        return None
-    spent, start = [0.0], [0.0]
-    hooks = []
-    for branch in branches:
-        hooks.append(branch.register_forward_pre_hook(lambda *_: start.__setitem__(0, time.perf_counter())))
-        hooks.append(branch.register_forward_hook(
-            lambda *_: spent.__setitem__(0, spent[0] + time.perf_counter() - start[0])))
+# Module kinds of the prefill breakdown, by class name: the products (each Linear called as a module; the
+# Memory Cache's own projections are in its row), the Memory-Cache branch, the norms, then whatever else the
+# attention and FFN modules do themselves (softmax attention, RoPE, QK-norm calls aside, depth attention, XSA;
+# the activation), and the rest of the forward (Hyper-Connections, residuals, embeddings, Engram, the LM head's
+# call around its product).
+BREAKDOWN_KINDS = {"SpikeWhaleLinear": "products", "Linear": "products", "FrozenLinear": "products",
+                   "MemoryCacheBranch": "memory cache", "SpikeWhaleRMSNorm": "norms", "LlamaRMSNorm": "norms",
+                   "SpikeWhaleAttention": "attention, other", "LlamaAttention": "attention, other",
+                   "SpikeWhaleMLP": "ffn, other", "LlamaMLP": "ffn, other", "SiLUActivation": "ffn, other"}
+
+
+def prefill_breakdown(model, ids: torch.Tensor) -> dict[str, float]:
+    """Where one prefill forward's wall time goes: each module's own time (its forward minus its hooked children's),
+    summed by `BREAKDOWN_KINDS` ("rest": every other module's, and time outside modules), as fractions of the
+    forward; "memory cache" is the Memory-Cache share of issue 12's target. Forward hooks on every module cost some
+    time of their own (~1,300 calls a forward), counted where they run."""
+    spent, stack, hooks = collections.Counter(), [], []
+
+    def pre(module, args):
+        stack.append([time.perf_counter(), 0.0])
+
+    def post(module, args, out):
+        start, children = stack.pop()
+        took = time.perf_counter() - start
+        spent[BREAKDOWN_KINDS.get(type(module).__name__, "rest")] += took - children
+        if stack:
+            stack[-1][1] += took
+
+    for module in model.modules():
+        hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     try:
         with torch.no_grad():
             t = time.perf_counter()
@@ -225,7 +246,8 @@ def mc_share(model, ids: torch.Tensor) -> float | None:
     finally:
         for h in hooks:
             h.remove()
-    return spent[0] / total
+    spent["rest"] += total - sum(spent.values())
+    return {kind: spent[kind] / total for kind in (*dict.fromkeys(BREAKDOWN_KINDS.values()), "rest")}
 
 
 def time_prefill(model, ids: torch.Tensor) -> float:
@@ -446,12 +468,14 @@ def main(argv=None) -> int:
                     prefill_runs.setdefault((length, dtype, name), []).append(tok_s)
                     print(f"  round {r + 1}: prefill {length} {dtype:8s} {name:11s} {tok_s:8.1f} tok/s", flush=True)
 
-    if prefill_lengths:
-        length = max(prefill_lengths)
-        for dtype, m in (("float32", spike), ("bfloat16", spike_bf)):
-            notes[f"mc_share_prefill{length}_{dtype}"] = mc_share(m, prompt_ids(1, length))
-            print(f"Memory-Cache branch share of a {length}-token prefill, {dtype}: "
-                  f"{100 * notes[f'mc_share_prefill{length}_{dtype}']:.1f}%", flush=True)
+    for length in prefill_lengths:
+        for dtype, sw, ll in (("float32", spike, llama), ("bfloat16", spike_bf, llama_bf)):
+            for name, m in (("spike_whale", sw), ("llama", ll)):
+                notes[f"breakdown_prefill{length}_{dtype}_{name}"] = prefill_breakdown(m, prompt_ids(1, length))
+            if length == max(prefill_lengths):
+                share = notes[f"mc_share_prefill{length}_{dtype}"] = (
+                    notes[f"breakdown_prefill{length}_{dtype}_spike_whale"]["memory cache"])
+                print(f"Memory-Cache branch share of a {length}-token prefill, {dtype}: {100 * share:.1f}%", flush=True)
 
     if "compile_cost" in rows_on:
         if "compiled" not in rows_on or 1 not in compile_bs:  # the fresh process reads what this compile stored
@@ -507,8 +531,10 @@ def main(argv=None) -> int:
         print(f"{t['path']:<40}{t['measure']:>14}{t['spike_whale']:>13.2f}{t['anchor']:>11.2f}"
               f"{t['ratio']:>7.2f}x{'≥ ' + format(t['target'], '.2g') + 'x' if t['target'] else '':>8}"
               + ("" if t["anchor_name"] == "Llama" else f"  (anchor: {t['anchor_name']})"))
-    for key in sorted(k for k in notes if k.startswith("mc_share") and notes[k] is not None):
+    for key in sorted(k for k in notes if k.startswith("mc_share")):
         print(f"{key}: {100 * notes[key]:.1f}% (target ≤ 15% at 4096)")
+    for key in sorted(k for k in notes if k.startswith("breakdown_prefill")):
+        print(f"{key}: " + ", ".join(f"{kind} {100 * share:.0f}%" for kind, share in notes[key].items()))
     if "int8_top1_agreement" in notes:
         print(f"int8 vs float32 logits: top-1 agreement {notes['int8_top1_agreement']:.4f}, "
               f"max |Δlogit| {notes['int8_max_abs_dlogit']:.4f}")
