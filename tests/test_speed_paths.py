@@ -929,3 +929,24 @@ def test_int8_compiled_walk_multiplies_by_its_own_int8_products_without_the_patt
         if torch.equal(compiled_ids[:, : ids.shape[1] + step], eager_ids[:, : ids.shape[1] + step]):
             full = eager_logits[step].float()
             assert (compiled_logits[step].float() - full).abs().max() <= 8 * 2**-7 * full.abs().max()
+
+
+def test_bench_speed_prefill_breakdown_splits_a_forward_by_module_kind(monkeypatch):
+    """benchmarks/bench_speed.py's `prefill_breakdown`: each module's own time by kind, as fractions of the forward
+    that add up to it; the Memory Cache in its own row (the issue's share) and none for the Llama anchor; no hook
+    left on the model."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = importlib.import_module("bench_speed")
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2)).eval()
+    for model, has_mc in ((tiny_model(), True), (llama, False)):
+        shares = bench.prefill_breakdown(model, prompt(1, 40))
+        assert list(shares) == [*dict.fromkeys(bench.BREAKDOWN_KINDS.values()), "rest"]
+        assert sum(shares.values()) == pytest.approx(1.0)
+        assert min(shares.values()) >= 0
+        assert shares["products"] > 0 and shares["norms"] > 0 and shares["attention, other"] > 0
+        assert (shares["memory cache"] > 0) == has_mc
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
