@@ -1181,11 +1181,14 @@ class SpikeWhaleAttention(InputProjectionFusion, nn.Module):
         B, S, _ = u.shape
         q_lat, k, v = proj if proj is not None else (self.q_a_proj(u), self.k_proj(u), self.v_proj(u))
         # -1 heads: under tensor parallelism each rank's projections hold only its share of the heads.
-        q = self.q_b_proj(self.q_a_norm(q_lat)).view(B, S, -1, self.hd).transpose(1, 2)
-        k = k.view(B, S, -1, self.hd).transpose(1, 2)
-        v = v.view(B, S, -1, self.hd).transpose(1, 2)
+        q = self.q_b_proj(self.q_a_norm(q_lat)).view(B, S, -1, self.hd)
+        k = k.view(B, S, -1, self.hd)
         if self.use_qk_norm:
+            # On the projections' own (contiguous) layout, before the heads go first: torch's CPU RMSNorm of the
+            # transposed view took twice as long (114M preset, 512-token q: 332 against 166 µs float32, 455 against
+            # 266 bf16), for the same values bit for bit.
             q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, S, -1, self.hd).transpose(1, 2)
         cos, sin = ctx.rope_tables(self.rope, u.device, q.dtype)
         # q's and k's heads rotated in one pass: the same element-wise ops, half the calls (a decode step's are tiny)
         q, k = apply_partial_rope(torch.cat([q, k], 1), cos, sin).split([q.shape[1], k.shape[1]], 1)
