@@ -5,6 +5,7 @@ model loads through transformers' `TorchAoConfig` and generates, its cached deco
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -935,8 +936,6 @@ def test_bench_speed_prefill_breakdown_splits_a_forward_by_module_kind(monkeypat
     """benchmarks/bench_speed.py's `prefill_breakdown`: each module's own time by kind, as fractions of the forward
     that add up to it; the Memory Cache in its own row (the issue's share) and none for the Llama anchor; no hook
     left on the model."""
-    from pathlib import Path
-
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     bench = importlib.import_module("bench_speed")
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
