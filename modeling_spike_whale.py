@@ -1184,9 +1184,9 @@ class SpikeWhaleAttention(InputProjectionFusion, nn.Module):
         q = self.q_b_proj(self.q_a_norm(q_lat)).view(B, S, -1, self.hd)
         k = k.view(B, S, -1, self.hd)
         if self.use_qk_norm:
-            # On the projections' own (contiguous) layout, before the heads go first: torch's CPU RMSNorm of the
-            # transposed view took twice as long (114M preset, 512-token q: 332 against 166 µs float32, 455 against
-            # 266 bf16), for the same values bit for bit.
+            # On the projections' own layout (contiguous in a prefill), before the heads go first: torch's CPU RMSNorm
+            # of the transposed view took twice as long (114M preset, 512-token q: 332 against 166 µs float32, 455
+            # against 266 bf16), for the same values bit for bit.
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, S, -1, self.hd).transpose(1, 2)
         cos, sin = ctx.rope_tables(self.rope, u.device, q.dtype)
