@@ -401,7 +401,10 @@ class MemoryCacheBranch(KeepsFloat32):
         y_t = Σ_i γ_{t,i} φ(q_t)ᵀM⁽ⁱ⁾ / (Σ_i γ_{t,i} φ(q_t)·z⁽ⁱ⁾ + ε)        (one global normaliser)
 
     computed in float32 with autocast off, from float32 weights under any load dtype (`_keep_in_fp32_modules_strict`;
-    created float32 for `_from_config(dtype=...)`), so a low-precision model casts no weight of it per step.
+    created float32 for `_from_config(dtype=...)`), so a low-precision model casts no weight of it per step. A
+    weight-only int8 load (`TorchAoConfig`) quantizes its three projections as it does every Linear, dequantized to
+    float32 (transformers' torchao route skips `_keep_in_fp32_modules` only); `modules_to_not_convert=[r".*attn\\.mc"]`
+    keeps them float32.
     Segments are aligned to each row's positions 0, L, 2L, ...
     Parameter layout (8 tensors, 492,769 at 114M) is our [U] choice; see GUESSED_KEYS.
     """

@@ -807,6 +807,31 @@ def test_int8_weight_only_with_bf16_activations_keeps_float32_parts_and_decodes_
 
 
 @needs_torchao
+def test_int8_quantizes_the_memory_cache_projections_unless_told_not_to(tmp_path):
+    """transformers' torchao route skips `_keep_in_fp32_modules` only, so an int8 load quantizes the Memory Cache's
+    projections too (dequantized to float32); `modules_to_not_convert=[r".*attn\\.mc"]`, as MemoryCacheBranch's
+    docstring says, keeps them plain float32 while the other Linears are int8, and cached decode stays exact."""
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    import spike_whale.modeling_spike_whale as msw
+
+    tiny_model(seed=7).save_pretrained(tmp_path)
+    ids = prompt()
+    for skip, mc_int8 in ((None, True), ([r".*attn\.mc"], False)):
+        quant = TorchAoConfig(Int8WeightOnlyConfig(), **({} if skip is None else {"modules_to_not_convert": skip}))
+        model = SpikeWhaleForCausalLM.from_pretrained(tmp_path, quantization_config=quant, dtype=torch.bfloat16).eval()
+        mc = model.model.layers[0].attn.mc
+        for linear in (mc.qkv_proj, mc.o_proj, mc.gate_proj):
+            assert linear.weight.dtype == torch.float32
+            assert msw.weight_only_int8(linear.weight) == mc_int8
+            assert (type(linear.weight) is torch.nn.Parameter) != mc_int8
+        assert msw.weight_only_int8(model.model.layers[0].ffn.gate_proj.weight)
+        cached = greedy(model, ids, True)
+        assert torch.equal(cached, greedy(model, ids, False))
+
+
+@needs_torchao
 def test_int8_few_row_product_is_torchaos_product_and_decodes_exactly(tmp_path, monkeypatch):
     """Eager bf16 rows by a weight-only int8 weight: `FEW_ROWS_KERNEL`'s candidates are F.linear (torchao's own
     product) and `_weight_int8pack_mm`, which computes the same y = (x·qᵀ)·s up to bf16 rounding; forced for every
