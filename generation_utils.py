@@ -217,8 +217,8 @@ class SpikeWhaleCache(Cache):
     of every cached position (the n-gram prefix of the next chunk).
 
     Rollback: `crop(-k)` removes the last `k` positions (transformers' convention). K/V and the Engram prefix
-    are positional; the Memory-Cache (and Elo) state is not, so every forward records the per-slot state at each
-    position of its chunk while `record_past` is on (see `activate_past_recording`), and at chunk starts
+    are positional; the Memory-Cache (and Elo) state is not, so every forward records the per-slot state at the
+    lengths a crop may return to while `record_past` is on (see `activate_past_recording`), and at chunk starts
     always; `crop` restores the state recorded at the new length and raises if none was recorded.
     """
 
@@ -241,6 +241,8 @@ class SpikeWhaleCache(Cache):
         self.mc_segment: torch.Tensor | None = None  # [B] long
         self.engram_c: torch.Tensor | None = None  # [B, max_cache_len, cd]
         self.record_past = False
+        self.recurrent_states_to_keep: int | None = None  # see `activate_past_recording`
+        self.min_states_to_keep = 0  # a floor under that bound (`generate` raises it for growing draft counts)
         self._history: dict[str, list] = {}  # "segment" -> [(length, each row's segment)]; slots keep their own
         self._chunk_start = 0
         self.holds_inference_states = False  # see `leave_inference_mode`
@@ -328,19 +330,21 @@ class SpikeWhaleCache(Cache):
         for kind in LoopSlotLayer.STATES:
             value = getattr(update, kind)
             if value is not None:
-                self.set_slot_state(slot, kind, value, getattr(update, f"{kind}_steps"))
+                self.set_slot_state(slot, kind, value, end, getattr(update, f"{kind}_steps"))
 
-    def set_slot_state(self, slot: int, kind: str, value, per_position: list | None = None) -> None:
-        """The one setter of a slot's recurrent state (see `slot_state`), after a chunk; `per_position[j]` is the state
-        after chunk token j. These states are not positional (every token adds to them), so `crop` restores them
-        from the snapshots kept here: the chunk start always, every position while recording."""
+    def set_slot_state(self, slot: int, kind: str, value, end: int, per_position: list | None = None) -> None:
+        """The one setter of a slot's recurrent state (see `slot_state`), after a chunk that ends at `end`;
+        `per_position` are the states after the chunk's last `len(per_position)` tokens (see
+        `get_recurrent_states_to_keep`). These states are not positional (every token adds to them), so `crop` restores
+        them from the snapshots kept here: the chunk start always, those positions while recording."""
         layer = self.layers[slot]
         start = self._position()
         hist = layer.history.setdefault(kind, [])
         if layer.record_past:  # the slot's own flag (`record_past` of the cache is all of them)
             hist.append((start, getattr(layer, kind)))
+            first = end - len(per_position or ()) + 1
             for j, st in enumerate(per_position or []):
-                hist.append((start + j + 1, st))
+                hist.append((first + j, st))
         else:
             hist[:] = [(start, getattr(layer, kind))]
         setattr(layer, kind, value)
@@ -364,8 +368,9 @@ class SpikeWhaleCache(Cache):
             self.engram_c.index_copy_(1, at.to(self.engram_c.device), engram_c.to(self.engram_c.dtype))
         if mc_segment is not None:
             entries = [(start, self.mc_segment)]
-            if self.record_past and mc_segment_per_position is not None:
-                entries += [(start + j + 1, mc_segment_per_position[:, j]) for j in range(s)]
+            if self.record_past and mc_segment_per_position is not None:  # [B, the chunk's last n tokens]
+                first = start + s - mc_segment_per_position.shape[1] + 1
+                entries += [(first + j, mc_segment_per_position[:, j]) for j in range(mc_segment_per_position.shape[1])]
                 self._history.setdefault("segment", []).extend(entries)
             else:
                 self._history["segment"] = entries
@@ -402,15 +407,32 @@ class SpikeWhaleCache(Cache):
         at = torch.arange(n, device=self.engram_c.device) + (self._position(self.engram_c.device) - n)
         return self.engram_c[:, at.clamp(min=0)] * (at >= 0)[None, :, None]
 
-    def activate_past_recording(self) -> None:
-        """Record per-position Memory-Cache (and Elo) states of every following forward, so that `crop` can roll
-        back into the middle of a chunk exactly. Stays on across crops (each crop drops the states it no longer
-        needs) until `deactivate_past_recording()` - transformers' semantics."""
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
+        """Record the Memory-Cache (and Elo) state at each of the last `recurrent_states_to_keep` lengths before the end
+        of every following forward (at every length when None), so that `crop` can remove up to that many of a
+        forward's tokens exactly. Stays on across crops (each crop drops the states it no longer needs) until
+        `deactivate_past_recording()` - transformers' semantics; transformers >= 5.25 passes the number of tokens its
+        loop may crop, so an assisted prefill records a few states, not one per prompt token in every slot."""
+        if recurrent_states_to_keep is not None and recurrent_states_to_keep < 0:
+            raise ValueError(
+                f"recurrent_states_to_keep must be >= 0 (or None: every length), got {recurrent_states_to_keep}")
         self.record_past = True
+        if recurrent_states_to_keep is not None:
+            recurrent_states_to_keep = max(recurrent_states_to_keep, self.min_states_to_keep)
+        self.recurrent_states_to_keep = recurrent_states_to_keep
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """How many of a forward's last tokens a `crop` may remove (the states at those lengths are recorded): 0 when
+        not recording, every position the cache holds when recording without a bound. The same for every slot
+        (`layer_idx` is transformers' signature)."""
+        if not self.record_past:
+            return 0
+        return self.max_cache_len if self.recurrent_states_to_keep is None else self.recurrent_states_to_keep
 
     def deactivate_past_recording(self) -> None:
         """Stop recording and drop the recorded states (a crop back to the last chunk start stays possible)."""
         self.record_past = False
+        self.recurrent_states_to_keep = None
         chunk_start = int(self._chunk_start)
         self._trim_history(lambda v: [(p, s) for p, s in v if p == chunk_start][-1:])
 
@@ -429,7 +451,8 @@ class SpikeWhaleCache(Cache):
 
         K/V, padding and the Engram prefix are positional; the Memory-Cache (and Elo) state is restored from
         the state recorded at the new length, which exists at every chunk start and, after
-        `activate_past_recording()`, at every position of the recorded chunks (else `ValueError`).
+        `activate_past_recording(n)`, at the last n positions of each recorded chunk (every position for n=None;
+        else `ValueError`).
         """
         new_len = self.seq_len + max_length if max_length <= 0 else max_length
         if not 0 <= new_len <= self.seq_len:
@@ -478,7 +501,8 @@ class SpikeWhaleCache(Cache):
                 return state
         raise ValueError(
             f"Cannot roll the Memory-Cache state back to length {length}: no state was recorded there. "
-            "Call cache.activate_past_recording() before the forward you may want to undo."
+            "Call cache.activate_past_recording() before the forward you may want to undo, with "
+            "recurrent_states_to_keep at least the number of its tokens you may remove (None: all of them)."
         )
 
     def _select_shared(self, fn) -> None:
@@ -504,7 +528,7 @@ class SpikeWhaleCache(Cache):
         self._set_length(0)
         self.key_valid = self.num_real = self.mc_segment = self.engram_c = None
         self._history = {}
-        self.record_past = False
+        self.deactivate_past_recording()
 
 
 def cache_footprint(config: SpikeWhaleConfig, batch_size: int = 1, dtype: torch.dtype = torch.bfloat16,
@@ -632,7 +656,8 @@ def prepare_generation_cache(model, generation_config: GenerationConfig, model_k
             "\"static\" or \"dynamic\" (both give the same preallocated SpikeWhaleCache)."
         )
     if getattr(generation_config, "is_assistant", False):  # drafting for another model: candidates get rolled back
-        cache.activate_past_recording()
+        drafts = getattr(generation_config, "num_assistant_tokens", None)
+        cache.activate_past_recording(recurrent_states_to_keep=drafts)
     model_kwargs[CACHE_FIELD] = cache
     return True
 
@@ -977,8 +1002,17 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
         drafting = getattr(eff, "is_assistant", False)  # drafting for another model: its candidates get rolled back
         # transformers < 5.24 rolls the verified model's cache back without first turning recording on.
         verifying = CACHE_FIELD != "cache" and needs_cache and not eff.prefill_chunk_size
-        if drafting or verifying:
+        if drafting:  # as transformers >= 5.25 records its assistants' caches: crops remove at most the drafts
+            drafts = getattr(eff, "num_assistant_tokens", None)
+            kwargs[CACHE_FIELD].activate_past_recording(recurrent_states_to_keep=drafts)
+        elif verifying:
             kwargs[CACHE_FIELD].activate_past_recording()
+    assistant = kwargs.get("assistant_model")
+    schedule = getattr(getattr(assistant, "generation_config", None), "num_assistant_tokens_schedule", None)
+    if schedule in ("heuristic", "heuristic_transient") and isinstance(kwargs.get(CACHE_FIELD), SpikeWhaleCache):
+        # This schedule grows the drafts (by 2 after each fully accepted round) past the count transformers >= 5.25
+        # asks the cache to record at the start; a round drafts at most the new tokens.
+        kwargs[CACHE_FIELD].min_states_to_keep = max(new_tokens, 0)
 
     # --- MTP self-speculative decoding ---
     if use_mtp:
@@ -1219,7 +1253,8 @@ def mtp_speculative_generate(
     draft_logits = draft_logits[:, 0]
     tok = emit(logits[:, 0], sample if do_sample else None)
     max_length = generation_config.max_length
-    cache.activate_past_recording()  # after the prefill: per-position states of the verification chunks only
+    # After the prefill; a verification chunk is the pending token and up to K drafts, of which a crop removes <= K.
+    cache.activate_past_recording(recurrent_states_to_keep=K)
     try:
         while unfinished.max() > 0:
             cur = input_ids.shape[1]  # the cache holds cur - 1 positions; `tok` (the last id) is pending

@@ -371,7 +371,7 @@ class ForwardContext:
     past: int | torch.Tensor = 0  # positions cached before this chunk (a 0-d tensor under torch.compile)
     max_cache_len: int = 0  # positions each slot's K/V buffers hold (0: no cache)
     n_mc_segments: int = 0  # finished-segment entries of a Memory-Cache state
-    record: bool = False  # states after each chunk token are kept for `crop`
+    record: int = 0  # recurrent states are kept after each of the chunk's last `record` tokens (a crop removes fewer)
     need_weights: bool = False  # output_attentions: every slot returns its attention map
     attn_implementation: str | None = None  # config._attn_implementation, read once per forward
     keep_streams: bool = False  # output_hidden_states: every slot returns its residual streams
@@ -601,7 +601,7 @@ class MemoryCacheBranch(KeepsFloat32):
         if not ctx.cached:
             return y, None, None
         new_state = self._advance_state(state, lay, seg_M, seg_z, seg_g, seg_n, seg_gmean, ctx.n_mc_segments, x.device)
-        per_pos = self._per_position_states(new_state, state, fk, v, gk, lay, run) if ctx.record else None
+        per_pos = self._per_position_states(new_state, state, fk, v, gk, lay, run, ctx.record) if ctx.record else None
         return y, new_state, per_pos
 
     @staticmethod
@@ -683,18 +683,19 @@ class MemoryCacheBranch(KeepsFloat32):
             seg_M[rows, last], seg_z[rows, last], seg_g[rows, last], seg_n[rows, last],
         )
 
-    def _per_position_states(self, new_state, state, fk, v, gk, lay, run: tuple | None):
-        """Running state after each chunk token (for an exact `crop` into the middle of this chunk). run: the running
-        sums after each token when the readout kept them (`_running_sums`)."""
+    def _per_position_states(self, new_state, state, fk, v, gk, lay, run: tuple | None, keep: int):
+        """Running state after each of the chunk's last `keep` tokens (for an exact `crop` into this chunk). run: the
+        running sums after each token when the readout kept them (`_running_sums`)."""
         B, S = lay.valid.shape
-        if S == 1:
+        lo = S - min(S, keep)
+        if lo == S - 1:
             return [new_state]
         if run is not None:  # the state after the last token is new_state itself (its running sums are run's last)
             return [MemoryCacheState(new_state.fin_M, new_state.fin_z, new_state.fin_g, *(t[:, j] for t in run))
-                    for j in range(S - 1)] + [new_state]
+                    for j in range(lo, S - 1)] + [new_state]
         # A padding position keeps the state after the row's last real token: its segment's sums so far.
-        reached = lay.reached
-        causal = torch.ones(S, S, dtype=torch.bool, device=fk.device).tril()
+        reached = lay.reached[:, lo:]
+        causal = torch.ones(S, S, dtype=torch.bool, device=fk.device).tril()[lo:]
         m = ((reached[:, :, None] == lay.rel[:, None, :]) & causal & lay.valid[:, None, :]).float()
         run_M = torch.einsum("bst,bthd,bthe->bshde", m, fk, v)
         run_z = torch.einsum("bst,bthd->bshd", m, fk)
@@ -709,7 +710,7 @@ class MemoryCacheBranch(KeepsFloat32):
         return [
             MemoryCacheState(new_state.fin_M, new_state.fin_z, new_state.fin_g,
                              run_M[:, j], run_z[:, j], run_g[:, j], run_n[:, j])
-            for j in range(S)
+            for j in range(S - lo)
         ]
 
 
@@ -1154,7 +1155,9 @@ class SpikeWhaleAttention(InputProjectionFusion, nn.Module):
         )
         if not ctx.cached:
             return y.to(q.dtype), weights, None, None
-        steps = [per_query[:, :, j, : ctx.past + j + 1] for j in range(q.shape[2])] if ctx.record else None
+        S = q.shape[2]
+        kept = range(S - min(S, ctx.record), S)
+        steps = [per_query[:, :, j, : ctx.past + j + 1] for j in kept] if ctx.record else None
         return y.to(q.dtype), weights, ratings, steps
 
     def _attend_stateless(self, q, k, v, mask, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -2091,7 +2094,7 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
     # under compile); configs with MoE layers still sync (their expert dispatch groups tokens on the host).
     _can_compile_fullgraph = True
     # The loop-slot cache rolls back exactly (`crop` restores the Memory-Cache state), so assisted decoding and
-    # prompt lookup are allowed.
+    # prompt lookup are allowed (transformers < 5.25 refuse them for stateful models; 5.25 dropped the flag).
     _is_stateful = False
     # RoPE caches, the Engram hash projections and the Memory-Cache branch stay float32 under a bf16/fp16 load:
     # rounding the hash projections would move tokens between n-gram buckets, and the branch computes in float32
@@ -2328,7 +2331,8 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             return ForwardContext(positions, valid, attn_mask, is_causal, segments, attn_implementation=impl)
         return ForwardContext(positions, valid, attn_mask, is_causal, segments, past=past,
                               max_cache_len=cache.max_cache_len, n_mc_segments=cache.n_mc_segments,
-                              record=cache.record_past, attn_implementation=impl)
+                              record=cache.get_recurrent_states_to_keep() + 1 if cache.record_past else 0,
+                              attn_implementation=impl)
 
     def run_layers(self, lo: int, hi: int) -> tuple:
         """The layers of loop-plan slots lo..hi-1."""
@@ -2536,7 +2540,8 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         steps = [self.norm(h) for h in steps]
         if cache is not None:
             seg = ctx.segments
-            per_pos = (seg.base[:, None] + seg.reached) if (seg is not None and cache.record_past) else None
+            kept = min(S, ctx.record)
+            per_pos = (seg.base[:, None] + seg.reached[:, S - kept:]) if (seg is not None and kept) else None
             cache.commit(ctx.valid, engram_c, seg.new_segment if seg is not None else None, per_pos)
         moe_aux = torch.stack(aux_terms).mean() if aux_terms else None
         return SpikeWhaleModelOutput(

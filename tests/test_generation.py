@@ -7,12 +7,14 @@ canary test at the end shows that it does. Untied embeddings give non-degenerate
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -316,6 +318,32 @@ def test_assisted_decoding_and_prompt_lookup_roll_back_exactly(model):
         assert max_dlogit(out, ref) <= TOL, kw
 
 
+def test_assisted_decoding_with_a_growing_draft_count_stays_exact(model):
+    """The "heuristic" schedule grows an assistant's drafts by 2 after each fully accepted round, past the count that
+    transformers >= 5.25 asks the cache to record at the start; `generate` raises the cache's floor to the new tokens,
+    so a long rejected draft still rolls back exactly (without it: a ValueError at the first long rollback)."""
+    assistant = tiny_model(seed=0, tie_word_embeddings=False)  # agrees with the model until it is pushed off
+    assistant.generation_config.num_assistant_tokens = 2
+    assistant.generation_config.num_assistant_tokens_schedule = "heuristic"
+    seen = {}
+
+    def note_length(module, args, kwargs):
+        cache = kwargs.get(CACHE_FIELD)
+        seen["length"] = (cache.get_seq_length() if cache is not None else 0) + kwargs["input_ids"].shape[1]
+
+    def push_off(module, args, out):  # from position 22 on, the assistant always drafts token 5
+        return out + (torch.arange(out.shape[-1]) == 5) * 1e4 if seen["length"] >= 22 else out
+
+    assistant.register_forward_pre_hook(note_length, with_kwargs=True)
+    assistant.lm_head.register_forward_hook(push_off)
+    ids = prompt(6, seed=3)
+    ref = greedy(model, ids, 30, use_cache=False, min_new_tokens=None)
+    out = greedy(model, ids, 30, assistant_model=assistant, min_new_tokens=None)
+    assert assistant.generation_config.num_assistant_tokens > 2  # it grew ("heuristic" keeps it across calls)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert max_dlogit(out, ref) <= TOL
+
+
 def test_mtp_refuses_what_it_does_not_implement(model):
     ids = prompt(5)
     calls, handle = count_forwards(model)
@@ -391,6 +419,54 @@ def test_crop_conventions(model):
     assert int(cache.num_real[0]) == 4 and not bool(cache.key_valid[0, 4:].any())
     assert all(layer.get_seq_length() == 4 for layer in cache.layers)
     assert cache.get_max_length() == model.config.max_position_embeddings
+
+
+@pytest.mark.parametrize("keep", [0, 3])
+def test_a_bounded_recording_keeps_the_last_states_only_and_crops_exactly(model, keep):
+    """transformers >= 5.25 says how many tokens it may crop (`activate_past_recording(recurrent_states_to_keep=n)`);
+    a forward then records the states at its last n lengths besides its start, not one per token in every slot."""
+    ids, mask = left_pad([prompt(20, seed=14), prompt(15, seed=15)])
+    with torch.no_grad():
+        cache = model(ids[:, :6], attention_mask=mask[:, :6], use_cache=True).cache
+        assert cache.get_recurrent_states_to_keep() == 0
+        cache.activate_past_recording()
+        assert cache.get_recurrent_states_to_keep() == cache.max_cache_len  # no bound: every length
+        with pytest.raises(ValueError, match="recurrent_states_to_keep must be >= 0"):
+            cache.activate_past_recording(recurrent_states_to_keep=-1)
+        cache.activate_past_recording(recurrent_states_to_keep=keep)
+        assert cache.get_recurrent_states_to_keep() == keep
+        model(ids[:, 6:18], attention_mask=mask[:, :18], cache=cache, use_cache=True)  # crosses boundaries 8 and 16
+        for layer in cache.layers:
+            assert sorted({int(p) for p, _ in layer.history["mc"]}) == [0, 6, *range(18 - keep, 19)]  # chunk starts
+        with pytest.raises(ValueError, match="recurrent_states_to_keep at least"):
+            cache.crop(-(keep + 1))  # one more than was recorded: refused, nothing changed
+        assert cache.get_seq_length() == 18
+        cache.crop(-keep)
+        n = 18 - keep
+        got = model(ids[:, n:n + 2], attention_mask=mask[:, :n + 2], cache=cache, use_cache=True).logits
+        fresh = model(ids[:, :n + 2], attention_mask=mask[:, :n + 2], use_cache=False).logits[:, n:]
+    assert float((got - fresh).abs().max()) <= TOL
+    cache.deactivate_past_recording()
+    assert cache.get_recurrent_states_to_keep() == 0 and cache.recurrent_states_to_keep is None
+
+
+def test_a_bounded_recording_holds_a_few_states_not_one_per_prompt_token(model, monkeypatch):
+    """benchmarks/bench_rollback.py's `recorded_bytes` after a 40-token prefill: the running Memory-Cache sums at the
+    last n+1 lengths in every slot with a bound n, at all 40 without one (the finished-segment sums stay shared with
+    the live state), plus each recorded length's segment index (one int64 a row; the chunk start's always)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = importlib.import_module("bench_rollback")
+    cfg = model.config
+    state_bytes = 4 * (cfg.mc_num_heads * cfg.mc_head_dim * (cfg.mc_head_dim + 1) + cfg.mc_gate_dim + 1)
+    for keep, lengths in ((False, 0), (3, 4), (None, 40)):
+        cache = SpikeWhaleCache(cfg)
+        if keep is not False:
+            cache.activate_past_recording(recurrent_states_to_keep=keep)
+        with torch.no_grad():
+            model(prompt(40, seed=16), cache=cache, use_cache=True)
+        slots = sum(layer.mc is not None for layer in cache.layers)
+        assert slots == cfg.num_loop_slots
+        assert bench.recorded_bytes(cache) == lengths * slots * state_bytes + 8 * (lengths + 1), keep
 
 
 # ----------------------------------------------------------------------------- context window

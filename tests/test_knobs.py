@@ -360,8 +360,9 @@ def test_elo_ratings_live_in_the_cache_and_survive_select_reorder_and_crop():
         out = model(ids[[2, 0], 12:20], cache=cache, use_cache=True).logits
         torch.testing.assert_close(out, full[[2, 0], 12:20], rtol=0, atol=2e-6)
         cache.reorder_cache(torch.tensor([1, 0]))
-        cache.activate_past_recording()
+        cache.activate_past_recording(recurrent_states_to_keep=4)  # the ratings at lengths 22..26 only
         model(ids[[0, 2], 20:26], cache=cache, use_cache=True)
+        assert sorted({int(p) for p, _ in cache.layers[0].history["elo"]}) == [20, 22, 23, 24, 25, 26]
         cache.crop(-4)  # remove the last 4: back to 22 positions
         assert cache.slot_state(0, "elo").shape[-1] == 22
         out = model(ids[[0, 2], 22:30], cache=cache, use_cache=True).logits
