@@ -371,7 +371,9 @@ class ForwardContext:
     past: int | torch.Tensor = 0  # positions cached before this chunk (a 0-d tensor under torch.compile)
     max_cache_len: int = 0  # positions each slot's K/V buffers hold (0: no cache)
     n_mc_segments: int = 0  # finished-segment entries of a Memory-Cache state
-    record: int = 0  # recurrent states are kept after each of the chunk's last `record` tokens (a crop removes fewer)
+    # Recurrent states are kept after each of the chunk's last `record` tokens (a crop removes fewer); at most the
+    # chunk's length, so a recording decode step always has 1 (one compiled graph, whatever bound was asked for).
+    record: int = 0
     need_weights: bool = False  # output_attentions: every slot returns its attention map
     attn_implementation: str | None = None  # config._attn_implementation, read once per forward
     keep_streams: bool = False  # output_hidden_states: every slot returns its residual streams
@@ -687,7 +689,7 @@ class MemoryCacheBranch(KeepsFloat32):
         """Running state after each of the chunk's last `keep` tokens (for an exact `crop` into this chunk). run: the
         running sums after each token when the readout kept them (`_running_sums`)."""
         B, S = lay.valid.shape
-        lo = S - min(S, keep)
+        lo = S - keep
         if lo == S - 1:
             return [new_state]
         if run is not None:  # the state after the last token is new_state itself (its running sums are run's last)
@@ -1156,8 +1158,7 @@ class SpikeWhaleAttention(InputProjectionFusion, nn.Module):
         if not ctx.cached:
             return y.to(q.dtype), weights, None, None
         S = q.shape[2]
-        kept = range(S - min(S, ctx.record), S)
-        steps = [per_query[:, :, j, : ctx.past + j + 1] for j in kept] if ctx.record else None
+        steps = [per_query[:, :, j, : ctx.past + j + 1] for j in range(S - ctx.record, S)] if ctx.record else None
         return y.to(q.dtype), weights, ratings, steps
 
     def _attend_stateless(self, q, k, v, mask, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -2331,7 +2332,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             return ForwardContext(positions, valid, attn_mask, is_causal, segments, attn_implementation=impl)
         return ForwardContext(positions, valid, attn_mask, is_causal, segments, past=past,
                               max_cache_len=cache.max_cache_len, n_mc_segments=cache.n_mc_segments,
-                              record=cache.get_recurrent_states_to_keep() + 1 if cache.record_past else 0,
+                              record=min(S, cache.get_recurrent_states_to_keep() + 1) if cache.record_past else 0,
                               attn_implementation=impl)
 
     def run_layers(self, lo: int, hi: int) -> tuple:
@@ -2540,8 +2541,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         steps = [self.norm(h) for h in steps]
         if cache is not None:
             seg = ctx.segments
-            kept = min(S, ctx.record)
-            per_pos = (seg.base[:, None] + seg.reached[:, S - kept:]) if (seg is not None and kept) else None
+            per_pos = (seg.base[:, None] + seg.reached[:, S - ctx.record:]) if (seg is not None and ctx.record) else None
             cache.commit(ctx.valid, engram_c, seg.new_segment if seg is not None else None, per_pos)
         moe_aux = torch.stack(aux_terms).mean() if aux_terms else None
         return SpikeWhaleModelOutput(

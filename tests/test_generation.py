@@ -421,11 +421,12 @@ def test_crop_conventions(model):
     assert cache.get_max_length() == model.config.max_position_embeddings
 
 
-@pytest.mark.parametrize("keep", [0, 3])
+@pytest.mark.parametrize("keep", [0, 1, 3])
 def test_a_bounded_recording_keeps_the_last_states_only_and_crops_exactly(model, keep):
     """transformers >= 5.25 says how many tokens it may crop (`activate_past_recording(recurrent_states_to_keep=n)`);
-    a forward then records the states at its last n lengths besides its start, not one per token in every slot."""
-    ids, mask = left_pad([prompt(20, seed=14), prompt(15, seed=15)])
+    a forward then records the states at its last n lengths besides its start, not one per token in every slot: a
+    long chunk across segment boundaries (per-position sums) and a short one inside a segment (running sums)."""
+    ids, mask = left_pad([prompt(26, seed=14), prompt(21, seed=15)])
     with torch.no_grad():
         cache = model(ids[:, :6], attention_mask=mask[:, :6], use_cache=True).cache
         assert cache.get_recurrent_states_to_keep() == 0
@@ -443,6 +444,15 @@ def test_a_bounded_recording_keeps_the_last_states_only_and_crops_exactly(model,
         assert cache.get_seq_length() == 18
         cache.crop(-keep)
         n = 18 - keep
+        got = model(ids[:, n:n + 2], attention_mask=mask[:, :n + 2], cache=cache, use_cache=True).logits
+        fresh = model(ids[:, :n + 2], attention_mask=mask[:, :n + 2], use_cache=False).logits[:, n:]
+        assert float((got - fresh).abs().max()) <= TOL
+        t = n + 2  # a 4-token chunk inside segment 16..23
+        model(ids[:, t:t + 4], attention_mask=mask[:, :t + 4], cache=cache, use_cache=True)
+        for layer in cache.layers:
+            assert {int(p) for p, _ in layer.history["mc"]} - set(range(t + 1)) == set(range(t + 4 - keep, t + 5))
+        cache.crop(-keep)
+        n = t + 4 - keep
         got = model(ids[:, n:n + 2], attention_mask=mask[:, :n + 2], cache=cache, use_cache=True).logits
         fresh = model(ids[:, :n + 2], attention_mask=mask[:, :n + 2], use_cache=False).logits[:, n:]
     assert float((got - fresh).abs().max()) <= TOL
