@@ -697,7 +697,7 @@ class MemoryCacheBranch(KeepsFloat32):
                     for j in range(lo, S - 1)] + [new_state]
         # A padding position keeps the state after the row's last real token: its segment's sums so far.
         reached = lay.reached[:, lo:]
-        causal = torch.ones(S, S, dtype=torch.bool, device=fk.device).tril()[lo:]
+        causal = torch.ones(S - lo, S, dtype=torch.bool, device=fk.device).tril(lo)  # row j: chunk tokens <= lo + j
         m = ((reached[:, :, None] == lay.rel[:, None, :]) & causal & lay.valid[:, None, :]).float()
         run_M = torch.einsum("bst,bthd,bthe->bshde", m, fk, v)
         run_z = torch.einsum("bst,bthd->bshd", m, fk)
