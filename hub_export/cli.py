@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import signal
 import sys
 import threading
@@ -16,6 +17,9 @@ import threading
 from .commands import COMMANDS
 
 ERRORS = (ValueError, FileNotFoundError, NotImplementedError, RuntimeError, OSError)
+# Warnings logged on import that no command can act on: transformers imports torchao (the int8 extra, which no command
+# uses) whenever it is installed, and torchao then reports its CUDA kernels missing and torch its enum registrations.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
 
 
 def version() -> str:
@@ -60,6 +64,8 @@ def _terminate(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(only=_chosen(argv)).parse_args(argv)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:

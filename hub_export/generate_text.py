@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
@@ -51,13 +52,33 @@ def sampling_kwargs(args) -> dict:
     return out
 
 
+DAMAGED = "is damaged or truncated ({}); re-download it or re-convert the folder with `spike-whale convert`"
+
+
 def check_model_dir(path: str) -> None:
-    """A missing folder, or one without config.json, is reported as such (not as a bad Hub repo id)."""
+    """A missing folder, one without config.json, or a damaged config.json or weights file is reported as such (not
+    as a bad Hub repo id, nor as a traceback from inside the loader). Only the safetensors headers are read: they
+    record each file's length, so a truncated file is caught without reading the weights."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such folder")
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
         raise FileNotFoundError(f"{path} is not a model folder (no config.json); pass a folder written by "
                                 "`spike-whale init-tiny`/`convert`, e.g. models/spike-whale-demo")
+    try:
+        with open(config, encoding="utf-8") as f:
+            json.load(f)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{config} {DAMAGED.format(f'not valid JSON: {err}')}") from err
+    from safetensors import SafetensorError, safe_open
+
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            try:
+                with safe_open(os.path.join(path, name), framework="pt"):
+                    pass
+            except SafetensorError as err:
+                raise ValueError(f"{os.path.join(path, name)} {DAMAGED.format(err)}") from err
 
 
 def load(args):

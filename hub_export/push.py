@@ -7,13 +7,15 @@ folder is checked first: every one of them present, `auto_map` in config.json an
 every file is checked against the sha256 and size `provenance.json` recorded when the folder was written: a folder
 changed since (e.g. new weights written over an old export) is refused.
 
-Every network call is bounded (`--timeout` seconds without an answer; huggingface_hub's client has none by
-default), a transient failure (timeout, connection error, HTTP 429/5xx) is retried `--retries` times with a
-growing pause, and each step prints a progress line.
+Every network call is bounded: the server's whole answer to a request must arrive within `--timeout` seconds of the
+request being sent (huggingface_hub's client has no bound by default, and httpx's timeout bounds each read, which a
+server sending a byte now and then never trips). A transient failure (timeout, connection error, HTTP 429/5xx) is
+retried `--retries` times with a growing pause, and each step prints a progress line.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import time
 from dataclasses import dataclass
@@ -101,14 +103,83 @@ def http_library():
     return getattr(_http, "httpx2", None) or _http.httpx
 
 
-def make_api(timeout: float):
-    """An `HfApi` whose HTTP client gives up on a call after `timeout` seconds without progress."""
-    from huggingface_hub import HfApi, set_client_factory
+class _AnswerDeadline:
+    """A connection's network stream on which the reads of each answer end `timeout` seconds after the request was
+    sent. Writing a request restarts the clock: the time taken to send an upload is not the server's."""
+
+    def __init__(self, stream, timeout: float, expired: type[Exception]):
+        self._stream, self._timeout, self._expired = stream, timeout, expired
+        self._deadline = None
+
+    def write(self, buffer, timeout=None):
+        self._deadline = None
+        self._stream.write(buffer, timeout)
+
+    def read(self, max_bytes, timeout=None):
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self._timeout
+        left = self._deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise self._expired("timed out")
+            return self._stream.read(max_bytes, left if timeout is None else min(timeout, left))
+        except self._expired:
+            if time.monotonic() < self._deadline:
+                raise
+            raise self._expired(f"no complete answer within {self._timeout:g}s of the request (--timeout)") from None
+
+    def start_tls(self, *args, **kwargs):
+        return _AnswerDeadline(self._stream.start_tls(*args, **kwargs), self._timeout, self._expired)
+
+    def close(self):
+        self._stream.close()
+
+    def get_extra_info(self, info):
+        return self._stream.get_extra_info(info)
+
+
+class _AnswerDeadlineBackend:
+    """The connection pool's network backend, with every connection it opens wrapped in `_AnswerDeadline`."""
+
+    def __init__(self, backend, timeout: float, expired: type[Exception]):
+        self._backend, self._timeout, self._expired = backend, timeout, expired
+
+    def connect_tcp(self, *args, **kwargs):
+        return _AnswerDeadline(self._backend.connect_tcp(*args, **kwargs), self._timeout, self._expired)
+
+    def connect_unix_socket(self, *args, **kwargs):
+        return _AnswerDeadline(self._backend.connect_unix_socket(*args, **kwargs), self._timeout, self._expired)
+
+    def sleep(self, seconds):
+        self._backend.sleep(seconds)
+
+
+def bounded_client(timeout: float):
+    """huggingface_hub's HTTP client, whose every answer must arrive in full within `timeout` seconds.
+
+    httpx has no total bound on a request, and a transport passed to the client would drop the proxies it reads from
+    the environment, so the network backend of each of the client's own connection pools is wrapped instead (the
+    connection-pool attributes are those of httpcore 1 and httpcore2 alike)."""
     from huggingface_hub.utils._http import hf_request_event_hook
 
     http = http_library()
-    set_client_factory(lambda: http.Client(event_hooks={"request": [hf_request_event_hook]}, follow_redirects=True,
-                                           timeout=http.Timeout(timeout)))
+    expired = importlib.import_module(http.__name__.replace("httpx", "httpcore")).ReadTimeout
+    client = http.Client(event_hooks={"request": [hf_request_event_hook]}, follow_redirects=True,
+                         timeout=http.Timeout(timeout))
+    pools = [t._pool for t in (client._transport, *client._mounts.values()) if hasattr(t, "_pool")]
+    if not pools or not all(hasattr(pool, "_network_backend") for pool in pools):
+        raise RuntimeError(f"{http.__name__} {http.__version__} has no connection pool whose answers push can bound; "
+                           f"install the {http.__name__} release huggingface_hub was released with")
+    for pool in pools:
+        pool._network_backend = _AnswerDeadlineBackend(pool._network_backend, timeout, expired)
+    return client
+
+
+def make_api(timeout: float):
+    """An `HfApi` whose HTTP client gives up on a request whose answer has not arrived in full after `timeout` s."""
+    from huggingface_hub import HfApi, set_client_factory
+
+    set_client_factory(lambda: bounded_client(timeout))
     return HfApi()
 
 
@@ -195,7 +266,8 @@ def register(sub) -> None:
                    help="branch to push to, created if needed (e.g. step-7100, one per checkpoint step)")
     p.add_argument("--commit-message", default=None)
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
-                   help="give up on a network call after S seconds without an answer (default: %(default)s)")
+                   help="give up on a request whose answer has not arrived in full S seconds after it was sent "
+                        "(default: %(default)s)")
     p.add_argument("--retries", type=int, default=DEFAULT_RETRIES, metavar="N",
                    help="retry a timed-out or transiently failed call N times (default: %(default)s)")
     p.set_defaults(func=run)

@@ -13,9 +13,11 @@ if [ "${1:-}" = "--transformers" ]; then
     [ -n "$VERSION" ] || { echo "no 'transformers>=X,<Y' line in setup.cfg" >&2; exit 1; }
   fi
 fi
-# With the int8 extra (torchao), so that the int8 weight-only tests run rather than skip.
-EXTRAS=test,int8 bash scripts/setup.sh $VERSION || exit 1
-VENV=.venv${VERSION:+-transformers-$VERSION}
+# With the int8 extra (torchao), so that the int8 weight-only tests run rather than skip; in a venv of their own, so
+# that the demo's .venv keeps the package alone.
+VENV=.venv-test
+[ -z "$VERSION" ] || VENV=.venv-transformers-$VERSION
+VENV=$VENV EXTRAS=test,int8 bash scripts/setup.sh $VERSION || exit 1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export HF_HOME="${HF_HOME:-$(mktemp -d)}"
 echo "testing with $("$VENV/bin/python" -c 'import transformers, torch; print("transformers", transformers.__version__, "torch", torch.__version__)')"

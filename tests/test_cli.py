@@ -1,6 +1,10 @@
+import importlib.util
 import os
+import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -44,15 +48,72 @@ def test_init_tiny_then_generate_in_fresh_process(init_tiny, tmp_path, chat):
         assert first.startswith("Hello whale")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao (the `int8` extra) is not installed")
+def test_generate_prints_no_torchao_import_noise(init_tiny, tmp_path):
+    """transformers imports torchao whenever it is installed, and torchao and torch then log warnings about CUDA
+    kernels and enum registrations that no command can act on."""
+    proc = _run(["generate", str(init_tiny[0]), "-p", "Hello", "--max-new-tokens", "2", "--greedy"], tmp_path)
+    noise = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("Loading weights")]
+    assert noise == [], proc.stderr  # transformers' own progress bar is all that stderr holds
+
+
 def test_generate_reports_missing_folder(tmp_path):
     proc = _run(["generate", str(tmp_path / "nope"), "-p", "x"], tmp_path, check=False)
-    assert proc.returncode != 0 and "error" in proc.stderr.lower()
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"spike-whale generate: error: {tmp_path / 'nope'}: no such folder"
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_generate_reports_a_truncated_file_in_one_line(init_tiny, tmp_path, name):
+    folder = tmp_path / "cut"
+    shutil.copytree(init_tiny[0], folder)
+    path = folder / name
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    proc = _run(["generate", str(folder), "-p", "x"], tmp_path, check=False)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(err) == 1, proc.stderr
+    assert err[0].startswith(f"spike-whale generate: error: {path} is damaged or truncated (") and \
+        err[0].endswith("re-download it or re-convert the folder with `spike-whale convert`"), err
 
 
 def test_init_tiny_can_fit_the_demo_corpus(init_tiny):
     line = next(l for l in init_tiny[1].splitlines() if l.startswith("trained 4 steps"))
     first, last = (float(x) for x in line.split("loss ")[1].split(" -> "))
     assert last < first
+
+
+FAKE_PYTHON = """#!/bin/sh
+# Stands in for python3 and for every command of a venv: `-m venv DIR` gives DIR/bin/python this script; any other
+# call is recorded as "VENV COMMAND ARGS" and succeeds.
+if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin" && cp "$0" "$3/bin/python"; exit; fi
+echo "$(basename "$(dirname "$(dirname "$0")")") $(basename "$0") $*" >> "$CALLS"
+"""
+
+
+def test_the_tests_install_their_extras_outside_the_demo_venv(tmp_path):
+    """torchao (the int8 extra the tests install) logs on every import: the demo's .venv keeps the package alone."""
+    root = Path(__file__).resolve().parents[1]
+    repo = tmp_path / "repo"
+    shutil.copytree(root / "scripts", repo / "scripts")
+    shutil.copy(root / "setup.cfg", repo)
+    fake = tmp_path / "python3"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    shutil.copy(fake, repo / ".venv" / "bin" / "spike-whale")
+    env = dict(os.environ, PYTHON=str(fake), CALLS=str(tmp_path / "calls"))
+    for script in (["demo.sh"], ["test.sh"], ["test.sh", "--transformers", "floor"]):
+        subprocess.run(["bash", f"scripts/{script[0]}", *script[1:]], cwd=repo, env=env, check=True, timeout=60,
+                       capture_output=True)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    floor = re.search(r"^ *transformers>=([0-9.]+),", (root / "setup.cfg").read_text(), re.M).group(1)
+    assert sorted(line for line in calls if " -e " in line) == [
+        ".venv python -m pip install -q -e .",
+        ".venv-test python -m pip install -q -e .[test,int8]",
+        f".venv-transformers-{floor} python -m pip install -q -e .[test,int8] transformers=={floor}",
+    ], calls
+    assert [line.split()[0] for line in calls if " -m pytest " in line] == [".venv-test", f".venv-transformers-{floor}"]
+    assert [line.split()[0] for line in calls if " spike-whale " in line] == [".venv"]
 
 
 NO_TORCH = r"""
@@ -125,7 +186,6 @@ def test_sigint_prints_one_line_and_leaves_nothing(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
-    # Third-party import chatter may come first (torchao, from the int8 extra, logs its missing CUDA kernels); the
-    # interrupt itself adds one line and no traceback.
+    # The interrupt adds one line, last, and no traceback.
     assert err.strip().splitlines()[-1:] == ["spike-whale init-tiny: interrupted"] and "Traceback" not in err, err
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".t.")]
