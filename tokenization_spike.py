@@ -486,6 +486,22 @@ def load_vocab_file(path: str | os.PathLike) -> dict:
     return normalize_vocab_data(data, source=path)
 
 
+def check_tokenizer_file(path, need_model: bool = False) -> None:
+    """One clear error naming a folder's ``tokenizer.json`` when it cannot load: transformers parses it before either
+    class sees it (a bare JSONDecodeError), and `tokenizers` says only "Model missing" for one without "model"."""
+    if path is None or not os.path.isfile(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}): the file is truncated or damaged; copy it again or "
+                         "re-save the tokenizer with save_pretrained") from None
+    if need_model and isinstance(data, Mapping) and "model" not in data and "vocab" not in data:
+        raise ValueError(f"{path} has no 'model', which a `tokenizers` file needs: the file is damaged; copy it again, "
+                         "re-save the tokenizer with save_pretrained, or delete it to build it from spike_vocab.json")
+
+
 def dump_vocab_data(data: Mapping) -> str:
     """Serialise vocab data in the released style (``ensure_ascii`` escapes, ``vocab`` ordered by id)."""
     data = dict(data)
@@ -583,6 +599,14 @@ class SpikeTokenizer(PreTrainedTokenizer):
         ]
         known = set(SPECIAL_TOKENS) | _RESERVED_SET | set(BASE_SPECIAL_TOKENS)
         kwargs["extra_special_tokens"] = ours + [tok for tok in extra if str(tok) not in known]
+        # A folder saved by the fast twin: transformers hands over tokenizer.json's added tokens, where the vocab's
+        # own greedy tokens may be (its Aho-Corasick matcher); as added tokens here they would be split out before
+        # the specials ("Z <bos>" -> " <", "bo", ...).  Ids below the specials are the vocab's, never added.
+        added = kwargs.get("added_tokens_decoder")
+        if added:
+            kwargs["added_tokens_decoder"] = {i: t for i, t in added.items()
+                                              if not BYTE_OFFSET <= int(i) < SPECIAL_START_ID}
+        kwargs.pop("backend", None)  # "tokenizers" in a config the fast twin wrote; this class is "custom"
 
         super().__init__(
             bos_token=bos_token,
@@ -916,6 +940,11 @@ class SpikeTokenizer(PreTrainedTokenizer):
             kwargs.setdefault("name_or_path", os.fspath(path))
             return cls(path, *init_inputs, **kwargs)
         return super().from_pretrained(pretrained_model_name_or_path, *init_inputs, **kwargs)
+
+    @classmethod
+    def _from_pretrained(cls, resolved_vocab_files, *args, **kwargs):
+        check_tokenizer_file(resolved_vocab_files.get("tokenizer_file"))
+        return super()._from_pretrained(resolved_vocab_files, *args, **kwargs)
 
 
 

@@ -13,12 +13,10 @@ that ``tokenizers.Tokenizer.from_file`` loads alone::
     post_processor TemplateProcessing                 "<bos> $A" (add_bos_token=True)
 
 Added tokens: with every character starting a matched token or lying in text no matched token starts, the
-matcher's leftmost-longest choice is the longest token at each greedy boundary (`matched_texts` says when; a vocab
-with a partial-UTF-8 token across a character boundary, such as b"d \xe2\x80", gets no matched tokens, and every
-token goes through the pieces).  That is about 1.8x the pieces' encode: `tokenizers` pays per split, and its
-Oniguruma search costs more per token than the automaton.  Such a vocab's tokenizer.json stays the pieces pipeline,
-and a call without offsets sends each text whose bytes hold none of its crossing tokens to the matcher built without
-them (`CrossingRoute`): greedy never emits a token whose bytes a text does not hold.
+matcher's leftmost-longest choice is the longest token at each greedy boundary (`matched_texts` says when).  That is
+about 1.8x the pieces' encode: `tokenizers` pays per split, and its Oniguruma search costs more per token than the
+automaton.  A vocab with a partial-UTF-8 token across a character boundary, such as b"d \xe2\x80" (the trainer no
+longer takes one), gets no matched tokens: every token goes through the pieces, exact and slower.
 
 PIECES repeats TRIE, `greedy_trie_pattern` over the regular tokens not matched as text (Oniguruma's ordered
 alternation backs off to the longest token, as Python's `re` does; children grouped behind first-character
@@ -36,7 +34,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterable, Mapping, Sequence
 
 from tokenizers import AddedToken as BackendAddedToken
@@ -64,6 +61,7 @@ from .tokenization_spike import (
     VOCAB_SIZE,
     SpikeTokenizer,
     apply_chat_template_safely,
+    check_tokenizer_file,
     dump_vocab_data,
     greedy_tokens,
     greedy_trie_pattern,
@@ -127,16 +125,13 @@ def _onig_escape(ch: str) -> str:
     return "\\" + ch if ord(ch) < 128 and not ch.isalnum() else ch
 
 
-def build_backend(data: Mapping, match_text: bool = True, leave_out: frozenset[str] = frozenset()) -> Tokenizer:
+def build_backend(data: Mapping, match_text: bool = True) -> Tokenizer:
     """The `tokenizers` pipeline for a normalised vocab (`normalize_vocab_data`): same ids as `SpikeTokenizer`.
 
     When `matched_texts` accepts the vocab, its greedy tokens are non-special added tokens, which `tokenizers` finds
     with its leftmost-longest Aho-Corasick automaton over the text (greedy longest match when every character starts
     a token); the rest of the text (characters no such token starts) goes through ByteLevel, the piece regex and
-    WordPiece.  Otherwise (or with ``match_text=False``) every token goes through that second path.
-
-    Greedy tokens in `leave_out` are found by neither path (they stay model keys, so their ids decode): the pipeline
-    is then greedy longest match only on texts greedy never emits them in (`CrossingRoute`)."""
+    WordPiece.  Otherwise (or with ``match_text=False``) every token goes through that second path."""
     max_token_len = data["max_token_len"]
     vocab: dict[str, int] = {}
     greedy: list[str] = []
@@ -146,7 +141,7 @@ def build_backend(data: Mapping, match_text: bool = True, leave_out: frozenset[s
             continue
         byte_level = token.translate(_LATIN1_TO_BYTE_LEVEL)
         vocab[byte_level] = idx
-        if BYTE_OFFSET <= idx < SPECIAL_START_ID and len(token) <= max_token_len and token not in leave_out:
+        if BYTE_OFFSET <= idx < SPECIAL_START_ID and len(token) <= max_token_len:
             greedy.append(token)
     defined = set(vocab.values())
     vocab.update({unused_token(i): i for i in range(FIRST_MULTIBYTE_ID, SPECIAL_START_ID) if i not in defined})
@@ -158,8 +153,6 @@ def build_backend(data: Mapping, match_text: bool = True, leave_out: frozenset[s
             if text != byte_level and text in vocab:  # a text spelled like another key: keep the pieces path
                 texts = None
                 break
-    if leave_out and texts is None:
-        raise ValueError("leave_out needs the added-token matcher, which this vocab cannot use")
     matched = {}
     if texts is not None:
         for token, text in texts.items():
@@ -227,41 +220,6 @@ def crossing_tokens(greedy: Iterable[str]) -> list[str]:
             if any(not 0x80 <= ord(ch) < 0xC0 for ch in token[1:]):
                 crossing.append(token)
     return crossing
-
-
-class CrossingRoute:
-    """The added-token matcher pipeline for a vocab whose only obstacle to it is a few tokens that cross a character
-    boundary (`matched_texts`), and which texts it is exact for.
-
-    Greedy matching emits a token only where the text's UTF-8 bytes hold it, and dropping a token greedy never emits
-    changes nothing, so on a text that holds no crossing token, greedy over the vocab equals greedy over the vocab
-    without them, which `build_backend(..., leave_out=crossing)` computes exactly (the left-out tokens stay model
-    keys that greedy does not emit, which the piece regex's own-piece rule covers).  `holds_crossing` finds the
-    others (one `re` search over the bytes: the literal from a token's first non-ASCII byte on, then a lookbehind for
-    the whole token); they take the pieces pipeline."""
-
-    def __init__(self, data: Mapping):
-        crossing = crossing_tokens(greedy_tokens(data))
-        if not crossing:
-            raise ValueError("no token crosses a character boundary: build_backend already matches every token")
-        self.backend = build_backend(data, leave_out=frozenset(crossing))
-        alternatives = []
-        for token in sorted(crossing):
-            raw = token.encode("latin-1")
-            first_high = next(i for i, b in enumerate(raw) if b >= 0x80)  # not valid UTF-8, so not all ASCII
-            alternatives.append(re.escape(raw[first_high:]) + b"(?<=" + re.escape(raw) + b")")
-        self._search = re.compile(b"|".join(alternatives)).search
-
-    @classmethod
-    def for_vocab(cls, data: Mapping) -> "CrossingRoute | None":
-        """The route, or None when the vocab has no crossing token or another obstacle to the matcher."""
-        try:
-            return cls(data)
-        except ValueError:
-            return None
-
-    def holds_crossing(self, text: str) -> bool:
-        return self._search(text.encode("utf-8", "surrogatepass")) is not None
 
 
 def _decodes_as_itself(text: str) -> bool:
@@ -360,8 +318,6 @@ class SpikeTokenizerFast(PreTrainedTokenizerFast):
         self._matched_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items()
                                       if not t.special and i < SPECIAL_START_ID)
         self._matches_text = bool(self._matched_ids)
-        self._crossing_route = None
-        self._route_built = self._matches_text
 
         kwargs.pop("special_tokens_pattern", None)
         kwargs.setdefault("chat_template", CHATML_TEMPLATE)
@@ -390,6 +346,11 @@ class SpikeTokenizerFast(PreTrainedTokenizerFast):
             if self.convert_tokens_to_ids(token) != idx:
                 raise ValueError(f"special token {token!r} resolved to id {self.convert_tokens_to_ids(token)}, the "
                                  f"spike_whale layout requires {idx}")
+
+    @classmethod
+    def _from_pretrained(cls, resolved_vocab_files, *args, **kwargs):
+        check_tokenizer_file(resolved_vocab_files.get("tokenizer_file"), need_model=True)
+        return super()._from_pretrained(resolved_vocab_files, *args, **kwargs)
 
     @classmethod
     def convert_to_native_format(cls, trust_remote_code=False, **kwargs):
@@ -525,7 +486,7 @@ class SpikeTokenizerFast(PreTrainedTokenizerFast):
         backend = self._tokenizer
         if backend.encode_special_tokens != split_special_tokens:
             backend.encode_special_tokens = split_special_tokens
-        encodings = self._encode_rows(backend, batch, add_special_tokens)
+        encodings = backend.encode_batch_fast(batch, add_special_tokens=add_special_tokens)
         data = {"input_ids": [e.ids for e in encodings]}
         if return_attention_mask if return_attention_mask is not None else "attention_mask" in self.model_input_names:
             # unpadded rows are all ones: a Python list is cheaper than converting the backend's (serial work)
@@ -541,44 +502,6 @@ class SpikeTokenizerFast(PreTrainedTokenizerFast):
         if not batched and return_tensors is None:
             data = {key: value[0] if isinstance(value[0], list) else value for key, value in data.items()}
         return BatchEncoding(data, on_demand, tensor_type=return_tensors, n_sequences=1)
-
-    def _encode_rows(self, backend: Tokenizer, batch: list[str], add_special_tokens: bool) -> list:
-        """`encode_batch_fast` of the rows.  With a `CrossingRoute`, the rows that hold no crossing token take its
-        matcher pipeline (this one's truncation, padding, special-token setting and post-processor), the others this
-        pipeline; padded rows are padded to one length again."""
-        route = self._route()
-        crossing = [i for i, text in enumerate(batch) if route.holds_crossing(text)] if route is not None else batch
-        if len(crossing) == len(batch):
-            return backend.encode_batch_fast(batch, add_special_tokens=add_special_tokens)
-        matcher = route.backend
-        _configure(matcher, backend.truncation, backend.padding, backend.encode_special_tokens)
-        matcher.post_processor = backend.post_processor
-        if not crossing:
-            return matcher.encode_batch_fast(batch, add_special_tokens=add_special_tokens)
-        held = set(crossing)
-        encodings = [None] * len(batch)
-        for rows, pipeline in (([i for i in range(len(batch)) if i not in held], matcher), (crossing, backend)):
-            for i, encoding in zip(rows, pipeline.encode_batch_fast([batch[i] for i in rows],
-                                                                    add_special_tokens=add_special_tokens)):
-                encodings[i] = encoding
-        padding = backend.padding
-        if padding is not None:
-            longest = max(len(e) for e in encodings)
-            for encoding in encodings:
-                if len(encoding) < longest:
-                    encoding.pad(longest, direction=padding["direction"], pad_id=padding["pad_id"],
-                                 pad_type_id=padding["pad_type_id"], pad_token=padding["pad_token"])
-        return encodings
-
-    def _route(self) -> CrossingRoute | None:
-        """This vocab's `CrossingRoute` (built on first use) when its pipeline is the pieces only because of tokens
-        across a character boundary; None otherwise, or once tokens were added (the route does not have them)."""
-        if not self._route_built:
-            self._crossing_route = CrossingRoute.for_vocab(self._vocab_data)
-            self._route_built = True
-        if self._crossing_route is None or self._tokenizer.get_vocab_size(with_added_tokens=True) != VOCAB_SIZE:
-            return None
-        return self._crossing_route
 
     def _piece_pipeline(self) -> Tokenizer:
         """This vocab's piece pipeline alone (`build_backend` with ``match_text=False``), built on first use."""

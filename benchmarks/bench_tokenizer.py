@@ -11,15 +11,15 @@ out. Both vocabularies are trained on the rest; tokens per byte are measured on 
 - BPE: `tokenizers` BpeTrainer with the standard byte-level pre-tokenizer (GPT-2 regex), and, as a second
   baseline, the same without the regex split (cross-word merges, as Length-MAX tokens cross words).
   vocab_size = the same N (BPE spends all of it on merges and bytes; Length-MAX keeps 128 ids for specials).
-Throughput: MB/s of mixed held-out documents (~2 KB each), batch `__call__` through transformers, 2 threads:
-the fast one with Rust batching (`TOKENIZERS_PARALLELISM=true`, `RAYON_NUM_THREADS=2`), the slow one with two
-Python threads (the GIL makes that about one core). Best of `--repeats`, interleaved; for the ratios, the fast
-pipeline also runs through transformers' plain `PreTrainedTokenizerFast` (which always computes character offsets),
-and the same vocab's piece pipeline (`build_backend(match_text=False)`: every token found by the piece regex and
-WordPiece, what a vocab with a partial-UTF-8 token across a character boundary saves) runs through SpikeTokenizerFast.
-The demo model's own tokenizer (models/spike-whale-demo, what users get by default; its vocab has two such tokens) is
-measured on the same documents, with and without its crossing-token route (`CrossingRoute`).
-Issue 14 targets: fast >= 10 MB/s, slow >= 4 MB/s, Length-MAX >= 10% fewer tokens than BPE.
+Throughput: MB/s through transformers' `__call__` of three inputs built from the held-out text: ~2 KB documents
+(batch), one 464 KB text, and 1,000 lines (batch); best of `--repeats`, interleaved. The fast class batches in Rust
+(`TOKENIZERS_PARALLELISM=true`, `RAYON_NUM_THREADS=2`); the slow one runs in one Python thread. For the ratios, the
+same tokenizer.json also runs through transformers' plain `PreTrainedTokenizerFast` (which always computes character
+offsets), and the same vocab's piece pipeline (`build_backend(match_text=False)`: every token found by the piece regex
+and WordPiece, what a vocab with a token across a character boundary gets) through SpikeTokenizerFast. The demo
+model's tokenizer (models/spike-whale-demo; its vocab has two such tokens) is measured on the same inputs.
+Targets: fast >= 10 MB/s on the long text and faster than slow on every row (issue 39), Length-MAX >= 10% fewer
+tokens than BPE (issue 14).
 Results: a table on stdout and JSON (default benchmarks/results/tokenizer.json).
 """
 
@@ -33,7 +33,6 @@ import platform
 import random
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
@@ -137,42 +136,33 @@ def main() -> int:
                           "vocab": bpe.get_vocab_size()}
 
     docs = pieces(held)
-    n_bytes = sum(len(d.encode()) for d in docs)
-    fast(docs[:10])
-    slow(docs[:10])
-    half = len(docs) // 2
-    # transformers' plain fast class (`encode_batch` with character offsets, as SpikeTokenizerFast's __call__ did
-    # before it skipped them when no offsets are returned), and the piece pipeline alone
+    long_text = "".join(held)[:464_000]
+    lines = [line for line in "".join(held).splitlines(keepends=True) if line.strip()][:1000]
+    inputs = {"docs": docs, "long_text": long_text, "lines": lines}
+    sizes = {name: sum(len(t.encode()) for t in ([x] if isinstance(x, str) else x)) for name, x in inputs.items()}
+    # transformers' plain fast class over the same tokenizer.json (always computes character offsets), for the ratio
     plain = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(fast.backend_tokenizer.to_str()))
     plain.model_max_length = fast.model_max_length
     pieces_only = SpikeTokenizerFast(data, tokenizer_object=build_backend(data, match_text=False))
     matched = fast._matches_text
-    # the demo model's tokenizer (what users get by default): its vocab has tokens across a character boundary, so
-    # texts that hold none of them take its CrossingRoute; the same tokenizer without the route for the ratio
+    # the demo model's tokenizer: its vocab has two tokens across a character boundary, so its tokenizer.json is the
+    # pieces pipeline (exact, slower than the matcher)
     demo_dir = Path(__file__).resolve().parent.parent / "models" / "spike-whale-demo"
-    demo = SpikeTokenizerFast.from_pretrained(demo_dir)
-    demo_pieces = SpikeTokenizerFast.from_pretrained(demo_dir)
-    demo_pieces._route_built, demo_pieces._crossing_route = True, None
-    demo_route = demo._route()
-    demo_crossing_rows = sum(map(demo_route.holds_crossing, docs)) if demo_route is not None else len(docs)
-
-    def slow_two_threads():
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda part: slow(part)["input_ids"], (docs[:half], docs[half:])))
-
-    rates = best_rates({
-        "fast": lambda: fast(docs)["input_ids"],
-        "fast_char_offsets": lambda: plain(docs)["input_ids"],
-        "fast_pieces": lambda: pieces_only(docs)["input_ids"],
-        "demo": lambda: demo(docs)["input_ids"],
-        "demo_pieces": lambda: demo_pieces(docs)["input_ids"],
-        "slow": slow_two_threads,
-        "ordinary": lambda: [slow.encode_ordinary(d) for d in docs],
-    }, n_bytes, args.repeats)
-    fast_mb_s, slow_mb_s, ordinary_mb_s = rates["fast"], rates["slow"], rates["ordinary"]
-    identical = fast(docs)["input_ids"] == slow(docs)["input_ids"] == plain(docs)["input_ids"] == pieces_only(docs)[
-        "input_ids"]
-    demo_identical = demo(docs)["input_ids"] == SpikeTokenizer.from_pretrained(demo_dir)(docs)["input_ids"]
+    demo, demo_slow = SpikeTokenizerFast.from_pretrained(demo_dir), SpikeTokenizer.from_pretrained(demo_dir)
+    tokenizers_by_name = {"fast": fast, "slow": slow, "fast_char_offsets": plain, "fast_pieces": pieces_only,
+                          "demo_fast": demo, "demo_slow": demo_slow}
+    for tok in tokenizers_by_name.values():
+        tok.model_max_length = 1 << 30  # no too-long warnings for the long text
+        tok(docs[:10])
+    rates = {}
+    for name, x in inputs.items():
+        rates[name] = best_rates({key: (lambda tok=tok, x=x: tok(x)["input_ids"])
+                                  for key, tok in tokenizers_by_name.items()}, sizes[name], args.repeats)
+    ordinary_mb_s = best_rates({"ordinary": lambda: [slow.encode_ordinary(d) for d in docs]}, sizes["docs"],
+                               args.repeats)["ordinary"]
+    identical = all(fast(x)["input_ids"] == slow(x)["input_ids"] == plain(x)["input_ids"] == pieces_only(x)[
+        "input_ids"] for x in inputs.values())
+    demo_identical = all(demo(x)["input_ids"] == demo_slow(x)["input_ids"] for x in inputs.values())
 
     # WordPiece (empty continuing-subword prefix over byte-level input) without the Split: the whole text is one
     # WordPiece word, and tokenizers' WordPiece tries every end position for every start (cubic).
@@ -200,14 +190,8 @@ def main() -> int:
         **bpe_rows,
         "fewer_tokens_than_bpe_regex": 1 - lm_tokens / bpe_rows["bpe_bytelevel_regex"]["tokens"],
         "fewer_tokens_than_bpe_noregex": 1 - lm_tokens / bpe_rows["bpe_bytelevel_noregex"]["tokens"],
-        "throughput_MB_s": {"fast_call_2_threads": fast_mb_s, "slow_call_2_threads": slow_mb_s,
-                            "slow_encode_ordinary_1_thread": ordinary_mb_s,
-                            "fast_call_2_threads_char_offsets": rates["fast_char_offsets"],
-                            "fast_call_2_threads_pieces_only": rates["fast_pieces"],
-                            "demo_vocab_fast_call_2_threads": rates["demo"],
-                            "demo_vocab_fast_call_2_threads_without_route": rates["demo_pieces"]},
-        "demo_vocab": {"crossing_route": demo_route is not None, "rows_holding_crossing_tokens": demo_crossing_rows,
-                       "rows": len(docs), "fast_equals_slow_on_heldout": demo_identical},
+        "throughput_MB_s": rates, "throughput_bytes": sizes, "slow_encode_ordinary_docs_MB_s": ordinary_mb_s,
+        "demo_vocab_fast_equals_slow": demo_identical,
         "greedy_tokens_matched_as_added_tokens": matched,
         "fast_equals_slow_on_heldout": identical,
         "exact_variants_by_text_chars": variants,
@@ -219,13 +203,12 @@ def main() -> int:
         print(f"{name:28s} {row['train_s']:8.1f} {row['tokens_per_byte']:12.4f}")
     print(f"Length-MAX uses {100 * result['fewer_tokens_than_bpe_regex']:.1f}% fewer tokens than byte-level BPE, "
           f"{100 * result['fewer_tokens_than_bpe_noregex']:.1f}% fewer than BPE without the regex split")
-    print(f"throughput MB/s: fast {fast_mb_s:.2f} (greedy tokens matched as added tokens: {matched}; with character "
-          f"offsets: {rates['fast_char_offsets']:.2f}; the piece pipeline alone: {rates['fast_pieces']:.2f}), "
-          f"slow {slow_mb_s:.2f} (slow encode_ordinary {ordinary_mb_s:.2f}); identical ids: {identical}; "
-          f"load average {os.getloadavg()[0]:.1f}")
-    print(f"demo model's vocab ({demo_dir.name}): fast {rates['demo']:.2f} MB/s, without its crossing-token route "
-          f"{rates['demo_pieces']:.2f} ({demo_crossing_rows} of {len(docs)} rows hold a crossing token); identical "
-          f"ids: {demo_identical}")
+    print(f"throughput MB/s (greedy tokens matched as added tokens: {matched}; identical ids: {identical}, demo "
+          f"{demo_identical}; load average {os.getloadavg()[0]:.1f})")
+    print(f"{'':12s}" + "".join(f"{key:>18s}" for key in tokenizers_by_name))
+    for name, row in rates.items():
+        print(f"{name:12s}" + "".join(f"{row[key]:18.2f}" for key in tokenizers_by_name))
+    print(f"slow encode_ordinary on docs: {ordinary_mb_s:.2f} MB/s")
     for size, row in variants.items():
         print(f"{size:5d}-char texts: WordPiece over the whole text {row['wordpiece_MB_s']:.3f} MB/s, shipped "
               f"{row['shipped_pipeline_MB_s']:.2f} MB/s, identical ids: {row['identical']}")

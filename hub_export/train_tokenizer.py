@@ -13,7 +13,11 @@ tokens for candidates worth more than twice their use.  Multi-byte ids follow th
 * Streaming: files and globs are read in chunks of `chunk_bytes` (any size of corpus); memory is bounded by
   the candidate table, which is pruned to its best half whenever it exceeds `max_candidates` entries.
 * Deterministic: same corpus, options and seed give the same vocabulary (ties are broken by the token bytes;
-  the seed only chooses which chunks a round reads when `sample_bytes` limits it).
+  the seed only chooses which chunks a round reads when `sample_bytes` limits it: chunks are then at most
+  `sample_bytes`, and a round whose draw skipped every chunk reads one).
+* No token is part of one character and another (b"d \xe2\x80"): the fast tokenizer's added-token matcher cannot
+  find such a token, so one would put the whole vocab on its slower piece pipeline.
+* A vocab that falls short of `vocab_size` (too little text read) warns, naming the count and the round that ran dry.
 * Layout (the released one): ids 0..3 ``<pad> <unk> <bos> <eos>``, byte b at b + 4, multi-byte tokens from
   260 in order of selection, the 17 chat/tool/FIM specials at 16384..16400 and 111 reserved ids up to 16511.
   ``vocab_size`` counts all of them, as the model's ``config.vocab_size`` does: the released 16,512 gives
@@ -29,6 +33,7 @@ import heapq
 import math
 import os
 import random
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from itertools import compress
@@ -107,8 +112,13 @@ class CandidateTable:
         A string inside one already chosen from this table is taken only if it occurs at least twice as often
         (otherwise most of its score comes from inside the longer token, which greedy matching will prefer).
         """
+        # Never a token across a character boundary (b"d \xe2\x80"): the fast tokenizer's added-token matcher, what
+        # makes it fast, can only find tokens that are text or lie inside one character.
+        from ..tokenization_spike_fast import crossing_tokens
+
         score, freq = self.scores()
-        eligible = ((p, s) for p, s in score.items() if freq[p] >= min_freq and p not in exclude)
+        eligible = ((p, s) for p, s in score.items()
+                    if freq[p] >= min_freq and p not in exclude and (p.isascii() or not crossing_tokens([p])))
         chosen: list[tuple[str, int]] = []
         for piece, value in heapq.nsmallest(3 * count, eligible, key=_rank):
             if any(piece in longer and freq[piece] < 2 * freq[longer] for longer, _ in chosen):
@@ -121,6 +131,7 @@ class CandidateTable:
 
 def _rank(item: tuple[str, int]) -> tuple[int, str]:
     return -item[1], item[0]
+
 
 
 def train_lengthmax_vocab(
@@ -152,37 +163,47 @@ def train_lengthmax_vocab(
     known = {chr(b) for b in range(256)}
     selected: list[str] = []
 
-    def scan(round_idx: int) -> tuple[CandidateTable, Counter]:
-        """Segment the corpus with the current vocab: the candidate table and how often each token is used."""
+    def scan(round_idx: int) -> tuple[CandidateTable, Counter, int]:
+        """Segment the corpus with the current vocab: the candidate table, how often each token is used and the
+        number of bytes read."""
         findall = compile_greedy_regex(known).findall
-        table, usage = CandidateTable(max_candidates), Counter()
+        table, usage, n_read = CandidateTable(max_candidates), Counter(), 0
         bar = progress(round_idx) if progress else None
         for chunk in chunks(round_idx):
             seg = findall(chunk)
             table.add_segmentation(seg, max_ngram, max_token_len)
             usage.update(seg)
+            n_read += len(chunk)
             if bar is not None:
                 bar.update(len(chunk))
         if bar is not None:
             bar.close()
-        return table, usage
+        return table, usage, n_read
 
+    shortfall = None
     for round_idx in range(rounds):
         remaining = capacity - len(selected)
         if remaining <= 0:
             break
-        table, _ = scan(round_idx)
+        table, _, n_read = scan(round_idx)
         take = math.ceil(remaining / (rounds - round_idx))
         ranked = [piece for piece, _ in table.best(take, known | forbidden, min_freq)]
+        if len(ranked) < take:
+            shortfall = (f"round {round_idx + 1} of {rounds} read {n_read:,} bytes and found {len(ranked):,} new "
+                         f"strings occurring at least min_freq={min_freq} times where it needed {take:,} (a small "
+                         "corpus, or --sample-bytes reading too little)")
         if not ranked:
             break
         selected += ranked
         known.update(ranked)
+    if len(selected) < capacity:
+        warnings.warn(f"trained {len(selected):,} of the {capacity:,} multi-byte tokens vocab_size={vocab_size:,} "
+                      f"asks for: {shortfall}; the other ids stay unused", stacklevel=2)
 
     # Refinement: tokens picked in the same batch overlap, so some end up rarely used. Each refine round swaps the
     # least used tokens (removing one costs at least one token per use) for new candidates worth clearly more.
     for refine_idx in range(refine_rounds):
-        table, usage = scan(rounds + refine_idx)
+        table, usage, _ = scan(rounds + refine_idx)
         weakest = sorted(selected, key=lambda t: (usage[t], t))[: max(1, len(selected) // 10)]
         fresh = table.best(len(weakest), known | forbidden, min_freq)
         swaps = 0
@@ -234,7 +255,7 @@ def expand_corpus(patterns: Iterable[str]) -> list[Path]:
     return files
 
 
-def read_chunks(files: list[Path], chunk_bytes: int = 1 << 20, keep: Callable[[], bool] | None = None) -> Iterator[str]:
+def read_chunks(files: list[Path], chunk_bytes: int = 1 << 20) -> Iterator[str]:
     """The files' bytes as latin-1 strings of about `chunk_bytes`, cut after a newline where there is one."""
     for path in files:
         carry = b""
@@ -246,9 +267,8 @@ def read_chunks(files: list[Path], chunk_bytes: int = 1 << 20, keep: Callable[[]
                 data = carry + block
                 cut = data.rfind(b"\n") + 1 or len(data)
                 carry = data[cut:]
-                if keep is None or keep():
-                    yield data[:cut].decode("latin-1")
-        if carry and (keep is None or keep()):
+                yield data[:cut].decode("latin-1")
+        if carry:
             yield carry.decode("latin-1")
 
 
@@ -262,12 +282,26 @@ def train_from_files(patterns: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SI
     total = sum(f.stat().st_size for f in files)
     if total == 0:
         raise ValueError("the corpus is empty")
+    if sample_bytes is not None and sample_bytes < 1:
+        raise ValueError(f"sample_bytes must be a positive number of bytes, got {sample_bytes}")
     fraction = 1.0 if not sample_bytes or sample_bytes >= total else sample_bytes / total
+    if fraction < 1.0:  # chunks larger than the sample would be skipped in most rounds, and a round would read nothing
+        chunk_bytes = min(chunk_bytes, sample_bytes)
 
     def chunks(round_idx: int) -> Iterator[str]:
+        if fraction >= 1.0:
+            yield from read_chunks(files, chunk_bytes)
+            return
         rng = random.Random(f"{seed}:{round_idx}")
-        keep = None if fraction >= 1.0 else (lambda: rng.random() < fraction)
-        return read_chunks(files, chunk_bytes, keep)
+        taken, spare = False, None
+        for i, chunk in enumerate(read_chunks(files, chunk_bytes), 1):
+            if rng.random() < fraction:
+                taken = True
+                yield chunk
+            elif not taken and rng.random() * i < 1:  # one skipped chunk, uniformly (reservoir), for a round that
+                spare = chunk                          # would otherwise read nothing
+        if not taken and spare is not None:
+            yield spare
 
     rounds = options.get("rounds", 10) + options.get("refine_rounds", 4)
 
@@ -297,19 +331,28 @@ def build_demo_tokenizer(vocab_size: int = 2176, fast: bool = True, **tokenizer_
     from ..tokenization_spike_fast import SpikeTokenizerFast
 
     cls = SpikeTokenizerFast if fast else SpikeTokenizer
-    return cls(build_lengthmax_vocab([DEMO_CORPUS], vocab_size=vocab_size), **tokenizer_kwargs)
+    with warnings.catch_warnings():  # the short vocab is the documented point of the demo, not a surprise
+        warnings.filterwarnings("ignore", "trained .* multi-byte tokens", UserWarning)
+        data = build_lengthmax_vocab([DEMO_CORPUS], vocab_size=vocab_size)
+    return cls(data, **tokenizer_kwargs)
+
+
+# A folder holding any of these holds a model: its tokenizer must stay the one whose ids it was trained on.
+MODEL_FILE_NAMES = frozenset({"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"})
+MODEL_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 def _check_out_dir(out_dir: Path, corpus: list[Path], overwrite: bool) -> None:
-    out = out_dir.resolve()
-    for f in corpus:
-        src = f.resolve()
-        if src == out or out in src.parents:
-            raise ValueError(f"output folder {out_dir} contains the corpus file {f}: choose another folder")
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{out_dir} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ValueError(f"{out_dir} is not empty: choose a new folder or pass --overwrite")
+    from .output_paths import check_destination, check_not_source
+
+    check_not_source(out_dir, corpus, "OUT_DIR")
+    if out_dir.is_dir():
+        model = sorted(p.name for p in out_dir.iterdir()
+                       if p.name in MODEL_FILE_NAMES or p.name.endswith(MODEL_WEIGHT_SUFFIXES))
+        if model:
+            raise ValueError(f"{out_dir} holds a model ({', '.join(model)}): a new tokenizer there would change the "
+                             "token ids it was trained on; refusing even with --overwrite: choose a new OUT_DIR")
+    check_destination(out_dir, corpus, overwrite=overwrite)
 
 
 def run(args) -> int:

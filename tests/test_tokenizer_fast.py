@@ -32,6 +32,9 @@ from test_tokenizer import ALL_SPECIAL_STRINGS, TRICKY, random_text
 MATCHED_EXTRA = ["\xc3\xa9", "Espa\xc3\xb1a ", "f\xc3\xbcr", "\xc3\x89ric", "ex\xc3\xa0mple.com", "\xe2\x82\xac",
                  "\xe2\x80\x9c", "d \xe2\x80\x9c", "\xe4\xb8\xad\xe6\x96\x87"]
 
+# Tokens across a character boundary, as in the demo model's vocab (the trainer no longer takes such tokens).
+CROSSING_EXTRA = ["d \xe2\x80", "or \xe2\x80", "\x9d and"]
+
 
 def crosses_a_character(token: str) -> bool:
     """A token that is not valid UTF-8 and has a character start after its first byte (b"d \xe2\x80")."""
@@ -62,7 +65,7 @@ def make_pair(kind: str):
     goes through the piece regex; "matcher": without such tokens, with accented words and one-character tokens, the greedy
     tokens are added tokens found by tokenizers' Aho-Corasick matcher (`build_backend`)."""
     if kind == "pieces":
-        data = vocab_with(TRICKY)
+        data = vocab_with(TRICKY + CROSSING_EXTRA)
     else:
         data = vocab_with([t for t in TRICKY if not crosses_a_character(t)] + MATCHED_EXTRA, drop_crossing=True)
     fast = SpikeTokenizerFast(data, model_max_length=1 << 22)
@@ -137,6 +140,25 @@ def test_specials_inside_text_and_bos_rules(pair):
     enc = fast(["<bos>ab", "ab"], return_offsets_mapping=True)
     assert enc["offset_mapping"][0][1:] == [(s + 5, e + 5) for s, e in enc["offset_mapping"][1][1:]]
     assert fast(["a", "b"], ["<bos>c", "d"])["input_ids"] == slow(["a", "b"], ["<bos>c", "d"])["input_ids"]
+
+
+def test_slow_from_a_fast_folder_recognises_every_special_after_every_byte(pair, tmp_path):
+    """Issue 39 item 14: the slow class loaded from a folder the fast one saved took tokenizer.json's added tokens
+    (the matcher's greedy tokens) as its own, so "Z <bos>" gave " <", "bo", "s", ">" instead of the special, and it
+    reported backend="tokenizers". One rule, transformers' default: a special in the text is recognised unless
+    split_special_tokens."""
+    _, fast = pair
+    fast.save_pretrained(tmp_path)
+    slow = SpikeTokenizer.from_pretrained(tmp_path)
+    assert slow.backend == "custom" and fast.backend == "tokenizers"
+    texts = [lead + chr(b) + special for special in ALL_SPECIAL_STRINGS for b in range(256) for lead in ("", "Z")]
+    ids = fast(texts, add_special_tokens=False)["input_ids"]
+    assert slow(texts, add_special_tokens=False)["input_ids"] == ids
+    specials = [slow.convert_tokens_to_ids(s) for s in ALL_SPECIAL_STRINGS]
+    assert all(row[-1] == specials[i // 512] for i, row in enumerate(ids))
+    split = fast(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert slow(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"] == split
+    assert split == [slow.encode_ordinary(t) for t in texts]
 
 
 def test_long_input_identical(pair):
@@ -280,6 +302,28 @@ def test_tokenizer_json_is_standard_and_old_folders_load(pair, tmp_path):
     (tmp_path / "released" / "tokenizer_config.json").write_text(json.dumps(config))
     released = SpikeTokenizerFast.from_pretrained(tmp_path / "released")
     assert released(text)["input_ids"] == slow(text)["input_ids"]
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda text: text[: len(text) // 2], "is not valid JSON .*truncated or damaged"),
+    (lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "model"}), "has no 'model'"),
+])
+def test_damaged_tokenizer_json_names_the_file(pieces_pair, tmp_path, damage, match):
+    """Issue 39 item 18: a truncated tokenizer.json gave a bare JSONDecodeError, one without "model" "Model missing"."""
+    from transformers import AutoTokenizer
+
+    slow, fast = pieces_pair
+    fast.save_pretrained(tmp_path)
+    path = tmp_path / "tokenizer.json"
+    path.write_text(damage(path.read_text(encoding="utf-8")), encoding="utf-8")
+    loaders = [SpikeTokenizerFast.from_pretrained, lambda p: AutoTokenizer.from_pretrained(p, trust_remote_code=True)]
+    if "JSON" in match:
+        loaders.append(SpikeTokenizer.from_pretrained)
+    for load in loaders:
+        with pytest.raises(ValueError, match=f"{path}.*{match}"):
+            load(tmp_path)
+    path.unlink()  # the fix the message gives
+    assert SpikeTokenizerFast.from_pretrained(tmp_path)("a b")["input_ids"] == slow("a b")["input_ids"]
 
 
 def test_autotokenizer_fast_by_default_slow_by_class(pair, tmp_path, fresh_python):
@@ -463,26 +507,17 @@ def text_holding(token: str) -> str | None:
     return None
 
 
-def test_crossing_tokens_route_rows_to_the_pipeline_that_is_exact(pieces_pair):
-    """Issue 14 throughput for vocabs with tokens across a character boundary (the demo model's b"d \xe2\x80"): their
-    tokenizer.json stays the pieces pipeline, and a call sends each row whose bytes hold no such token (one `re`
-    search) to the added-token matcher built without them (`CrossingRoute`), the others to the pieces: the slow ids
-    in every mix, with padding, truncation, tensors and offsets; not once tokens were added."""
+def test_crossing_tokens_stay_exact_inside_the_tokenizers_pipeline(pieces_pair):
+    """A vocab with tokens across a character boundary (the demo model's b"d \xe2\x80") keeps the pieces pipeline in
+    its tokenizer.json, and the fast class uses it as is (no Python-side routing): the slow ids on rows that hold
+    such tokens and rows that do not, with padding, truncation, tensors and offsets, and with tokens added."""
     slow, fast = pieces_pair
-    route = fast._route()
-    assert not fast._matches_text and route is not None
+    assert not fast._matches_text
     crossing = [t for t in slow.greedy_vocab if crosses_a_character(t)]
     hold = [t for t in map(text_holding, crossing) if t is not None]
-    assert "\xe4\xb8\xad\xe6" in crossing and len(hold) >= 3 and all(map(route.holds_crossing, hold))
-    # the route's matcher alone is wrong on some of them, so the check is what makes the call exact
-    assert any(route.backend.encode(t, add_special_tokens=False).ids != slow.encode_ordinary(t) for t in hold)
+    assert "\xe4\xb8\xad\xe6" in crossing and len(hold) >= 3
     rng = random.Random(7)
-    plain = [random_text(rng) for _ in range(300)]
-    assert sum(map(route.holds_crossing, plain)) < len(plain) // 2
-    free = [t for t in plain if not route.holds_crossing(t)]
-    assert [e.ids for e in route.backend.encode_batch(free, add_special_tokens=False)] == \
-        slow(free, add_special_tokens=False)["input_ids"]
-    texts = plain[:40] + hold + ["<bos>" + hold[0], "中文", "x中文中文y"]
+    texts = [random_text(rng) for _ in range(40)] + hold + ["<bos>" + hold[0], "中文", "x中文中文y"]
     rng.shuffle(texts)
     for kwargs in ({}, {"add_special_tokens": False}, {"split_special_tokens": True}, {"padding": True},
                    {"padding": True, "padding_side": "right", "pad_to_multiple_of": 8},
@@ -491,8 +526,6 @@ def test_crossing_tokens_route_rows_to_the_pipeline_that_is_exact(pieces_pair):
         a, b = slow(texts, **kwargs), fast(texts, **kwargs)
         for key in a:
             assert b[key] == a[key], (kwargs, key)
-    for one in (hold[0], plain[1]):
-        assert fast(one)["input_ids"] == slow(one)["input_ids"]
     a, b = slow(texts, padding=True, return_tensors="pt"), fast(texts, padding=True, return_tensors="pt")
     assert (a["input_ids"] == b["input_ids"]).all() and (a["attention_mask"] == b["attention_mask"]).all()
     enc = fast(texts, padding=True)
@@ -503,23 +536,23 @@ def test_crossing_tokens_route_rows_to_the_pipeline_that_is_exact(pieces_pair):
     added.add_tokens(["q 中"])
     slow_added = SpikeTokenizer(fast.vocab_data)
     slow_added.add_tokens(["q 中"])
-    assert added._route() is None and added(texts)["input_ids"] == slow_added(texts)["input_ids"]
+    assert added(texts)["input_ids"] == slow_added(texts)["input_ids"]
 
 
-def test_demo_model_routes_rows_without_crossing_tokens():
-    """The shipped demo folder's vocab has two crossing tokens (b"d \xe2\x80", b"or \xe2\x80"): its held-out text in
-    ~2 KB rows, some holding them and most not, gives the slow ids through the route."""
+def test_demo_model_keeps_its_ids():
+    """The shipped demo folder's vocab has two crossing tokens (b"d \xe2\x80", b"or \xe2\x80"), so its
+    tokenizer.json is the pieces pipeline: its held-out text in ~2 KB rows, and a row where greedy takes
+    b"d \xe2\x80", give the slow ids."""
     folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "spike-whale-demo")
     slow, fast = SpikeTokenizer.from_pretrained(folder), SpikeTokenizerFast.from_pretrained(folder)
-    route = fast._route()
-    assert not fast._matches_text and route is not None
+    assert not fast._matches_text
+    assert sorted(t.encode("latin-1") for t in slow.greedy_vocab if crosses_a_character(t)) == [b"d \xe2\x80",
+                                                                                                 b"or \xe2\x80"]
     with open(os.path.join(folder, "heldout.txt"), encoding="utf-8") as handle:
         text = handle.read()
     rows = [text[i:i + 2048] for i in range(0, len(text), 2048)]
-    rows.insert(3, "d “x” or “y”")  # greedy takes b"d \xe2\x80" here, the route's matcher alone "d "
-    assert route.backend.encode(rows[3], add_special_tokens=False).ids != slow.encode_ordinary(rows[3])
-    held = sum(map(route.holds_crossing, rows))
-    assert 0 < held < len(rows) // 2
+    rows.insert(3, "d “x” or “y”")
+    assert slow.convert_tokens_to_ids("d \xe2\x80") in slow.encode_ordinary(rows[3])
     for kwargs in ({}, {"padding": True}):
         assert fast(rows, **kwargs)["input_ids"] == slow(rows, **kwargs)["input_ids"]
 
@@ -573,6 +606,53 @@ def test_trainer_deterministic_layout_and_folder(tmp_path):
     assert len(fast(DEMO_CORPUS)["input_ids"]) < len(DEMO_CORPUS.encode()) / 2.5
     assert main(["train-tokenizer", str(corpus), str(tmp_path / "out"), "--vocab-size", "1000"]) == 1  # not empty
     assert main(["train-tokenizer", str(corpus), str(tmp_path), "--vocab-size", "1000"]) == 1  # holds the corpus
+
+
+def test_train_tokenizer_refuses_a_model_folder_even_with_overwrite(tmp_path, capsys):
+    """Issue 39 item 5: --overwrite into a model folder replaced its tokenizer (the model then generated from other
+    ids) and exited 0. A folder of tokenizer files only may still be replaced."""
+    from _tiny_folder import write_tiny_folder
+    from spike_whale.hub_export.cli import main
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(DEMO_CORPUS, encoding="utf-8")
+    model_dir = write_tiny_folder(tmp_path / "model")
+    before = {name: (tmp_path / "model" / name).read_bytes() for name in os.listdir(model_dir)}
+    args = ["train-tokenizer", str(corpus), model_dir, "--vocab-size", "500", "--rounds", "1", "--refine-rounds", "0"]
+    assert main(args + ["--overwrite"]) == 1
+    assert "holds a model (config.json, model.safetensors)" in capsys.readouterr().err
+    assert {name: (tmp_path / "model" / name).read_bytes() for name in os.listdir(model_dir)} == before
+    tok_dir = str(tmp_path / "tok")
+    assert main(args[:2] + [tok_dir] + args[3:]) == 0
+    assert main(args[:2] + [tok_dir] + args[3:] + ["--overwrite"]) == 0
+
+
+def test_sample_bytes_below_the_chunk_reads_every_round_and_early_stops_warn(tmp_path, recwarn):
+    """Issue 39 item 22: with --sample-bytes under the 1 MiB chunk most rounds read nothing, and training stopped
+    early without a word. Chunks are now at most the sample, every round reads something, and a short vocab warns."""
+    rng = random.Random(0)
+    lines = DEMO_CORPUS.splitlines(keepends=True)
+    for i in range(8):
+        (tmp_path / f"part{i}.txt").write_text("".join(rng.choice(lines) for _ in range(400)), encoding="utf-8")
+    data = train_from_files([str(tmp_path / "*.txt")], 1000, sample_bytes=12_000, show_progress=False, rounds=6,
+                            refine_rounds=0)
+    assert sum(1 for i in data["vocab"].values() if 260 <= i < 16384) == 1000 - 388
+    assert not [w for w in recwarn if "multi-byte tokens" in str(w.message)]
+    with pytest.warns(UserWarning, match=r"trained \d+ of the 612 multi-byte tokens vocab_size=1,000 asks for: round "
+                                         r"\d of 2 read 11 bytes and found \d+ new strings occurring at least "
+                                         r"min_freq=2 times where it needed"):
+        build_lengthmax_vocab(["abc abc abc"], vocab_size=1000, rounds=2)
+
+
+def test_trainer_never_takes_a_token_across_a_character_boundary():
+    """Issue 39 item 15: a token such as b"d \xe2\x80" (part of one character and another) forces the fast tokenizer
+    off the added-token matcher; the trainer no longer takes one, so every trained vocab gets the matcher."""
+    text = "said “yes” and “no”, or “maybe” — good ‘bye’ " * 40
+    data = build_lengthmax_vocab([text], vocab_size=700, rounds=3)
+    greedy = [t for t, i in data["vocab"].items() if 260 <= i < 16384]
+    assert greedy and not [t for t in greedy if crosses_a_character(t)]
+    assert any("\xe2\x80" in t and len(t) > 3 for t in greedy)  # the quotes are still learned, as whole characters
+    assert SpikeTokenizerFast(data)._matches_text
 
 
 def test_demo_tokenizer_is_trained_by_the_trainer():
