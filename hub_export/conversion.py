@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from .conversion_check import VerificationResult, reference_logits, verify_folde
 from .folder import (
     CARD_FILE, EXPORT_FILES, PROVENANCE_FILE, save_hub_folder, sha256_file, write_model_card, write_provenance,
 )
-from .output_paths import check_destination, config_file, remove_stale_temps, replace_folder, staging_folder
+from .output_paths import check_destination, config_file, discard, remove_stale_temps, replace_folder, staging_folder
 from .sources import load_checkpoint, sniff_format
 
 
@@ -180,9 +179,9 @@ def export_checkpoint(
             verification=result.as_dict(),
             progress=progress,
         )
-        replace_folder(staging, out)
+        replace_folder(staging, out, overwrite=overwrite)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        discard(staging)
         raise
     return ConversionResult(out, result, (old_ctx, config.max_position_embeddings), dtype_name, notes)
 

@@ -15,14 +15,13 @@ import hashlib
 import json
 import os
 import subprocess
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .output_paths import die_with_parent, verify_temp_dir
+from .output_paths import die_with_parent, discard, verify_temp_dir
 
 # Fixed verification prompt: prose, a ChatML turn (special tokens) and non-ASCII bytes.
 VERIFY_PROMPT = "The harbour was quiet before dawn.<|im_start|>user\nWhy is the sea salty? Ça va, 港.<|im_end|>\n"
@@ -117,7 +116,7 @@ def verify_folder(
         report = json.loads((Path(tmp) / "report.json").read_text())
         logits = torch.load(Path(tmp) / "logits.pt", weights_only=True)["logits"]
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(tmp)
     got = report["tensors"]
     mismatches = [f"missing {k}" for k in sorted(set(expected) - set(got))]
     mismatches += [f"unexpected {k}" for k in sorted(set(got) - set(expected))]

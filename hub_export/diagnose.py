@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import math
 import os
 import sys
@@ -222,7 +221,7 @@ def context_readiness(model, progress, new_tokens: int = 4) -> tuple[str, list[d
 
 def run(args) -> int:
     from .generate_text import check_model_dir, load
-    from .perplexity import read_texts, window_arguments
+    from .perplexity import check_json_output, check_text_file, read_texts, window_arguments, write_json
 
     only = args.only or [t for t in TABLES if t != "compare" or args.compare]
     if "compare" in only and not args.compare:
@@ -231,10 +230,12 @@ def run(args) -> int:
         check_model_dir(args.compare)
     text_file = args.text_file or os.path.join(args.model_dir, "heldout.txt")
     needs_text = any(t in only for t in ("mc", "rope", "loops", "compare"))
-    if needs_text and not os.path.isfile(text_file):
-        raise FileNotFoundError(f"text file {text_file!r} not found" if args.text_file else
-                                f"no TEXT_FILE given and {text_file} does not exist: pass a text file to score")
+    if needs_text and args.text_file:
+        check_text_file(text_file)
+    elif needs_text and not os.path.isfile(text_file):
+        raise FileNotFoundError(f"no TEXT_FILE given and {text_file} does not exist: pass a text file to score")
     context, stride = window_arguments(args)
+    check_json_output(args, [args.model_dir, text_file if needs_text else None, args.compare])
     tokenizer, model = load(args)
 
     def progress(message: str) -> None:
@@ -266,9 +267,7 @@ def run(args) -> int:
             out, report["context_readiness"] = context_readiness(model, progress)
         print(out + "\n", flush=True)
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
-        print(f"wrote {args.json}")
+        write_json(args.json, report)
     failed = [r for r in report.get("context_readiness", []) if not r["ok"]]
     return 1 if failed else 0
 
@@ -290,6 +289,7 @@ def register(sub) -> None:
     p.add_argument("--stride", type=positive_int, default=None, help="tokens between windows (default: half)")
     p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--json", help="write every table to this JSON file")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="fp32")
     p.add_argument("--threads", type=positive_int, default=None)
     p.add_argument("--quiet", action="store_true", help="no progress lines")

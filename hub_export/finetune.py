@@ -9,6 +9,10 @@ target tokens (rows of equal length; `--packed` keeps that) and the MoE load-bal
 statistics, is off. `--packed` feeds padding-free rows (`DataCollatorWithFlattening`): every row is cut into two
 documents that are packed back into one row per process, with `position_ids` restarting at each document.
 
+A step whose loss or gradients are not finite stops the run: the weights after the last update that still gave a
+finite loss are saved (nothing when the first update did not) and the command fails, instead of writing NaN weights
+as a result.
+
 Heavy imports live inside the functions, so that `--help` answers at once.
 """
 
@@ -16,12 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from .output_paths import check_destination, remove_stale_temps, replace_folder, staging_folder
+from .output_paths import (DestinationChanged, check_destination, discard, keep_folder, remove_stale_temps,
+                           replace_folder, staging_folder, temp_folder, write_file)
 
 
 def token_rows(tokenizer, text: str, seq_len: int):
@@ -70,6 +74,68 @@ def process_share(features: list, index: int, count: int) -> list:
     return features[index * size: (index + 1) * size]
 
 
+def param_groups(model, lr: float) -> list[dict]:
+    """The model's three-tier AdamW groups, the main (matrix) group first: the Trainer logs the first group's rate,
+    which is then `--lr` itself, not the embeddings' scaled one."""
+    return sorted(model.optimizer_param_groups(lr), key=lambda group: group.get("name") != "matrix")
+
+
+class Diverged(RuntimeError):
+    """Training stopped at a non-finite loss or gradient (or non-finite weights after the last step); the model
+    holds the last good weights, those after `steps` optimizer steps. `result` is what the training function
+    would have returned."""
+
+    def __init__(self, message: str, steps: int, result):
+        super().__init__(message)
+        self.steps, self.result = steps, result
+
+
+class LastGoodWeights:
+    """A copy of the trained parameters as of the last step whose loss and gradients were finite, put back when a
+    step goes non-finite: a diverged run ends with its last good state, never with NaN weights. Costs one copy of
+    the parameters, on their device."""
+
+    def __init__(self, optimizer, accelerator=None):
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.accelerator = accelerator if accelerator is not None and accelerator.num_processes > 1 else None
+        self.copy = None
+        self.steps = 0
+
+    def all_finite(self, tensors) -> bool:
+        """Whether every tensor is finite on every process (a sharded tensor is checked by its local part)."""
+        import torch
+
+        bad = sum(int(not torch.isfinite(t.to_local() if hasattr(t, "to_local") else t).all())
+                  for t in tensors if t is not None)
+        if self.accelerator is not None:
+            bad = int(self.accelerator.reduce(torch.tensor(bad, device=self.accelerator.device), "sum"))
+        return bad == 0
+
+    def keep(self, steps: int) -> None:
+        """The weights now (after `steps` optimizer steps) gave a finite loss and gradients: keep them."""
+        import torch
+
+        with torch.no_grad():
+            if self.copy is None:
+                self.copy = [p.detach().clone() for p in self.params]
+            else:
+                for c, p in zip(self.copy, self.params):
+                    c.copy_(p)
+        self.steps = steps
+
+    def restore(self) -> None:
+        import torch
+
+        if self.copy is not None:
+            with torch.no_grad():
+                for c, p in zip(self.copy, self.params):
+                    p.copy_(c)
+
+    def diverged(self, what: str, result) -> Diverged:
+        self.restore()
+        return Diverged(what, self.steps, result)
+
+
 def sharded_by_transformers(model) -> bool:
     """Whether transformers' own FSDP2 (`DistributedConfig(fsdp_size=N)`) sharded the model at load."""
     return getattr(model, "is_distributed_loading_by_transformers", False)
@@ -78,13 +144,14 @@ def sharded_by_transformers(model) -> bool:
 def train_loop(model, rows, batches, *, lr: float, max_grad_norm: float = 1.0, packed: bool = False,
                accelerator=None):
     """AdamW on the model's three-tier parameter groups, one optimizer step per global batch, gradient norm
-    clipped. Returns (the model as `accelerator` prepared it, each step's loss averaged over the processes).
+    clipped. Returns (the model as `accelerator` prepared it, each step's loss averaged over the processes); raises
+    `Diverged`, the last good weights put back, when a loss or gradient (or the final weights) is not finite.
 
     accelerate wraps the model (DDP, or FSDP2 from the launch config); a model transformers already sharded with
     FSDP2 is left as it is (its gradients are reduced by FSDP2 itself). Without `accelerator`: plain torch."""
     import torch
 
-    optimizer = torch.optim.AdamW(model.optimizer_param_groups(lr), lr=lr)
+    optimizer = torch.optim.AdamW(param_groups(model, lr), lr=lr)
     index, count = 0, 1
     wrap = accelerator is not None and not sharded_by_transformers(model)
     if wrap:
@@ -92,8 +159,10 @@ def train_loop(model, rows, batches, *, lr: float, max_grad_norm: float = 1.0, p
     if accelerator is not None:
         index, count = accelerator.process_index, accelerator.num_processes
     collate = collator(packed)
+    guard = LastGoodWeights(optimizer, accelerator)
     model.train()
     losses = []
+    total = len(batches)
     for step, batch in enumerate(batches.tolist()):
         loss = model(**collate(process_share(step_features(rows, batch, step, packed), index, count))).loss
         if wrap:
@@ -102,10 +171,18 @@ def train_loop(model, rows, batches, *, lr: float, max_grad_norm: float = 1.0, p
         else:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        value = float(accelerator.reduce(loss.detach(), "mean") if accelerator is not None else loss.detach())
+        if not (math.isfinite(value) and guard.all_finite(p.grad for p in guard.params)):
+            model.eval()
+            raise guard.diverged(f"step {step + 1} of {total}: the loss ({value}) or its gradients are not finite",
+                                 (model, losses))
+        guard.keep(step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(accelerator.reduce(loss.detach(), "mean") if accelerator is not None else loss))
+        losses.append(value)
     model.eval()
+    if not guard.all_finite(guard.params):
+        raise guard.diverged(f"step {total} of {total}: the update made the weights non-finite", (model, losses))
     return model, losses
 
 
@@ -120,7 +197,7 @@ def trainer_arguments(work_dir: str, *, global_batch: int, steps: int, lr: float
         output_dir=work_dir, per_device_train_batch_size=1, max_steps=steps, learning_rate=lr,
         lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=max_grad_norm, logging_steps=1,
         save_strategy="no", report_to=[], train_sampling_strategy="sequential", dataloader_num_workers=0,
-        disable_tqdm=True,
+        disable_tqdm=True, logging_nan_inf_filter=False,  # a NaN loss is logged as one, not hidden
     )
     args.per_device_train_batch_size = global_batch // PartialState().num_processes  # set up by TrainingArguments
     return args
@@ -128,29 +205,59 @@ def trainer_arguments(work_dir: str, *, global_batch: int, steps: int, lr: float
 
 def train_with_trainer(model, rows, batches, args, *, lr: float, packed: bool = False):
     """`train_loop`'s steps through `transformers.Trainer` (`args` from `trainer_arguments`): the global batches'
-    features laid out in order and the same AdamW groups. Returns (the Trainer, its logged per-step losses)."""
+    features laid out in order and the same AdamW groups. Returns (the Trainer, its logged per-step losses); raises
+    `Diverged` as `train_loop` does (gradients checked before each optimizer step)."""
     import torch
-    from transformers import Trainer
+    from transformers import Trainer, TrainerCallback
 
     features = [f for step, batch in enumerate(batches.tolist()) for f in step_features(rows, batch, step, packed)]
     if packed:  # two documents per row
         args.per_device_train_batch_size *= 2
-    optimizer = torch.optim.AdamW(model.optimizer_param_groups(lr), lr=lr)
+    optimizer = torch.optim.AdamW(param_groups(model, lr), lr=lr)
+    state = {}
+
+    class StopAtNonFinite(TrainerCallback):
+        """Before each optimizer step: keep finite weights, or put the last good ones back, drop the gradients
+        (the step then changes nothing) and stop."""
+
+        def on_pre_optimizer_step(self, args, trainer_state, control, **kwargs):
+            guard = state.setdefault("guard", LastGoodWeights(optimizer, trainer.accelerator))
+            if guard.all_finite(p.grad for p in guard.params):
+                guard.keep(trainer_state.global_step)
+                return
+            state["step"] = trainer_state.global_step + 1
+            guard.restore()
+            for p in guard.params:
+                p.grad = None
+            control.should_training_stop = True
+
     trainer = Trainer(model=model, args=args, train_dataset=features, data_collator=collator(packed),
-                      optimizers=(optimizer, None))
+                      optimizers=(optimizer, None), callbacks=[StopAtNonFinite()])
     trainer.train()
     model.eval()
-    return trainer, [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    guard = state["guard"]
+    if "step" in state:
+        raise guard.diverged(f"step {state['step']} of {args.max_steps}: the loss or its gradients are not finite",
+                             (trainer, losses))
+    if not guard.all_finite(guard.params):
+        raise guard.diverged(f"step {args.max_steps} of {args.max_steps}: the update made the weights non-finite",
+                             (trainer, losses))
+    return trainer, losses
 
 
-def save_folder(model, tokenizer, out_dir, accelerator, source_dir) -> None:
+def save_folder(model, tokenizer, out_dir, accelerator, source_dir, overwrite: bool = False) -> None:
     """Save the trained weights gathered whole, the model's code files and config, and the tokenizer as a folder
-    that loads with `trust_remote_code=True`, through a staging folder. Every process must call it."""
+    that loads with `trust_remote_code=True`, through a staging folder. Every process must call it.
+
+    OUT_DIR is checked again before the swap (training takes long; the user may have made it meanwhile): if it may
+    no longer be written, the saved folder is kept next to it and the error says where."""
     from torch.distributed.fsdp import FSDPModule
 
     from accelerate.utils import broadcast_object_list
 
     out = Path(out_dir)
+    error = None
     main = accelerator.is_main_process
     if main:
         remove_stale_temps(out.absolute().parent)
@@ -175,12 +282,17 @@ def save_folder(model, tokenizer, out_dir, accelerator, source_dir) -> None:
                 unwrapped.save_pretrained(staging, state_dict=state_dict)
         if main:
             tokenizer.save_pretrained(staging)
-            replace_folder(staging, out)
+            try:
+                replace_folder(staging, out, overwrite=overwrite)
+            except DestinationChanged as err:
+                error = f"{err}: the trained model was saved to {keep_folder(staging, out)} instead"
     except BaseException:
         if main:
-            shutil.rmtree(staging, ignore_errors=True)
+            discard(staging)
         raise
-    accelerator.wait_for_everyone()
+    error = broadcast_object_list([error])[0]  # every process waits for the save, and fails with it
+    if error:
+        raise ValueError(error)
 
 
 def unsupported(trainer: bool, fsdp_size: int) -> str | None:
@@ -204,20 +316,30 @@ def run(args) -> int:
 
     from accelerate import Accelerator, PartialState
 
+    from .generate_text import check_model_dir
+    from .perplexity import check_text_file
+
     for flag, value, least in (("--steps", args.steps, 1), ("--batch-size", args.batch_size, 1),
                                ("--seq-len", args.seq_len, 4)):
         if value < least:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
-    if not args.lr > 0:
-        raise ValueError(f"--lr must be positive, got {args.lr}")
+    for flag, value in (("--lr", args.lr), ("--max-grad-norm", args.max_grad_norm)):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag} must be a finite number above 0, got {value}")
     reason = unsupported(args.trainer, args.fsdp_size)
     if reason is not None:
         raise NotImplementedError(reason)
+    check_model_dir(args.model_dir)
+    check_text_file(args.text, "--text")
     check_destination(args.out_dir, [args.model_dir, args.text], overwrite=args.overwrite)
+    if args.losses_json:
+        check_destination(args.losses_json, [args.model_dir, args.text, args.out_dir], overwrite=args.overwrite,
+                          kind="file", flag="--losses-json")
     text = Path(args.text).read_text(encoding="utf-8")
-    with tempfile.TemporaryDirectory(prefix="spike-whale-trainer-") as work_dir:  # the Trainer's output_dir
+    work_dir = temp_folder("spike-whale-trainer")  # the Trainer's output_dir
+    try:
         if args.trainer:
-            training_args = trainer_arguments(work_dir, global_batch=args.batch_size, steps=args.steps, lr=args.lr,
+            training_args = trainer_arguments(str(work_dir), global_batch=args.batch_size, steps=args.steps, lr=args.lr,
                                               max_grad_norm=args.max_grad_norm)
             first = training_args.main_process_first
         else:
@@ -250,19 +372,37 @@ def run(args) -> int:
                                                          **load)
         rows = token_rows(tokenizer, text, args.seq_len)
         batches = global_batches(rows.shape[0], args.steps, args.batch_size, args.seed)
+        try:
+            if args.trainer:
+                result = train_with_trainer(model, rows, batches, training_args, lr=args.lr, packed=args.packed)
+            else:
+                result = train_loop(model, rows, batches, lr=args.lr, max_grad_norm=args.max_grad_norm,
+                                    packed=args.packed, accelerator=accelerator)
+            diverged = None
+        except Diverged as err:
+            diverged, result = err, err.result
         if args.trainer:
-            trainer, losses = train_with_trainer(model, rows, batches, training_args, lr=args.lr, packed=args.packed)
+            trainer, losses = result
             accelerator, model = trainer.accelerator, trainer.model_wrapped
         else:
-            model, losses = train_loop(model, rows, batches, lr=args.lr, max_grad_norm=args.max_grad_norm,
-                                       packed=args.packed, accelerator=accelerator)
-    save_folder(model, tokenizer, args.out_dir, accelerator, args.model_dir)
+            model, losses = result
+    finally:
+        discard(work_dir)
+    if diverged is None or diverged.steps > 0:
+        save_folder(model, tokenizer, args.out_dir, accelerator, args.model_dir, overwrite=args.overwrite)
     if accelerator.is_main_process:
         state = accelerator.state
         summary = {"processes": state.num_processes, "distributed_type": str(state.distributed_type),
                    "steps": args.steps, "global_batch": args.batch_size, "losses": losses}
+        if diverged is not None:
+            summary["diverged"] = str(diverged)
         if args.losses_json:
-            Path(args.losses_json).write_text(json.dumps(summary, indent=2))
+            write_file(args.losses_json, json.dumps(summary, indent=2))
+    if diverged is not None:
+        kept = (f"stopped and saved the weights after step {diverged.steps}, the last good ones, to {args.out_dir}"
+                if diverged.steps else f"stopped; no step gave good weights, nothing was written to {args.out_dir}")
+        raise RuntimeError(f"training diverged at {diverged}; {kept} (try a lower --lr)")
+    if accelerator.is_main_process:
         print(f"trained {args.steps} steps on {state.num_processes} process(es) ({state.distributed_type}): "
               f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; wrote {args.out_dir}")
     return 0
@@ -282,8 +422,10 @@ def register(sub) -> None:
     p.add_argument("--batch-size", type=int, default=8,
                    help="rows per step over all processes together (default: 8); must divide by the process count")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per row (default: 128)")
-    p.add_argument("--lr", type=float, default=1e-4, help="learning rate (default: 1e-4, constant)")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm (default: 1.0)")
+    p.add_argument("--lr", type=float, default=1e-4,
+                   help="learning rate (default: 1e-4, constant; the embeddings get 0.1 of it)")
+    p.add_argument("--max-grad-norm", type=float, default=1.0,
+                   help="gradient clipping norm, above 0 (default: 1.0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the row sampling (default: 0)")
     p.add_argument("--packed", action="store_true",
                    help="padding-free packed rows (DataCollatorWithFlattening), two documents per row")

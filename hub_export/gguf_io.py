@@ -34,7 +34,7 @@ from .checkpoint import (
     ROPE_CACHE_RE, TIED_HEAD, Checkpoint, check_config_sizes, complete_rope, config_fields, config_from_dict,
     infer_stage, normalize_state_dict, one_line,
 )
-from .output_paths import replace_file, staging_file
+from .output_paths import discard, replace_file, staging_file
 
 GGUF_ARCH = "spike_whale"
 CONFIG_KEY = f"{GGUF_ARCH}.config_json"
@@ -190,7 +190,7 @@ def write_gguf(
         report.path = out_path
         return report
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        discard(tmp)
         raise
 
 

@@ -6,10 +6,9 @@ argument errors answer at once.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-from .output_paths import check_destination, remove_stale_temps, replace_folder, staging_folder
+from .output_paths import check_destination, discard, remove_stale_temps, replace_folder, staging_folder
 
 
 def build_tiny(seed: int = 0, preset: str = "tiny", **overrides):
@@ -71,9 +70,9 @@ def write_tiny_folder(out_dir, model, tokenizer, overwrite: bool = False) -> Pat
     staging = staging_folder(out)
     try:
         save_hub_folder(model, tokenizer, staging)
-        replace_folder(staging, out)
+        replace_folder(staging, out, overwrite=overwrite)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        discard(staging)
         raise
     return out
 

@@ -104,11 +104,36 @@ def score_text(model, tokenizer, text: str, name: str, context: int, stride: int
     return TextScore(name=name, nll=nll, tokens=len(ids), bytes=len(text.encode("utf-8")))
 
 
+def check_text_file(path: str, what: str = "TEXT_FILE") -> None:
+    """A folder or a missing path given as a text file is reported as what it is."""
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a folder, not a text file: {what} must be a UTF-8 text file")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"text file {path!r} not found")
+
+
+def check_json_output(args, sources) -> None:
+    """Refuse, before any work, a `--json` path that is one of the inputs or an existing file (without
+    `--overwrite`)."""
+    from .output_paths import check_destination
+
+    if args.json:
+        check_destination(args.json, sources, overwrite=args.overwrite, kind="file", flag="--json path")
+
+
+def write_json(path: str, report: dict) -> None:
+    """Write the report whole or not at all (a staging file renamed over `path`), as the other writers do."""
+    from .output_paths import remove_stale_temps, resolved, write_file
+
+    remove_stale_temps(resolved(path).parent)
+    write_file(path, json.dumps(report, indent=2))
+    print(f"wrote {path}")
+
+
 def read_texts(paths: list[str]) -> list[tuple[str, str]]:
     out = []
     for path in paths:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"text file {path!r} not found")
+        check_text_file(path)
         with open(path, "rb") as handle:
             data = handle.read()
         try:
@@ -143,6 +168,7 @@ def run(args) -> int:
 
     texts = read_texts(args.text_files)
     context, stride = window_arguments(args)
+    check_json_output(args, [args.model_dir, *args.text_files])
     tokenizer, model = load(args)
     encoded = [(name, text, tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
                for name, text in texts]
@@ -164,9 +190,7 @@ def run(args) -> int:
     if args.json:
         report = {"model": args.model_dir, "context": context, "stride": stride, "dtype": args.dtype,
                   "files": [s.report() for s in scores], "total": total.report(), **compressors}
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
-        print(f"wrote {args.json}")
+        write_json(args.json, report)
     return 0
 
 
@@ -186,6 +210,7 @@ def register(sub) -> None:
                    help="tokens between window starts (default: half the window)")
     p.add_argument("--batch-size", type=positive_int, default=8, help="windows per forward")
     p.add_argument("--json", help="write the report (per file and total) to this JSON file")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="fp32")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -128,9 +128,11 @@ def test_diagnose_command_prints_every_table(folder, tmp_path, capsys):
     (["--only", "compare"], "--only compare needs --compare"),
     ([], "does not exist: pass a text file"),
     (["missing.txt"], "not found"),
+    (["a_folder"], "a_folder is a folder, not a text file"),
 ])
 def test_diagnose_bad_input_is_one_line(folder, tmp_path, capsys, monkeypatch, args, message):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_folder").mkdir()
     assert cli.main(["diagnose", folder, *args]) == 1
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1

@@ -72,11 +72,13 @@ def test_eval_equals_hand_computed_perplexity(folder, tmp_path, capsys, context,
     (["text.txt", "--context", "9", "--stride", "9"], "--stride must be in 1..8"),
     (["text.txt", "--context", "100000"], "exceeds the model's context window"),
     (["empty.txt"], "empty file"),
+    (["a_folder"], "a_folder is a folder, not a text file"),
 ])
 def test_eval_bad_input_is_one_line(folder, tmp_path, capsys, monkeypatch, args, message):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "text.txt").write_text(TEXT)
     (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "a_folder").mkdir()
     assert cli.main(["eval", folder, *args, "--quiet"]) == 1
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1

@@ -877,35 +877,6 @@ def test_to_gguf_overwrites_only_a_gguf_and_only_when_asked(release, gguf_files,
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
-def _dead_pid() -> int:
-    import subprocess
-    import sys
-
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
-
-
-def test_next_run_removes_stale_temp_outputs_and_restores_a_moved_aside_folder(release, tmp_path, capsys):
-    pid = _dead_pid()
-    stale_dir = tmp_path / f".out.tmp-{pid}-abcd1234"
-    stale_dir.mkdir()
-    (stale_dir / "model.safetensors").write_bytes(b"\0" * 1000)
-    stale_file = tmp_path / f".x.gguf.{pid}-abcd1234.tmp"
-    stale_file.write_bytes(b"GGUF")
-    backup = tmp_path / f".old-export.old-{pid}"
-    backup.mkdir()
-    (backup / "config.json").write_text("the user's previous export")
-    live = tmp_path / f".other.tmp-{os.getpid()}-abcd1234"  # a run in progress (this process) is left alone
-    live.mkdir()
-    assert main(["to-gguf", str(release.pt), str(tmp_path / "new.gguf"), "--type", "f16"]) == 0
-    err = capsys.readouterr().err
-    assert not stale_dir.exists() and not stale_file.exists() and live.exists()
-    assert f"removed {stale_dir}" in err and f"removed {stale_file}" in err and "interrupted run" in err
-    assert (tmp_path / "old-export" / "config.json").read_text() == "the user's previous export"
-    assert f"restored {tmp_path / 'old-export'}" in err
-
-
 def test_verification_child_dies_with_its_parent(tmp_path):
     import signal
     import subprocess
@@ -1292,28 +1263,3 @@ def test_sigkill_at_random_moments_loses_nothing(command, release, tmp_path):
                     if any(p.name.startswith(f"spike-whale-verify-{pid}-") for pid in killed)]
     if command == "convert":  # the next verification cleans up its predecessors' temp folders
         assert not stale_verify, stale_verify
-
-
-def test_stale_cleanup_removes_only_what_we_wrote(tmp_path):
-    import time
-
-    from spike_whale.hub_export.output_paths import remove_stale_temps
-
-    old = time.time() - 2 * 3600
-    legacy = tmp_path / ".export.tmp-abcd1234"  # an earlier version's staging folder (no pid in the name)
-    legacy.mkdir()
-    (legacy / "model.safetensors").write_bytes(b"\0" * 10)
-    legacy_gguf = tmp_path / ".m.gguf.abcd1234.tmp"
-    legacy_gguf.write_bytes(b"GGUF....")
-    theirs = tmp_path / ".notes.abcd1234.tmp"  # same name shape, another program's file
-    theirs.write_text("someone else's")
-    their_dir = tmp_path / ".cache.tmp-abcd1234"
-    their_dir.mkdir()
-    (their_dir / "thesis.tex").write_text("years of work")
-    young = tmp_path / ".fresh.tmp-abcd1234"  # could belong to an old-version run still going
-    young.mkdir()
-    for p in (legacy, legacy_gguf, theirs, their_dir):
-        os.utime(p, (old, old))
-    done = remove_stale_temps(tmp_path, log=lambda msg: None)
-    assert not legacy.exists() and not legacy_gguf.exists() and len(done) == 2
-    assert theirs.exists() and (their_dir / "thesis.tex").exists() and young.exists()

@@ -1,13 +1,19 @@
 """The full training objective, ignore_index / padding, activation checkpointing, the frozen Engram compressor,
-the three-tier optimizer groups and a short `transformers.Trainer` fine-tune that lowers the loss."""
+the three-tier optimizer groups and a short `transformers.Trainer` fine-tune that lowers the loss; `spike-whale
+finetune`'s argument checks, its stop at a non-finite loss, its save-time destination check and its logged rate."""
 
 from __future__ import annotations
+
+import functools
+import math
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import tiny_model
+from spike_whale.hub_export.finetune import unsupported
 from spike_whale.modeling_spike_whale import three_tier_param_groups
 
 # Every loss term on: learned-router MoE layers (plus a hash layer), HRM deep supervision over 3 steps,
@@ -180,3 +186,150 @@ def test_knob_parameters_survive_save_and_load(tmp_path):
     with torch.no_grad():
         # Same values, not bitwise: loaded weights may sit in another memory layout, which changes MKL's summation order.
         torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
+
+
+# `spike-whale finetune` on a tiny folder: arguments, divergence, the destination at save time, the logged rate.
+FINETUNE = ["--steps", "3", "--batch-size", "2", "--seq-len", "16"]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from _tiny_folder import write_tiny_folder
+
+    return write_tiny_folder(tmp_path_factory.mktemp("finetune") / "tiny")
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text(TEXT)
+    return str(path)
+
+
+def load_tiny(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
+
+
+def tiny_rows(folder):
+    from transformers import AutoTokenizer
+
+    from spike_whale.hub_export import finetune
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    rows = finetune.token_rows(tokenizer, TEXT, 16)
+    return rows, finetune.global_batches(rows.shape[0], 4, 2, 0)
+
+
+def nan_from_call(model, n: int):
+    """Make the model's loss NaN from its n-th forward on (as a diverging run's would become)."""
+    forward, calls = model.forward, []
+
+    @functools.wraps(forward)  # the Trainer keeps only the dataset columns forward's signature names
+    def poisoned(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        calls.append(1)
+        if len(calls) >= n:
+            out.loss = out.loss * float("nan")
+        return out
+
+    model.forward = poisoned
+    return model
+
+
+@pytest.mark.parametrize("flag", ["--lr=inf", "--lr=-inf", "--lr=nan", "--lr=0", "--lr=-1e-4", "--max-grad-norm=-1",
+                                  "--max-grad-norm=0", "--max-grad-norm=inf", "--max-grad-norm=nan"])
+def test_finetune_refuses_non_finite_or_non_positive_rates(flag, tiny_folder, text_file, tmp_path, capsys):
+    from spike_whale.hub_export import cli
+
+    out = tmp_path / "out"
+    assert cli.main(["finetune", tiny_folder, str(out), "--text", text_file, *FINETUNE, flag]) == 1
+    err = capsys.readouterr().err.strip()
+    assert flag.split("=")[0] in err and "finite number above 0" in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_finetune_names_a_missing_model_folder(text_file, tmp_path, capsys):
+    from spike_whale.hub_export import cli
+
+    assert cli.main(["finetune", str(tmp_path / "nope"), str(tmp_path / "out"), "--text", text_file]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "nope: no such folder" in err and "huggingface" not in err and len(err.splitlines()) == 1, err
+
+
+def test_diverging_train_loop_keeps_the_last_good_weights(tiny_folder):
+    """The loss turns NaN at the third step: the loop stops and the model holds the last weights that gave a finite
+    loss (those after one step; the second step's were never checked), the very weights one step gives."""
+    from spike_whale.hub_export import finetune
+
+    rows, batches = tiny_rows(tiny_folder)
+    reference, _ = finetune.train_loop(load_tiny(tiny_folder), rows, batches[:1], lr=1e-3)
+    with pytest.raises(finetune.Diverged, match="step 3 of 4: the loss") as caught:
+        finetune.train_loop(nan_from_call(load_tiny(tiny_folder), 3), rows, batches, lr=1e-3)
+    model, losses = caught.value.result
+    assert caught.value.steps == 1 and len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(got, want), name
+
+
+@pytest.mark.skipif(unsupported(trainer=True, fsdp_size=1) is not None, reason=str(unsupported(True, 1)))
+def test_diverging_trainer_keeps_the_last_good_weights_and_logs_the_base_rate(tiny_folder, tmp_path):
+    """Through `transformers.Trainer`: the same stop and kept weights, and the logged learning rate is `--lr`
+    (the main group's), not the embeddings' 0.1x."""
+    from spike_whale.hub_export import finetune
+
+    rows, batches = tiny_rows(tiny_folder)
+
+    def arguments(steps):
+        return finetune.trainer_arguments(str(tmp_path), global_batch=2, steps=steps, lr=1e-4, max_grad_norm=1.0)
+
+    reference, _ = finetune.train_with_trainer(load_tiny(tiny_folder), rows, batches[:1], arguments(1), lr=1e-4)
+    rates = [entry["learning_rate"] for entry in reference.state.log_history if "learning_rate" in entry]
+    assert rates and all(rate == 1e-4 for rate in rates), rates
+    with pytest.raises(finetune.Diverged, match="step 3 of 4") as caught:
+        finetune.train_with_trainer(nan_from_call(load_tiny(tiny_folder), 3), rows, batches, arguments(4), lr=1e-4)
+    trainer, _ = caught.value.result
+    assert caught.value.steps == 1
+    for (name, got), want in zip(trainer.model.named_parameters(), reference.model.parameters()):
+        assert torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("trainer", [False, True])
+def test_finetune_that_diverges_fails_and_writes_no_nan_weights(trainer, tiny_folder, text_file, tmp_path, capsys):
+    """A finite but absurd --lr makes the first update overflow: the command fails in one line and writes nothing
+    (no step gave good weights), instead of saving NaN weights with exit 0."""
+    from spike_whale.hub_export import cli
+
+    out = tmp_path / "out"
+    args = ["finetune", tiny_folder, str(out), "--text", text_file, *FINETUNE, "--lr", "1e30"]
+    assert cli.main([*args, *(["--trainer"] if trainer else [])]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "training diverged at step 2 of 3" in err[-1] and "nothing was written" in err[-1], err
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_finetune_rechecks_out_dir_at_save_time(overwrite, tiny_folder, text_file, tmp_path, monkeypatch, capsys):
+    """OUT_DIR made, holding a user's file, while the model trains: the save refuses it (with --overwrite too: the
+    file is not an export's), the user's file stays, and the trained model is kept next to it, as the error says."""
+    from spike_whale.hub_export import cli, finetune
+
+    out = tmp_path / "ftout2"
+    train_loop = finetune.train_loop
+
+    def train_then_user_writes(*args, **kwargs):
+        result = train_loop(*args, **kwargs)
+        out.mkdir()
+        (out / "NOTES.txt").write_text("n")
+        return result
+
+    monkeypatch.setattr(finetune, "train_loop", train_then_user_writes)
+    flags = ["--overwrite"] if overwrite else []
+    assert cli.main(["finetune", tiny_folder, str(out), "--text", text_file, *FINETUNE, *flags]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert sorted(p.name for p in out.iterdir()) == ["NOTES.txt"] and (out / "NOTES.txt").read_text() == "n"
+    kept = tmp_path / f"ftout2.kept-{os.getpid()}"
+    assert f"saved to {kept} instead" in err and "changed while the command ran" in err, err
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in kept.iterdir()}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
