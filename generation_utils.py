@@ -632,12 +632,14 @@ def caller_length_wins(config: GenerationConfig, passed: GenerationConfig | None
     return config
 
 
-def prepare_generation_cache(model, generation_config: GenerationConfig, model_kwargs: dict) -> bool:
+def prepare_generation_cache(model, generation_config: GenerationConfig, model_kwargs: dict,
+                             fed: int | None = None) -> bool:
     """Build the loop-slot cache before the prefill: for `cache_implementation` "static" sized to this call's
-    `max_length` (or `max_cache_len` if larger), else ("dynamic" or none) to the whole context window;
-    `SpikeWhaleCache` is static either way, preallocated per slot. Returns False where transformers' own preparation
-    applies (a cache passed in, use_cache=False); other implementations raise, since no generic cache can hold this
-    model's state."""
+    sequence (`fed`, transformers' count of the positions the call feeds, plus the last token; else `max_length`,
+    which leaves out `inputs_embeds`) or to `max_cache_len` if larger, else ("dynamic" or none) to the whole context
+    window; `SpikeWhaleCache` is static either way, preallocated per slot. Returns False where transformers' own
+    preparation applies (a cache passed in, use_cache=False); other implementations raise, since no generic cache can
+    hold this model's state."""
     impl = generation_config.cache_implementation
     if model_kwargs.get(CACHE_FIELD) is not None or generation_config.use_cache is False:
         return False
@@ -645,7 +647,8 @@ def prepare_generation_cache(model, generation_config: GenerationConfig, model_k
     if impl is None:
         cache = SpikeWhaleCache(model.config)
     elif impl == "static":
-        size = max(generation_config.max_length or 0, getattr(generation_config, "max_cache_len", None) or 0)
+        length = fed + 1 if fed is not None else generation_config.max_length or 0
+        size = max(length, getattr(generation_config, "max_cache_len", None) or 0)
         cache = SpikeWhaleCache(model.config, max_cache_len=min(max(size, 1), limit))
     elif impl in ("dynamic", "dynamic_full"):  # "dynamic_full": no sliding layers, which this cache never has
         cache = SpikeWhaleCache(model.config)

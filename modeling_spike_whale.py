@@ -15,13 +15,16 @@ import contextlib
 import functools
 import glob
 import hashlib
+import io
 import json
 import math
 import os
 import platform
 import re
+import stat
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field, fields
@@ -140,13 +143,56 @@ def checkpoint_key_report(checkpoint_shapes: dict, model_shapes: dict) -> dict:
             "guessed": guessed, "candidates": candidates, "rename_map": rename_map, "lines": lines}
 
 
-def _stored_shape(folder: str, key: str) -> tuple | None:
-    """A tensor's shape from the safetensors header(s) in a local model folder, or None where it cannot be read."""
+def _stored_shapes(folder: str) -> dict[str, tuple]:
+    """Every tensor's shape from the safetensors header(s) in a local model folder (read without the tensors)."""
+    shapes = {}
     for path in sorted(glob.glob(os.path.join(str(folder), "*.safetensors"))):
         with safe_open(path, "pt") as handle:
-            if key in handle.keys():
-                return tuple(handle.get_slice(key).get_shape())
-    return None
+            shapes.update({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
+    return shapes
+
+
+# Config fields that size the model, each with the checkpoint tensors that show what the file holds: a count of
+# modules (the distinct numbers in the names) or one dimension of a tensor; with the flag that builds them.
+SIZE_FIELDS: dict[str, tuple[str, int | None, str | None]] = {
+    "num_hidden_layers": (r"model\.layers\.(\d+)\.", None, None),
+    "n_routed_experts": (r"\.ffn\.experts\.(\d+)\.", None, "use_moe"),
+    "num_nextn_predict_layers": (r"mtp_heads\.(\d+)\.", None, None),
+    "engram_num_heads": (r"model\.engram\.lookup\.tables\.(\d+)\.", None, "use_engram"),
+    "engram_max_ngram": (r"model\.engram\.lookup\.hash_proj_n(\d+)_p", None, "use_engram"),
+    "vocab_size": (r"model\.embed_tokens\.weight", 0, None),
+    "hidden_size": (r"model\.embed_tokens\.weight", 1, None),
+    "max_position_embeddings": (r"model\.layers\.\d+\.attn\.rope\.cos_cache", 0, None),
+    "moe_intermediate_size": (r"model\.layers\.\d+\.ffn\.(experts\.\d+\.)?gate_proj\.weight", 0, None),
+    "q_lora_rank": (r"model\.layers\.\d+\.attn\.q_a_proj\.weight", 0, None),
+    "o_lora_rank": (r"model\.layers\.\d+\.attn\.o_a_proj\.weight", 0, None),
+    "engram_table_size": (r"model\.engram\.lookup\.tables\.\d+\.weight", 0, "use_engram"),
+    "hrm_refine_dim": (r"model\.hrm_refine\.down\.weight", 0, "use_hrm_refine"),
+}
+# How many times what the weights hold a config may ask for (new layers to train, say) before loading refuses.
+OVERSIZE_FACTOR = 4
+
+
+def oversized_fields(values: dict, shapes: dict[str, tuple]) -> list[str]:
+    """The `SIZE_FIELDS` of `values` (config fields) asking for more than `OVERSIZE_FACTOR` times what the checkpoint
+    tensors `shapes` hold, as "field=value (the weights hold n)": plain arithmetic on the header, so that a config
+    asking for a million layers is refused before a module is built (a meta-device build takes ~9 ms a layer)."""
+    found = []
+    for name, (pattern, dim, flag) in SIZE_FIELDS.items():
+        value = values.get(name)
+        if not isinstance(value, int) or (flag is not None and not values.get(flag, True)):
+            continue
+        matches = [(re.search(pattern, key), shape) for key, shape in shapes.items()]
+        matches = [(m, shape) for m, shape in matches if m is not None]
+        if dim is None:
+            held = len({m.group(1) for m, _ in matches})
+        elif matches:
+            held = max(shape[dim] if len(shape) > dim else 0 for _, shape in matches)
+        else:
+            continue
+        if value > OVERSIZE_FACTOR * max(held, 1):
+            found.append(f"{name}={value} (the weights hold {held})")
+    return found
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -502,7 +548,14 @@ class MemoryCacheBranch(KeepsFloat32):
         ends with its totals (one token: `_memory_readout`). cands: (M [B, I, nh, hd, hd], z [B, I, nh, hd],
         ḡ [B, I, gd], readable [B, S, I] or None: all) or None."""
         if cands is None:
-            return own[0] / (own[1][..., None] + self.eps)
+            num, den = own[0], own[1][..., None]
+            if gu.requires_grad:
+                # The own segment's softmax weight over no other candidate is exactly 1, so no value changes, but the
+                # gate's parameters stay in the graph (with a zero gradient): DDP requires every parameter to take
+                # part whatever the length.
+                g_own = torch.softmax((gu * own[2]).sum(-1, keepdim=True) / own[3].clamp(min=1)[..., None], -1)
+                num, den = g_own[..., None] * num, g_own[..., None] * den
+            return num / (den + self.eps)
         cand_M, cand_z, cand_g, cand_mask = cands
         B, S, nh, hd = fq.shape
         I = cand_M.shape[1]
@@ -1150,7 +1203,7 @@ class SpikeWhaleAttention(InputProjectionFusion, nn.Module):
             if (self.attn_kind == "softmax" and few and not ctx.need_weights
                     and ctx.attn_implementation in ("sdpa", "eager", None)):
                 return decode_attention(q, k, v, mask), None, None, None
-            return (*self._attend_stateless(q, k, v, mask, ctx.is_causal), None, None)
+            return (*self._attend_stateless(q, k, v, mask, ctx.is_causal, ctx.attn_implementation), None, None)
         dropout = self.config.attention_dropout if self.training else 0.0
         y, weights, ratings, per_query = elo_attention(
             q, k, v, mask, ctx.is_causal, dropout, self.elo_gain, self.elo_k, ratings, ctx.valid.to(q.device)
@@ -1161,19 +1214,18 @@ class SpikeWhaleAttention(InputProjectionFusion, nn.Module):
         steps = [per_query[:, :, j, : ctx.past + j + 1] for j in range(S - ctx.record, S)] if ctx.record else None
         return y.to(q.dtype), weights, ratings, steps
 
-    def _attend_stateless(self, q, k, v, mask, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Softmax attention through transformers' `AttentionInterface` (`config._attn_implementation`: eager, sdpa,
+    def _attend_stateless(self, q, k, v, mask, is_causal: bool, impl: str | None) -> tuple:
+        """(output, weights or None) of softmax attention through transformers' `AttentionInterface` (`impl`: the
+        forward's `config._attn_implementation`, or eager for a call that returns the weights; eager, sdpa,
         flex_attention or a registered function), or DERF: everything but Elo, whose ratings are state."""
         dropout = self.config.attention_dropout if self.training else 0.0
         if self.attn_kind == "derf":
             return derf_attention(q, k, v, mask, is_causal, dropout, self.derf_alpha, self.derf_bias, self.derf_gamma)
-        impl = self.config._attn_implementation or "sdpa"
+        impl = impl or "sdpa"
         if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
             attend = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
         else:  # transformers < 5.24, whose set_attn_implementation looks for this in-library idiom
-            attend = eager_attention_forward
-            if self.config._attn_implementation != "eager":
-                attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+            attend = eager_attention_forward if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
         if impl != "sdpa" and (mask is not None or is_causal):
             # Every other kernel gets the additive float mask of transformers' eager convention.
             vis = _visible(mask, is_causal, q.shape[2], k.shape[2], q.device)
@@ -1631,9 +1683,11 @@ def cpu_model() -> str:
 
 @functools.cache
 def cpu_has_mkldnn_bf16() -> bool:
-    """Whether this torch has oneDNN's bf16 linear on prepacked weights (`FewRowsKernel`'s "packed")."""
+    """Whether oneDNN's bf16 linear on prepacked weights (`FewRowsKernel`'s "packed") runs here: the op exists and
+    this CPU has the instructions its bf16 path needs (an AVX2-only CPU raises at the reorder)."""
     try:
-        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
     except (AttributeError, RuntimeError):
         return False
 
@@ -1978,19 +2032,55 @@ def stored_decode_guards(entries) -> list[bool]:
     ]
 
 
+def owned_privately(st: os.stat_result, kind) -> bool:
+    """Whether a cache entry (its `lstat`/`fstat`) is of `kind` (`stat.S_ISDIR`, `stat.S_ISREG`; a link is neither),
+    owned by this user and writable by no one else. Without uids (Windows, whose temp folder is per user) only the
+    kind is checked."""
+    getuid = getattr(os, "getuid", None)
+    return kind(st.st_mode) and (getuid is None or (st.st_uid == getuid() and not st.st_mode & 0o022))
+
+
+def read_private(path: str) -> bytes | None:
+    """A file's bytes where it is this user's alone (`owned_privately`, opened without following a link), else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return f.read() if owned_privately(os.fstat(fd), stat.S_ISREG) else None
+
+
+def write_private(path: str, data: bytes) -> None:
+    """Writes `path` whole or not at all (also with another process writing), readable by this user only."""
+    fd, partial = tempfile.mkstemp(dir=os.path.dirname(path))  # created 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
 class PersistentDecodeWalk:
     """`walk_run` compiled for decode steps and kept in torch's cache directory, so that a later process decoding
     with the same model skips dynamo's trace of the walk (most of a first compiled step once inductor's own caches
     are warm; issue 12: 12.6 s for the 114M preset).
 
     Each graph is compiled ahead of time by torch (`torch.compile(walk_run, fullgraph=True).aot_compile`, inductor's
-    code bundled in) and written to `<torch cache dir>/spike_whale_decode/<key>/`, the directory inductor uses
+    code bundled in) and written to `<torch cache dir>/spike_whale_decode/<key>/`, under the directory inductor uses
     (`TORCHINDUCTOR_CACHE_DIR`, by default /tmp/torchinductor_<user>); nothing is written next to the model. The key
-    hashes the torch and Python versions, the source and module name of this package, the compile options, the
-    thread count (CPU kernels specialise on it), every layer parameter's name, shape, stride, dtype and device, and
-    the products the walk's Linears and fused projections take (`compiled_kind`), since the stored guards cannot
-    check what identity guards check in-process (`stored_decode_guards`). A call runs the first stored graph whose
-    guards pass, else compiles, stores and runs a new one (a new batch size, say).
+    hashes the torch, transformers and Python versions, the source and module name of this package, the compile
+    options, the thread count (CPU kernels specialise on it), the CPU's model and vector ISA or the GPU's name and
+    capability, every layer parameter's name, shape, stride, dtype and device, and the products the walk's Linears
+    and fused projections take (`compiled_kind`), since the stored guards cannot check what identity guards check
+    in-process (`stored_decode_guards`). A call runs the first stored graph whose guards pass, else compiles, stores
+    and runs a new one (a new batch size, say).
+
+    A stored graph is code (bytecode and inductor's kernels, which torch's loader unpickles and runs, as it does its
+    own caches'), so only this user's own entries are read: both folders are created 0700, and a folder or file that
+    another user owns or may write, or a link, is neither read nor written (`owned_privately`; the walk then compiles
+    in this process). An entry that cannot be read back (cut short, or from another build) is compiled again.
     `options` and `compile_kwargs` are `torch.compile`'s (inductor backend; the walk is always one graph, `fullgraph`)."""
 
     def __init__(self, model: "SpikeWhaleModel", options: dict, compile_kwargs: dict):
@@ -2001,6 +2091,7 @@ class PersistentDecodeWalk:
         self.folder = os.path.join(self.root(), self.key(model, options, compile_kwargs))
         self.graphs = []
         self.unread: list[str] | None = None  # stored graphs not read yet, listed on the first call
+        self.stores = True  # False once the folder is found not to be this user's alone
 
     @staticmethod
     def root() -> str:
@@ -2009,12 +2100,36 @@ class PersistentDecodeWalk:
 
         return os.path.join(cache_dir(), "spike_whale_decode")
 
+    @classmethod
+    def private_folder(cls, folder: str) -> bool:
+        """Creates `root()` and `folder` below it (0700) where absent; whether both are this user's alone (else a
+        warning: nothing is read from or stored there)."""
+        for path in dict.fromkeys((cls.root(), folder)):
+            try:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(path, 0o700)
+                private = owned_privately(os.lstat(path), stat.S_ISDIR)
+            except OSError:
+                private = False
+            if not private:
+                logger.warning_once(
+                    f"{path} is another user's, writable by others or a link, so compiled decode walks are neither "
+                    "read from nor stored there; set TORCHINDUCTOR_CACHE_DIR to a folder of your own to keep them."
+                )
+                return False
+        return True
+
     @staticmethod
     def key(model: "SpikeWhaleModel", options: dict, compile_kwargs: dict) -> str:
         # The module's name too: the stored code imports this package's modules by name (`spike_whale.*`, or
-        # transformers_modules.* under trust_remote_code).
-        digest = hashlib.sha256(repr((torch.__version__, sys.version, walk_run.__module__, torch.get_num_threads(),
-                                      sorted(options.items()), sorted(compile_kwargs.items()))).encode())
+        # transformers_modules.* under trust_remote_code). The machine's kernels: inductor's CPU code targets this
+        # CPU's vector ISA, its GPU code the device's capability.
+        devices = sorted({p.device for p in model.layers.parameters()}, key=str)
+        machine = [(torch.cuda.get_device_name(d), torch.cuda.get_device_capability(d)) if d.type == "cuda"
+                   else (d.type, cpu_model(), torch.backends.cpu.get_cpu_capability()) for d in devices]
+        digest = hashlib.sha256(repr((torch.__version__, transformers.__version__, sys.version, walk_run.__module__,
+                                      torch.get_num_threads(), machine, sorted(options.items()),
+                                      sorted(compile_kwargs.items()))).encode())
         package = os.path.dirname(os.path.abspath(sys.modules[walk_run.__module__].__file__))
         for path in sorted(glob.glob(os.path.join(package, "*.py"))):
             with open(path, "rb") as f:
@@ -2033,18 +2148,28 @@ class PersistentDecodeWalk:
             if graph.guard_check(*args):
                 return graph.fn(*args)
         if self.unread is None:
-            self.unread = sorted(glob.glob(os.path.join(self.folder, "*.bin")))
+            self.stores = self.private_folder(self.folder)
+            self.unread = sorted(glob.glob(os.path.join(self.folder, "*.bin"))) if self.stores else []
         # Read only as far as the first stored graph that fits (other batch sizes' wait until they are needed).
         while self.unread:
-            with open(self.unread.pop(0), "rb") as f:
-                graph = torch.compiler.load_compiled_function(f, f_globals=walk_run.__globals__)
+            path = self.unread.pop(0)
+            data = read_private(path)
+            if data is None:
+                continue
+            try:
+                graph = torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=walk_run.__globals__)
+            except Exception:  # cut short or stale, a stored entry can fail anywhere in torch's loader
+                logger.info(f"{path} could not be read back; compiling the walk again")
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+                continue
             self.graphs.append(graph)
             if graph.guard_check(*args):
                 return graph.fn(*args)
         with torch._dynamo.config.patch(specialize_float=True):  # as compile_decode's in-process walk
             graph = self.compile.aot_compile((args, {}))
-        os.makedirs(self.folder, exist_ok=True)
-        graph.save_compiled_function(os.path.join(self.folder, f"{uuid.uuid4().hex}.bin"))
+        if self.stores:  # written whole (a renamed temporary file), 0600
+            graph.save_compiled_function(os.path.join(self.folder, f"{uuid.uuid4().hex}.bin"))
         self.graphs.append(graph)
         return graph.fn(*args)
 
@@ -2104,6 +2229,15 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
     # float32, which is what keeps them so under `_from_config(dtype=...)`.
     _keep_in_fp32_modules_strict = ["rope", r"hash_proj_n\d+_p\d+", r"attn\.mc"]
 
+    def post_init(self):
+        # An instance lists only the optional modules its config builds, as in-library models set the list per
+        # instance.
+        built = {r"hash_proj_n\d+_p\d+": self.config.use_engram, r"attn\.mc": self.config.use_memory_cache}
+        self._keep_in_fp32_modules_strict = [m for m in type(self)._keep_in_fp32_modules_strict if built.get(m, True)]
+        super().post_init()
+        if not isinstance(self, SpikeWhaleModel):  # the head tensors are the causal LM's own: it reports those it lacks
+            self._keys_to_ignore_on_load_unexpected -= set(SpikeWhaleModel._keys_to_ignore_on_load_unexpected)
+
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """`PreTrainedModel.from_pretrained`, with `CHECKPOINT_KEY_RENAMES` applied to the file's names (transformers'
@@ -2112,15 +2246,46 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
         tensor the absent ones of the same shape."""
         if CHECKPOINT_KEY_RENAMES and kwargs.get("key_mapping") is None:
             kwargs["key_mapping"] = dict(CHECKPOINT_KEY_RENAMES)
+        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        folder = os.path.join(str(source), *([kwargs["subfolder"]] if kwargs.get("subfolder") else [])) \
+            if source is not None else None
+        if folder is not None and os.path.isdir(folder) and (shapes := _stored_shapes(folder)):
+            cls._check_config_fits(folder, kwargs, shapes)
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         missing, unexpected = set(info.get("missing_keys") or ()), set(info.get("unexpected_keys") or ())
         if missing or unexpected:
             model_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
             checkpoint = {k: shape for k, shape in model_shapes.items() if k not in missing}
-            checkpoint.update({k: _stored_shape(model.config._name_or_path, k) for k in unexpected})
+            stored = _stored_shapes(model.config._name_or_path) if os.path.isdir(model.config._name_or_path) else {}
+            checkpoint.update({k: stored.get(k) for k in unexpected})
             logger.warning("\n".join(checkpoint_key_report(checkpoint, model_shapes)["lines"]))
         return (model, info) if want_info else model
+
+    @classmethod
+    def _check_config_fits(cls, folder: str, kwargs: dict, shapes: dict[str, tuple]) -> None:
+        """Refuse, before anything is built, a config (config.json, a `config` passed in, or config fields passed as
+        keyword arguments) that asks for far more than the local weights hold (`oversized_fields`)."""
+        config = kwargs.get("config")
+        names = {*SIZE_FIELDS, *(flag for _, _, flag in SIZE_FIELDS.values() if flag is not None)}
+        if isinstance(config, SpikeWhaleConfig):
+            values = {name: getattr(config, name, None) for name in names}
+        else:
+            path = config if isinstance(config, (str, os.PathLike)) else os.path.join(folder, "config.json")
+            try:
+                with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as f:
+                    values = json.load(f)
+            except (OSError, ValueError):
+                return  # transformers reports a missing or unreadable config itself
+            if not isinstance(values, dict):
+                return
+            values.update({k: v for k, v in kwargs.items() if k in names})
+        found = oversized_fields(values, shapes)
+        if found:
+            raise ValueError(
+                f"{folder}: the config asks for {', '.join(found)}, far more than its safetensors weights hold; "
+                "fix these fields in config.json (or pass the checkpoint's own config) to load it."
+            )
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -2185,6 +2350,9 @@ class SpikeWhaleModelOutput(BaseModelOutputWithPast):
 
 class SpikeWhaleModel(SpikeWhalePreTrainedModel):
     """Embeddings + Engram, the looped block stack walked by the loop plan, HC output mix, HRM and final norm."""
+
+    # A causal LM's checkpoint holds its heads beside the backbone; the backbone alone passes over them.
+    _keys_to_ignore_on_load_unexpected = [r"^(lm_head|mtp_heads|abstain_head)\."]
 
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__(config)
@@ -2262,20 +2430,28 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                 "(`spike-whale widen`)."
             )
 
+    @staticmethod
+    def _check_attention_mask(attention_mask, B: int, S: int, cache: SpikeWhaleCache | None) -> None:
+        """The mask is a 2D padding mask over the cache's and the chunk's tokens; checked before anything reads it."""
+        if attention_mask is None:
+            return
+        compiling = torch.compiler.is_compiling()
+        past = (cache.length if compiling else cache.seq_len) if cache is not None else 0
+        widths = (S,) if compiling else (S, past + S)  # a compiled step reads the last S columns of either
+        if (attention_mask.dim() != 2 or attention_mask.shape[0] != B
+                or (attention_mask.shape[1] not in widths and not (compiling and attention_mask.shape[1] > S))):
+            raise ValueError(
+                f"attention_mask must be a 2D [batch, past + seq] = [{B}, {past + S}] padding mask (1 = real "
+                f"token), got shape {tuple(attention_mask.shape)}. Custom 4D masks are not supported: the Memory "
+                "Cache and Engram need each token's sequence, not only which keys it sees; to pack several "
+                "sequences in one row, pass position_ids restarting at 0 for each (padding-free packing)."
+            )
+
     def _context(self, B, S, device, attention_mask, position_ids, cache) -> ForwardContext:
         # Under torch.compile the cache's length is read as a tensor, so one graph serves every decode step.
         compiling = torch.compiler.is_compiling()
         past = (cache.length.to(device) if compiling else cache.seq_len) if cache is not None else 0
         if attention_mask is not None:
-            widths = (S,) if compiling else (S, past + S)  # a compiled step reads the last S columns of either
-            if (attention_mask.dim() != 2 or attention_mask.shape[0] != B
-                    or (attention_mask.shape[1] not in widths and not (compiling and attention_mask.shape[1] > S))):
-                raise ValueError(
-                    f"attention_mask must be a 2D [batch, past + seq] = [{B}, {past + S}] padding mask (1 = real "
-                    f"token), got shape {tuple(attention_mask.shape)}. Custom 4D masks are not supported: the Memory "
-                    "Cache and Engram need each token's sequence, not only which keys it sees; to pack several "
-                    "sequences in one row, pass position_ids restarting at 0 for each (padding-free packing)."
-                )
             valid = attention_mask[:, -S:].to(device=device, dtype=torch.bool)
         else:
             valid = torch.ones(B, S, dtype=torch.bool, device=device)
@@ -2484,19 +2660,21 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         if use_cache is None:
             use_cache = cache is not None or (cfg.use_cache and not self.training)
         self._check_inputs(input_ids, inputs_embeds)
-        if output_attentions and cfg._attn_implementation not in ("eager", None) and not (cfg.use_derf or cfg.use_elo):
-            impl = cfg._attn_implementation
-            if impl in ("sdpa", "flex_attention") or impl.startswith("flash"):
-                raise ValueError(
-                    f"output_attentions=True needs attention weights, which the {impl!r} kernel does not return; "
-                    "load with attn_implementation=\"eager\" or call model.set_attn_implementation(\"eager\")."
-                )
+        impl = cfg._attn_implementation or "sdpa"
+        eager_weights = output_attentions and not (cfg.use_derf or cfg.use_elo) and (
+            impl in ("sdpa", "flex_attention") or impl.startswith("flash"))
+        if eager_weights:  # as in-library models: the weights of this call, from eager attention
+            logger.warning_once(
+                f"output_attentions=True: the {impl!r} kernel returns no attention weights, so calls that ask for them "
+                "run eager attention; load with attn_implementation=\"eager\" to choose it for every call."
+            )
         token_embeds = self.embed_tokens(input_ids) if input_ids is not None else None
         hash_source = token_embeds if inputs_embeds is not None else None
         if inputs_embeds is None:
             inputs_embeds = token_embeds
         B, S, _ = inputs_embeds.shape
         device = inputs_embeds.device
+        self._check_attention_mask(attention_mask, B, S, cache if use_cache else None)
         if position_ids is not None and attention_mask is None and (
                 cache is None or torch.compiler.is_compiling() or cache.seq_len == 0):
             starts = self.packed_sequence_starts(position_ids.to(device).expand(B, S))
@@ -2524,6 +2702,8 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             cache = None
         ctx = self._context(B, S, device, attention_mask, position_ids, cache)
         ctx.token_ids, ctx.need_weights, ctx.keep_streams = input_ids, bool(output_attentions), bool(output_hidden_states)
+        if eager_weights:
+            ctx.attn_implementation = "eager"
 
         x = inputs_embeds
         engram_c = engram_r = None
@@ -2636,8 +2816,10 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """A `SpikeWhaleCache` before the prefill (`prepare_generation_cache`), so that generate sees a compileable
-        cache; `cache_implementation="static"` sizes it to the call."""
-        if not prepare_generation_cache(self, generation_config, model_kwargs):
+        cache; `cache_implementation="static"` sizes it to the call. `args`: transformers' generation mode, batch size
+        and the positions the call feeds (`inputs_embeds` counted, which `max_length` leaves out)."""
+        fed = kwargs.get("max_cache_length", args[2] if len(args) > 2 else None)
+        if not prepare_generation_cache(self, generation_config, model_kwargs, fed):
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
@@ -2845,11 +3027,16 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         `persistent`: the choices are kept in `compiled_products.json` beside the stored walks and reused by later
         processes, whose stored walk (keyed on them) would otherwise be compiled again after a near-tie timed the
         other way."""
-        path = os.path.join(PersistentDecodeWalk.root(), "compiled_products.json") if persistent else None
+        root = PersistentDecodeWalk.root() if persistent else None
+        path = None
+        if persistent and PersistentDecodeWalk.private_folder(root):
+            path = os.path.join(root, "compiled_products.json")
         stored: dict[str, str] = {}
-        if path is not None and os.path.exists(path):
-            with contextlib.suppress(OSError, ValueError), open(path) as f:
-                stored = dict(json.load(f))
+        data = read_private(path) if path is not None else None
+        with contextlib.suppress(ValueError):  # another format, or cut short: timed again
+            stored = json.loads(data) if data is not None else {}
+        if not isinstance(stored, dict):
+            stored = {}
         before = dict(stored)
         owners = [o for o in self._compiled_owners() if o.weight.numel() >= FEW_ROWS_MIN_WEIGHT and (
             weight_only_int8(o.weight) or type(o.weight.data) is torch.Tensor
@@ -2872,15 +3059,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         for owner, kind, kind_rows in zip(owners, one, several):
             owner.compiled_product, owner.compiled_product_rows = kind, kind_rows
         if path is not None and stored != before:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            partial = f"{path}.{uuid.uuid4().hex}"
-            try:
-                with open(partial, "w") as f:
-                    json.dump(stored, f, indent=1, sort_keys=True)
-                os.replace(partial, path)  # whole or not at all, also with another process writing
-            finally:
-                if os.path.exists(partial):
-                    os.remove(partial)
+            write_private(path, json.dumps(stored, indent=1, sort_keys=True).encode())
 
     def _compiled_owners(self) -> list:
         """What the compiled walk multiplies by a chosen product (`compiled_kind`): each attention's fused input

@@ -4,6 +4,10 @@ the walk in torch's cache directory, and a second process with the same model ru
 from __future__ import annotations
 
 import json
+import os
+import pickle
+import stat
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,3 +80,128 @@ def test_the_stored_walk_is_keyed_by_the_weights_layout_not_by_how_the_model_was
         for linear in reloaded._column_major_linears():
             linear.weight.data = linear.weight.data.t().contiguous().t()
     assert PersistentDecodeWalk.key(reloaded.model, options, {"dynamic": True}) != key  # strides are part of it
+
+
+class _FakeCompile:
+    """Stands in for torch's ahead-of-time compile: what a walk runs and stores when nothing stored fits."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def aot_compile(self, example):
+        self.calls += 1
+        return _FakeGraph()
+
+
+class _FakeGraph:
+    def guard_check(self, *args):
+        return True
+
+    def fn(self, *args):
+        return "compiled here"
+
+    def save_compiled_function(self, path):
+        from torch._dynamo.aot_compile import atomic_write_binary
+
+        atomic_write_binary(path, b"stored")
+
+
+class _Payload:
+    """A pickle that runs code when loaded: creates `marker`."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').close()",)
+
+
+def _walk(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torch_cache"))
+    walk = PersistentDecodeWalk(tiny_model(num_hidden_layers=2).model, {}, {})
+    walk.compile = _FakeCompile()
+    return walk
+
+
+def _plant(path, marker, mode=0o600):
+    path.write_bytes(pickle.dumps(_Payload(marker)))
+    os.chmod(path, mode)
+
+
+def test_only_the_users_own_stored_walks_are_read_and_a_cut_short_one_is_compiled_again(tmp_path, monkeypatch):
+    """A stored walk is code: entries others may write, links and other users' files are never loaded, and one
+    that cannot be read back is compiled again instead of raising."""
+    walk = _walk(tmp_path, monkeypatch)
+    folder = Path(walk.folder)
+    folder.mkdir(mode=0o700, parents=True)
+    os.chmod(folder.parent, 0o700)
+    marker = tmp_path / "ran"
+    _plant(folder / "a.bin", marker, mode=0o666)  # writable by others
+    outside = tmp_path / "outside.bin"
+    _plant(outside, marker)
+    (folder / "b.bin").symlink_to(outside)
+    if os.getuid() == 0:  # root can hand a file to another user
+        _plant(folder / "c.bin", marker)
+        os.chown(folder / "c.bin", 12345, 12345)
+    (folder / "d.bin").write_bytes(pickle.dumps({"state": list(range(100))})[:20])  # cut short
+    os.chmod(folder / "d.bin", 0o600)
+    assert walk(torch.zeros(1)) == "compiled here"
+    assert not marker.exists() and walk.compile.calls == 1
+    assert not (folder / "d.bin").exists()  # dropped, and compiled again
+    assert len(set(os.listdir(folder)) - {"a.bin", "b.bin", "c.bin"}) == 1  # the walk compiled here
+
+
+def test_the_cache_folders_are_created_for_the_user_alone(tmp_path, monkeypatch):
+    walk = _walk(tmp_path, monkeypatch)
+    walk(torch.zeros(1))
+    folder = Path(walk.folder)
+    assert stat.S_IMODE(os.stat(folder).st_mode) == stat.S_IMODE(os.stat(folder.parent).st_mode) == 0o700
+    assert [stat.S_IMODE(os.stat(folder / name).st_mode) for name in os.listdir(folder)] == [0o600]
+
+
+@pytest.mark.parametrize("foreign", ["writable by others", "another user's"])
+def test_a_cache_folder_that_is_not_the_users_alone_is_neither_read_nor_written(tmp_path, monkeypatch, foreign):
+    if foreign == "another user's" and os.getuid() != 0:
+        pytest.skip("handing a folder to another user needs root")
+    walk = _walk(tmp_path, monkeypatch)
+    folder = Path(walk.folder)
+    folder.mkdir(parents=True)
+    marker = tmp_path / "ran"
+    _plant(folder / "a.bin", marker)
+    if foreign == "another user's":
+        os.chown(folder.parent, 12345, 12345)
+    else:
+        os.chmod(folder.parent, 0o777)
+    assert walk(torch.zeros(1)) == "compiled here"
+    assert not marker.exists() and not walk.stores
+    assert os.listdir(folder) == ["a.bin"]  # nothing stored there
+
+
+def test_the_key_holds_the_transformers_version_and_the_cpu_isa(monkeypatch):
+    """A walk built under one transformers release or vector ISA is not read under another."""
+    from spike_whale import modeling_spike_whale
+
+    model = tiny_model(num_hidden_layers=2)
+    key = PersistentDecodeWalk.key(model.model, {}, {})
+    installed = modeling_spike_whale.transformers  # the module the key reads (the test session may hold another)
+    monkeypatch.setattr(installed, "__version__", installed.__version__ + ".other")
+    assert PersistentDecodeWalk.key(model.model, {}, {}) != key
+    monkeypatch.undo()
+    assert PersistentDecodeWalk.key(model.model, {}, {}) == key
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "another ISA")
+    assert PersistentDecodeWalk.key(model.model, {}, {}) != key
+
+
+@pytest.mark.parametrize("content", ["5", "null", "[1]", '{"cut short'])
+def test_compiled_products_json_of_another_shape_is_ignored(tmp_path, monkeypatch, content):
+    from spike_whale.modeling_spike_whale import FewRowsKernel
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torch_cache"))
+    monkeypatch.setattr(FewRowsKernel, "forced", "linear")  # no timing: only the file's reading is under test
+    root = Path(PersistentDecodeWalk.root())
+    root.mkdir(mode=0o700, parents=True)
+    (root / "compiled_products.json").write_text(content)
+    model = tiny_model(num_hidden_layers=2)
+    model._choose_compiled_products(persistent=True)
+    assert all(getattr(o, "compiled_product", None) == "linear" for o in model._compiled_owners()
+               if o.weight.numel() >= 1 << 16)

@@ -714,11 +714,10 @@ def test_row_block_choices_leave_no_partial_file_when_writing_fails(monkeypatch,
     monkeypatch.setattr(msw, "FEW_ROWS_KERNEL", kernel)
     monkeypatch.setattr(kernel, "product", lambda x, w, b, rows, kind: torch.nn.functional.linear(x, w, b))
 
-    def full_disk(obj, f, **kwargs):
-        f.write("{")
+    def full_disk(src, dst):  # the choices written to the temporary file, then the disk fills
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(msw.json, "dump", full_disk)
+    monkeypatch.setattr(msw.os, "replace", full_disk)
     with pytest.raises(OSError, match="No space"):
         tiny_model(seed=4)._choose_compiled_products(persistent=True)
     assert list((tmp_path / "spike_whale_decode").iterdir()) == []

@@ -207,3 +207,17 @@ def test_accelerate_fsdp_on_cpu_is_refused_not_run_as_ddp(tmp_path):
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "accelerate turns FSDP on only on accelerator devices" in proc.stderr and "--fsdp-size" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_ddp_finetune_rows_of_one_memory_cache_segment(tmp_path):
+    """Rows no longer than a Memory-Cache segment read no finished segment; every parameter must still take part
+    (DDP raises on a parameter that "was not used in producing loss")."""
+    folder = tiny_folder(tmp_path / "tiny")  # mc_segment_len = 8
+    text, log = tmp_path / "text.txt", tmp_path / "losses.json"
+    text.write_text(TEXT)
+    run_job([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
+             "--mixed_precision", "no", "--dynamo_backend", "no", "--multi_gpu", "--main_process_port", free_port(),
+             "-m", "spike_whale", "finetune", folder, str(tmp_path / "trained"), "--text", str(text), "--steps", "2",
+             "--batch-size", "4", "--seq-len", "8", "--losses-json", str(log)], tmp_path)
+    summary = json.loads(log.read_text())
+    assert summary["processes"] == 2 and len(summary["losses"]) == 2, summary

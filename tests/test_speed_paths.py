@@ -974,3 +974,18 @@ def test_bench_speed_prefill_breakdown_splits_a_forward_by_module_kind(monkeypat
         assert shares["products"] > 0 and shares["norms"] > 0 and shares["attention, other"] > 0
         assert (shares["memory cache"] > 0) == has_mc
         assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_packed_bf16_is_offered_only_where_the_cpu_runs_it():
+    """oneDNN's prepacked bf16 linear needs AVX512 (bw/vl/dq) or AVX-NE-CONVERT: on an AVX2-only CPU its reorder
+    raises, so "packed" must be on offer only where it runs (bf16 generate crashed on such CPUs)."""
+    import spike_whale.modeling_spike_whale as msw
+
+    w = torch.randn(256, 512).bfloat16()
+    offered = "packed" in msw.FewRowsKernel.candidates(w, rows=1)
+    assert offered == (msw.FewRowsKernel.prepack and msw.cpu_has_mkldnn_bf16())
+    if offered:
+        x = torch.randn(1, 512).bfloat16()
+        assert torch.equal(msw.packed_linear(x, w, None), F.linear(x, w))
+    else:
+        assert not torch.ops.mkldnn._is_mkldnn_bf16_supported() or not msw.FewRowsKernel.prepack

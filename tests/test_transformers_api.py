@@ -24,20 +24,27 @@ def ids_of(batch=2, seq=12, seed=0, high=200):
     return torch.randint(4, high, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def test_hidden_states_follow_loop_slots_and_eager_attentions():
+def test_hidden_states_follow_loop_slots_and_eager_attentions(caplog):
     model = tiny_model()
     slots = model.config.num_loop_slots
     ids = ids_of()
+    msw_logger = transformers.utils.logging.get_logger("spike_whale.modeling_spike_whale")
+    type(msw_logger).warning_once.cache_clear()  # once per process: this test's call is the first
     with torch.no_grad():
         out = model(ids, output_hidden_states=True, use_cache=False)
         assert len(out.hidden_states) == 1 + slots and out.hidden_states[0].shape == (2, 12, 64)
-        with pytest.raises(ValueError, match="eager"):
-            model(ids, output_attentions=True)
+        # As in-library models: under sdpa the call that asks for the weights runs eager attention, with a warning.
+        with caplog.at_level(logging.WARNING):
+            from_sdpa = model(ids, output_attentions=True, use_cache=False)
+        assert model.config._attn_implementation == "sdpa"
+        assert any("run eager attention" in r.getMessage() for r in caplog.records)
         model.set_attn_implementation("eager")
         eager = model(ids, output_attentions=True, use_cache=False)
     assert len(eager.attentions) == slots and eager.attentions[0].shape == (2, 4, 12, 12)
     assert torch.allclose(eager.attentions[3].sum(-1), torch.ones(2, 4, 12), atol=1e-5)
     assert torch.allclose(eager.logits, out.logits, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(from_sdpa.attentions, eager.attentions))
+    assert torch.equal(from_sdpa.logits, eager.logits)
 
 
 def test_generate_dict_outputs_carry_hidden_states_and_attentions():
@@ -183,8 +190,9 @@ def test_padding_free_packing_equals_each_sequence_alone():
 
 def test_custom_4d_mask_and_packing_with_a_mask_raise_clearly():
     model = tiny_model()
-    with pytest.raises(ValueError, match="4D masks are not supported"):
-        model(ids_of(1, 6), attention_mask=torch.ones(1, 1, 6, 6, dtype=torch.bool))
+    for position_ids in (None, torch.arange(6)[None]):  # the refusal comes before position_ids are read
+        with pytest.raises(ValueError, match="4D masks are not supported"):
+            model(ids_of(1, 6), attention_mask=torch.ones(1, 1, 6, 6, dtype=torch.bool), position_ids=position_ids)
     with pytest.raises(NotImplementedError, match="padding-free packing"):
         model(ids_of(1, 6), attention_mask=torch.ones(1, 6, dtype=torch.long), position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]))
     left_padded = torch.tensor([[0, 0, 1, 1, 1, 1]])  # generate's position_ids: pads at 1, real tokens from 0
