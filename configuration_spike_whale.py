@@ -175,6 +175,70 @@ PRESETS: dict[str, dict] = {
 }
 
 
+@dataclass(frozen=True)
+class _Range:
+    """The values a numeric field admits: integers (never a bool) or finite numbers, from `lo` to `hi`; an end named
+    in `excluded` ("lo", "hi") is left out."""
+
+    integer: bool
+    lo: float = -math.inf
+    hi: float = math.inf
+    excluded: str = ""
+
+    def admits(self, value) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            return False
+        above = self.lo < value if "lo" in self.excluded else self.lo <= value
+        below = value < self.hi if "hi" in self.excluded else value <= self.hi
+        return math.isfinite(value) and above and below
+
+    def __str__(self) -> str:
+        kind = "an integer" if self.integer else "a finite number"
+        lo, hi = f"{self.lo:g}", f"{self.hi:g}"
+        if math.isinf(self.lo) and math.isinf(self.hi):
+            return kind
+        if math.isinf(self.hi):
+            return f"{kind} {'>' if 'lo' in self.excluded else '>='} {lo}"
+        return f"{kind} in {'(' if 'lo' in self.excluded else '['}{lo}, {hi}{')' if 'hi' in self.excluded else ']'}"
+
+
+_COUNT, _COUNT0 = _Range(True, 1), _Range(True, 0)
+_POSITIVE, _NON_NEGATIVE, _FINITE = _Range(False, 0, excluded="lo"), _Range(False, 0), _Range(False)
+_DROPOUT = _Range(False, 0, 1, excluded="hi")
+
+# Every numeric field: its range, and the switch without which the model never reads it (its value is then free).
+# A field whose default is None may also be None. Checked before anything is derived from the fields.
+_NUMERIC_FIELDS: dict[str, tuple[_Range, str | None]] = {
+    **dict.fromkeys(("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings", "num_attention_heads",
+                     "num_key_value_heads", "q_lora_rank", "head_dim", "o_lora_rank", "moe_intermediate_size",
+                     "loop_count", "loop_middle_layers", "hc_sinkhorn_iters"), (_COUNT, None)),
+    "qk_rope_head_dim": (_Range(True, 2), None),
+    "num_nextn_predict_layers": (_COUNT0, None),
+    "rms_norm_eps": (_POSITIVE, None),
+    "hc_eps": (_POSITIVE, None),
+    "rope_theta": (_Range(False, 1, excluded="lo"), None),
+    "fractal_rope_gamma": (_Range(False, 0, 1), None),
+    "initializer_range": (_NON_NEGATIVE, None),
+    **dict.fromkeys(("zloss_coef", "mtp_loss_weight", "moe_aux_loss_coef", "abstain_loss_weight"), (_NON_NEGATIVE, None)),
+    **dict.fromkeys(("hidden_dropout", "attention_dropout"), (_DROPOUT, None)),
+    "elo_k_init": (_FINITE, "use_elo"),
+    **dict.fromkeys(("n_routed_experts", "num_experts_per_tok"), (_COUNT, "use_moe")),
+    **dict.fromkeys(("n_shared_experts", "num_hash_layers"), (_COUNT0, "use_moe")),
+    "routed_scaling_factor": (_POSITIVE, "use_moe"),
+    "hc_mult": (_COUNT, "use_hyper_connections"),
+    **dict.fromkeys(("engram_compress_dim", "engram_num_heads", "engram_table_size", "engram_max_ngram"),
+                    (_COUNT, "use_engram")),
+    "engram_gate_init_bias": (_FINITE, "use_engram"),
+    "engram_fusion_dim": (_COUNT, "engram_fusion_layers"),
+    **dict.fromkeys(("hrm_refine_steps", "hrm_refine_dim"), (_COUNT, "use_hrm_refine")),
+    "hrm_gate_init": (_FINITE, "use_hrm_refine"),
+    "abstain_pos_weight": (_POSITIVE, "use_abstain_head"),
+    "abstain_threshold": (_Range(False, 0, 1, excluded="lohi"), "use_abstain_head"),
+    "depth_attention_stride": (_COUNT, "use_depth_attention"),
+    **dict.fromkeys(("mc_segment_len", "mc_num_heads", "mc_head_dim", "mc_gate_dim"), (_COUNT, "use_memory_cache")),
+}
+
+
 def registered_tp_styles() -> set[str]:
     """The tensor-parallel style names the installed transformers registers (the set grew across 5.x; the module
     moved to `transformers.distributed` in later releases)."""
@@ -313,6 +377,7 @@ class SpikeWhaleConfig(PretrainedConfig):
 
     def __post_init__(self, **kwargs):
         kwargs.pop("nope_head_dim", None)  # derived; present in saved configs
+        self.validate_numbers()
         self.nope_head_dim = self.head_dim - self.qk_rope_head_dim
         self.moe_layers = list(self.moe_layers) if self.moe_layers is not None else list(range(self.num_hidden_layers))
         self.engram_fusion_layers = list(self.engram_fusion_layers) if self.engram_fusion_layers is not None else []
@@ -324,20 +389,32 @@ class SpikeWhaleConfig(PretrainedConfig):
         """The one place every field is checked (transformers' `validate_architecture` hook)."""
         self.validate_spike_whale()
 
+    def validate_numbers(self) -> None:
+        """Raise a `ValueError` naming the first numeric field outside its range (`_NUMERIC_FIELDS`): a NaN or
+        negative epsilon, say, builds a model whose every logit is NaN."""
+        for name, (allowed, switch) in _NUMERIC_FIELDS.items():
+            value = getattr(self, name)
+            if (switch is None or getattr(self, switch)) and not allowed.admits(value):
+                if value is None and getattr(type(self), name) is None:
+                    continue
+                raise ValueError(f"SpikeWhaleConfig: `{name}` must be {allowed}, got {value!r}.")
+        token_id = _Range(True, 0, self.vocab_size, excluded="hi")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            listed = name == "eos_token_id" and isinstance(value, list)
+            if not all(i is None or token_id.admits(i) for i in (value if listed else [value])):
+                raise ValueError(
+                    f"SpikeWhaleConfig: `{name}` must be None or a token id, {token_id} (the vocabulary)"
+                    f"{', or a list of them' if name == 'eos_token_id' else ''}, got {value!r}."
+                )
+
     def validate_spike_whale(self) -> None:
-        """Raise a `ValueError` naming the fields of any self-contradicting combination."""
+        """Raise a `ValueError` naming the fields of any out-of-range value or self-contradicting combination."""
 
         def fail(msg: str) -> None:
             raise ValueError(f"SpikeWhaleConfig: {msg}")
 
-        def positive(*names: str) -> None:
-            for name in names:
-                if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                    fail(f"`{name}` must be a positive integer, got {getattr(self, name)!r}.")
-
-        positive("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings",
-                 "num_attention_heads", "num_key_value_heads", "head_dim", "q_lora_rank", "o_lora_rank",
-                 "moe_intermediate_size")
+        self.validate_numbers()
         if self.use_hrm_refine and self.hrm_gate_init == 0.0:
             fail(
                 "hrm_gate_init=0 with the zero-init `up` projection makes every parameter of the HRM "
@@ -350,73 +427,38 @@ class SpikeWhaleConfig(PretrainedConfig):
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})."
             )
-        rd = self.qk_rope_head_dim
-        if not isinstance(rd, int) or rd < 2 or rd % 2 or rd >= self.head_dim:
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim >= self.head_dim:
             fail(
-                f"qk_rope_head_dim ({rd}) must be even, at least 2 and smaller than head_dim "
+                f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even, at least 2 and smaller than head_dim "
                 f"({self.head_dim}); it is the rotated slice at the end of each head."
             )
-        if not isinstance(self.loop_count, int) or self.loop_count < 1:
-            fail(f"loop_count must be an integer >= 1 (1 is the dense baseline), got {self.loop_count!r}.")
         if self.loop_mode not in ("full", "middle_split"):
             fail(f"loop_mode must be 'full' or 'middle_split', got {self.loop_mode!r}.")
-        if self.loop_middle_layers is not None:
-            m = self.loop_middle_layers
-            if not isinstance(m, int) or m < 1 or m > self.num_hidden_layers or self.num_hidden_layers % m:
-                fail(
-                    f"loop_middle_layers ({m!r}) must divide num_hidden_layers ({self.num_hidden_layers}); "
-                    "use None for num_hidden_layers // 2."
-                )
+        m = self.loop_middle_layers
+        if m is not None and (m > self.num_hidden_layers or self.num_hidden_layers % m):
+            fail(
+                f"loop_middle_layers ({m!r}) must divide num_hidden_layers ({self.num_hidden_layers}); "
+                "use None for num_hidden_layers // 2."
+            )
         if self.engram_fusion_layers and not self.use_engram:
             fail(f"engram_fusion_layers={self.engram_fusion_layers} needs use_engram=True.")
+        layer_index = _Range(True, 0, self.num_hidden_layers, excluded="hi")
         for name in ("engram_fusion_layers", "moe_layers"):
-            bad = [i for i in getattr(self, name) if not isinstance(i, int) or not 0 <= i < self.num_hidden_layers]
+            layers = getattr(self, name)
+            bad = [i for i in layers if not layer_index.admits(i)]
             if bad:
                 fail(f"{name} has layer indices {bad} outside [0, {self.num_hidden_layers - 1}].")
-        if not 0.0 <= float(self.fractal_rope_gamma) <= 1.0:
-            fail(f"fractal_rope_gamma must lie in [0, 1] (0 = geometric RoPE), got {self.fractal_rope_gamma}.")
-        if self.use_hyper_connections:
-            positive("hc_mult")
-        if self.use_engram:
-            positive("engram_compress_dim", "engram_num_heads", "engram_table_size", "engram_max_ngram")
-        if self.use_depth_attention:
-            positive("depth_attention_stride")
-        if self.use_hrm_refine:
-            positive("hrm_refine_steps", "hrm_refine_dim")
-        if self.use_memory_cache:
-            positive("mc_segment_len", "mc_num_heads", "mc_head_dim", "mc_gate_dim")
-        if not isinstance(self.num_nextn_predict_layers, int) or self.num_nextn_predict_layers < 0:
-            fail(f"num_nextn_predict_layers must be an integer >= 0, got {self.num_nextn_predict_layers!r}.")
+            if len(set(layers)) != len(layers):
+                fail(f"{name} has repeated layer indices: {layers}.")
         if self.scoring_func not in ("sqrtsoftplus", "softmax"):
             fail(f"scoring_func must be 'sqrtsoftplus' or 'softmax', got {self.scoring_func!r}.")
-        if self.use_moe and not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
+        if self.use_moe and not self.num_experts_per_tok <= self.n_routed_experts:
             fail(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must lie in [1, n_routed_experts="
                 f"{self.n_routed_experts}]."
             )
-        self._validate_knobs(fail, positive)
-        for name in ("bos_token_id", "pad_token_id"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value < self.vocab_size:
-                fail(f"{name}={value} is outside the vocabulary [0, {self.vocab_size}).")
-        eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
-        if any(e is not None and not 0 <= e < self.vocab_size for e in eos):
-            fail(f"eos_token_id={self.eos_token_id} is outside the vocabulary [0, {self.vocab_size}).")
-
-    def _validate_knobs(self, fail, positive) -> None:
-        """Checks of the mechanism knobs (MoE, attention variants, HC, Engram, HRM, abstain head, losses)."""
-
-        def non_negative(*names: str) -> None:
-            for name in names:
-                value = getattr(self, name)
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                    fail(f"`{name}` must be a number >= 0, got {value!r}.")
-
-        non_negative("zloss_coef", "mtp_loss_weight", "moe_aux_loss_coef", "abstain_loss_weight")
-        for name in ("hidden_dropout", "attention_dropout"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-                fail(f"`{name}` must lie in [0, 1), got {value!r}.")
+        if self.use_moe and not self.moe_layers:
+            fail("use_moe=True but moe_layers is empty: list the MoE layers, or set use_moe=False.")
         if (self.hc_sinkhorn_iters, float(self.hc_eps)) != (20, 1e-6):
             fail(
                 f"hc_sinkhorn_iters={self.hc_sinkhorn_iters!r} / hc_eps={self.hc_eps!r}: only the defaults (20, 1e-6) "
@@ -425,46 +467,22 @@ class SpikeWhaleConfig(PretrainedConfig):
                 "(fixed by the released parameter count), which has no matrix to project, so another value "
                 "would be silently ignored."
             )
-        if self.use_moe:
-            positive("n_routed_experts", "num_experts_per_tok")
-            if not isinstance(self.n_shared_experts, int) or self.n_shared_experts < 0:
-                fail(f"n_shared_experts must be an integer >= 0, got {self.n_shared_experts!r}.")
-            if not isinstance(self.num_hash_layers, int) or self.num_hash_layers < 0:
-                fail(f"num_hash_layers must be an integer >= 0, got {self.num_hash_layers!r}.")
-            if not self.moe_layers:
-                fail("use_moe=True but moe_layers is empty: list the MoE layers, or set use_moe=False.")
-            if len(set(self.moe_layers)) != len(self.moe_layers):
-                fail(f"moe_layers has repeated layer indices: {self.moe_layers}.")
-            if not float(self.routed_scaling_factor) > 0:
-                fail(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor!r}.")
-        if self.use_elo and not math.isfinite(float(self.elo_k_init)):
-            fail(f"elo_k_init must be a finite number, got {self.elo_k_init!r}.")
         if self.use_elo and self.use_derf:
             logger.warning(
                 "SpikeWhaleConfig: use_elo=True and use_derf=True - Elo attention takes precedence over DERF "
                 "(config.py rule), so the DERF parameters are not built and DERF is not applied."
             )
-        if self.use_engram:
-            if 1.0 + math.erf(float(self.engram_gate_init_bias)) < 2.0**-25:  # rounds to erf = -1 in float32
-                fail(
-                    f"engram_gate_init_bias={self.engram_gate_init_bias}: erf() of it rounds to -1 in float32, so "
-                    "the Engram DERF gate is a hard zero and the gate, its parameters and the n-gram tables get "
-                    "exactly zero gradient forever. Keep it >= about -2.5 (the released value is -1.0)."
-                )
-            if self.engram_fusion_layers:
-                positive("engram_fusion_dim")
-                if len(set(self.engram_fusion_layers)) != len(self.engram_fusion_layers):
-                    fail(f"engram_fusion_layers has repeated layer indices: {self.engram_fusion_layers}.")
+        if self.use_engram and 1.0 + math.erf(self.engram_gate_init_bias) < 2.0**-25:  # erf rounds to -1 in float32
+            fail(
+                f"engram_gate_init_bias={self.engram_gate_init_bias}: erf() of it rounds to -1 in float32, so "
+                "the Engram DERF gate is a hard zero and the gate, its parameters and the n-gram tables get "
+                "exactly zero gradient forever. Keep it >= about -2.5 (the released value is -1.0)."
+            )
         if self.hrm_deep_supervision and not self.use_hrm_refine:
             fail(
                 "hrm_deep_supervision=True requires use_hrm_refine=True (it supervises the refinement steps); "
                 "set hrm_deep_supervision=False as well when turning use_hrm_refine off."
             )
-        if self.use_abstain_head:
-            if not float(self.abstain_pos_weight) > 0:
-                fail(f"abstain_pos_weight must be > 0, got {self.abstain_pos_weight!r}.")
-            if not 0.0 < float(self.abstain_threshold) < 1.0:
-                fail(f"abstain_threshold is a probability threshold in (0, 1), got {self.abstain_threshold!r}.")
 
     @property
     def loop_plan(self) -> LoopPlan:
@@ -516,7 +534,16 @@ class SpikeWhaleConfig(PretrainedConfig):
             plan["engram.gate.proj"] = "colwise_rep"
         if self.use_hrm_refine:
             plan.update({"hrm_refine.down": "colwise", "hrm_refine.up": "rowwise"})
-        return plan
+        return {**plan, **self.__dict__.get("base_model_tp_plan", {})}
+
+    @base_model_tp_plan.setter
+    def base_model_tp_plan(self, plan: dict[str, str] | None) -> None:
+        """transformers 5.15-5.20's `__post_init__` assigns the plan with a rule added for a tied input embedding. The
+        assigned rules the computed plan lacks (or styles differently) are kept on top of it, which goes on following
+        the fields; they are stored under the plan's own name, a key transformers never writes to config.json."""
+        self.__dict__.pop("base_model_tp_plan", None)
+        computed = self.base_model_tp_plan
+        self.__dict__["base_model_tp_plan"] = {k: v for k, v in (plan or {}).items() if computed.get(k) != v}
 
     @property
     def num_loop_slots(self) -> int:

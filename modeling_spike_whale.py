@@ -44,29 +44,6 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 from transformers.utils.generic import can_return_tuple
 
-try:
-    from transformers.integrations.accelerate import force_accelerate_hooks
-except ImportError:  # transformers < 5.13
-
-    def force_accelerate_hooks(child_module_names: list[str]):
-        """Fire the accelerate hooks of children whose weights a forward reads directly (not via their forward)."""
-
-        def decorator(forward):
-            @functools.wraps(forward)
-            def wrapped(self, *args, **kwargs):
-                hooked = [(m, m._hf_hook) for m in (getattr(self, n) for n in child_module_names)
-                          if getattr(m, "_hf_hook", None) is not None]
-                for module, hook in hooked:
-                    hook.pre_forward(module)
-                out = forward(self, *args, **kwargs)
-                for module, hook in reversed(hooked):
-                    hook.post_forward(module, ())
-                return out
-
-            return wrapped
-
-        return decorator
-
 from .configuration_spike_whale import LoopPlan, SpikeWhaleConfig
 from .generation_utils import (
     CACHE_FIELD,
@@ -81,6 +58,28 @@ from .generation_utils import (
 )
 
 logger = logging.get_logger(__name__)
+
+
+# transformers ships its own from 5.13, but 5.13/5.14's takes one child name, not a list: this one serves them all.
+def force_accelerate_hooks(child_module_names: list[str]):
+    """Fire the accelerate hooks of children whose weights a forward reads directly (not via their forward)."""
+
+    def decorator(forward):
+        @functools.wraps(forward)
+        def wrapped(self, *args, **kwargs):
+            hooked = [(m, m._hf_hook) for m in (getattr(self, n) for n in child_module_names)
+                      if getattr(m, "_hf_hook", None) is not None]
+            for module, hook in hooked:
+                hook.pre_forward(module)
+            out = forward(self, *args, **kwargs)
+            for module, hook in reversed(hooked):
+                hook.post_forward(module, ())
+            return out
+
+        return wrapped
+
+    return decorator
+
 
 # Released checkpoint name (regex) -> our name. Empty until a real Byrne header is read (blueprint §14).
 CHECKPOINT_KEY_RENAMES: dict[str, str] = {}
@@ -2236,7 +2235,8 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
         self._keep_in_fp32_modules_strict = [m for m in type(self)._keep_in_fp32_modules_strict if built.get(m, True)]
         super().post_init()
         if not isinstance(self, SpikeWhaleModel):  # the head tensors are the causal LM's own: it reports those it lacks
-            self._keys_to_ignore_on_load_unexpected -= set(SpikeWhaleModel._keys_to_ignore_on_load_unexpected)
+            ignored = set(self._keys_to_ignore_on_load_unexpected or ())  # None before transformers 5.9
+            self._keys_to_ignore_on_load_unexpected = ignored - set(SpikeWhaleModel._keys_to_ignore_on_load_unexpected)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):

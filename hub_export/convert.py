@@ -29,6 +29,21 @@ def read_rename_map(value: str | None) -> dict[str, str] | None:
     return data
 
 
+def check_config_arg(value: str | None) -> None:
+    """`--config` is a JSON file or an inline JSON object: say which a value that is neither is not (before it is
+    taken for a file name)."""
+    if value is None or value.lstrip().startswith("{") or Path(value).is_file():
+        return
+    if Path(value).is_dir():
+        raise ValueError(f"--config: {value} is a folder; give its config.json (or an inline JSON object)")
+    try:
+        data = json.loads(value)
+    except json.JSONDecodeError:
+        raise ValueError(f"--config: no such file: {value} (nor is it an inline JSON object)") from None
+    kind = {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(data), "number")
+    raise ValueError(f"--config: {value} is a JSON {kind}, not a JSON object (nor a file)")
+
+
 def report(result, log=print) -> None:
     log(f"verified: {result.verification.summary}")
     a, b = result.context
@@ -60,6 +75,7 @@ def add_common_arguments(p, dtype_default: str | None = "fp32") -> None:
 def run(args) -> int:
     from .conversion import convert_checkpoint
 
+    check_config_arg(args.config)
     result = convert_checkpoint(
         args.src, args.out_dir, config=args.config, tokenizer=args.tokenizer, dtype=args.dtype,
         max_position_embeddings=args.max_position_embeddings, stage=args.stage, license=args.license,

@@ -7,11 +7,13 @@ with the checkpoint's schedule: the stored inv_freq if present, else the config'
 
 from __future__ import annotations
 
-from .convert import add_common_arguments, read_rename_map, report
+from .convert import add_common_arguments, check_config_arg, read_rename_map, report
 
 
 def run(args) -> int:
     from .conversion import convert_checkpoint
+
+    check_config_arg(args.config)
 
     result = convert_checkpoint(
         args.src, args.out_dir, config=args.config, tokenizer=args.tokenizer, dtype=args.dtype,

@@ -1,4 +1,6 @@
 import json
+import os
+import re
 
 import pytest
 
@@ -118,3 +120,94 @@ def test_validation_runs_in_one_place_on_every_route(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="loop_mode"):
         SpikeWhaleConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "overrides, field, allowed",
+    [
+        (dict(rms_norm_eps=float("nan")), "rms_norm_eps", "a finite number > 0"),
+        (dict(rms_norm_eps=-1), "rms_norm_eps", "a finite number > 0"),
+        (dict(rope_theta=float("inf")), "rope_theta", "a finite number > 1"),
+        (dict(num_hidden_layers=True), "num_hidden_layers", "an integer >= 1"),
+        (dict(hidden_size=64.0), "hidden_size", "an integer >= 1"),
+        (dict(attention_dropout=-0.1), "attention_dropout", "a finite number in [0, 1)"),
+        (dict(loop_mode="middle_split", loop_middle_layers=True), "loop_middle_layers", "an integer >= 1"),
+        (dict(mc_segment_len=0), "mc_segment_len", "an integer >= 1"),
+        (dict(use_abstain_head=True, abstain_threshold=1.0), "abstain_threshold", "a finite number in (0, 1)"),
+        (dict(eos_token_id=[3, True]), "eos_token_id", "an integer in [0, 16512)"),
+    ],
+)
+def test_numeric_fields_out_of_range_raise_one_line_naming_field_value_and_range(overrides, field, allowed):
+    """A NaN or negative rms_norm_eps built a model whose every logit was NaN; a bool layer count was taken for 1."""
+    with pytest.raises(ValueError) as err:
+        SpikeWhaleConfig.from_preset("tiny", **overrides)
+    message = str(err.value)
+    assert f"`{field}`" in message and allowed in message and repr(overrides[field]) in message, message
+    assert "\n" not in message and "moe_layers" not in message
+
+
+def test_every_numeric_field_has_a_range_that_refuses_nan_and_bools():
+    from spike_whale.configuration_spike_whale import _NUMERIC_FIELDS, _declared_fields
+
+    def numeric(name):
+        default, hint = getattr(SpikeWhaleConfig, name), vars(SpikeWhaleConfig)["__annotations__"][name]
+        optional_number = hint in ("int | None", "float | None")
+        return not isinstance(default, bool) and (isinstance(default, (int, float)) or optional_number)
+
+    token_ids = {"bos_token_id", "eos_token_id", "pad_token_id"}
+    assert {n for n in _declared_fields(SpikeWhaleConfig) if numeric(n)} - token_ids == set(_NUMERIC_FIELDS)
+    # Every mechanism on, so that no field's check is skipped.
+    on = dict(use_moe=True, use_elo=True, use_abstain_head=True, engram_fusion_layers=[1])
+    base = SpikeWhaleConfig.from_preset("tiny", **on)
+    assert all(switch is None or getattr(base, switch) for _, switch in _NUMERIC_FIELDS.values())
+    for name, (allowed, _) in _NUMERIC_FIELDS.items():
+        for bad in (True, "1") + (() if allowed.integer else (float("nan"), float("inf"))):
+            with pytest.raises(ValueError, match=f"`{name}` must be {re.escape(str(allowed))}, got"):
+                SpikeWhaleConfig.from_preset("tiny", **on, **{name: bad})
+
+
+def test_bool_layer_count_in_a_config_json_names_the_field(tmp_path):
+    blob = dict(SpikeWhaleConfig.from_preset("tiny").to_dict(), num_hidden_layers=True)
+    (tmp_path / "config.json").write_text(json.dumps(blob))
+    with pytest.raises(ValueError, match="`num_hidden_layers` must be an integer >= 1, got True"):
+        SpikeWhaleConfig.from_pretrained(tmp_path)
+
+
+def test_committed_model_and_every_preset_validate():
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "spike-whale-demo")
+    assert SpikeWhaleConfig.from_pretrained(folder).hidden_size == 128
+    for name in PRESETS:
+        SpikeWhaleConfig.from_preset(name).validate_architecture()
+
+
+def test_base_model_tp_plan_takes_the_assignment_transformers_post_init_makes():
+    """transformers 5.15-5.20's `__post_init__` adds a tied-embedding rule by assignment (the plan had no setter, so
+    every tied config failed to build there); the added rule stays, the plan still follows the fields, and it is
+    never saved."""
+    cfg = SpikeWhaleConfig.from_preset("tiny")
+    computed = cfg.base_model_tp_plan
+    cfg.base_model_tp_plan = {**cfg.base_model_tp_plan, "embed_tokens": "embedding_rowwise"}
+    assert cfg.base_model_tp_plan == {**computed, "embed_tokens": "embedding_rowwise"}
+    cfg.use_hrm_refine = False
+    plan = cfg.base_model_tp_plan
+    assert "hrm_refine.down" not in plan and plan["embed_tokens"] == "embedding_rowwise"
+    assert "base_model_tp_plan" not in cfg.to_dict()
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("[1,2]", "--config: [1,2] is a JSON array, not a JSON object (nor a file)"),
+        ("42", "--config: 42 is a JSON number, not a JSON object (nor a file)"),
+        ("missing.json", "--config: no such file: missing.json (nor is it an inline JSON object)"),
+    ],
+)
+@pytest.mark.parametrize("command, src", [("convert", "model.pt"), ("from-gguf", "model.gguf")])
+def test_convert_config_neither_file_nor_object_says_which(command, src, value, expected, tmp_path, monkeypatch,
+                                                           capsys):
+    from spike_whale.hub_export.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main([command, src, "out", "--config", value]) == 1
+    assert capsys.readouterr().err.strip() == f"spike-whale {command}: error: {expected}"
+    assert not (tmp_path / "out").exists()
