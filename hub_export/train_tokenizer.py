@@ -10,14 +10,18 @@ segmentation after each batch of additions is the scoreboard: candidates that a 
 lose their score.  Tokens picked in one batch can overlap, so `refine_rounds` more passes swap the least used
 tokens for candidates worth more than twice their use.  Multi-byte ids follow the order of selection.
 
-* Streaming: files and globs are read in chunks of `chunk_bytes` (any size of corpus); memory is bounded by
-  the candidate table, which is pruned to its best half whenever it exceeds `max_candidates` entries.
+* Streaming: files and globs are read in chunks of `chunk_bytes` (any size of corpus), each round counts them in
+  numpy (`CandidateTable`: strings are 64-bit hashes, no Python object per occurrence) and reads the chunks again
+  for the bytes of its winners.  Memory is bounded by the candidate table, pruned to its best half whenever it
+  exceeds `max_candidates` entries (about 250 bytes each at the peak of a merge); a round whose picks may have
+  lost to a pruned string warns.
 * Deterministic: same corpus, options and seed give the same vocabulary (ties are broken by the token bytes;
   the seed only chooses which chunks a round reads when `sample_bytes` limits it: chunks are then at most
   `sample_bytes`, and a round whose draw skipped every chunk reads one).
 * No token is part of one character and another (b"d \xe2\x80"): the fast tokenizer's added-token matcher cannot
   find such a token, so one would put the whole vocab on its slower piece pipeline.
-* A vocab that falls short of `vocab_size` (too little text read) warns, naming the count and the round that ran dry.
+* A vocab that falls short of `vocab_size` (too little text read) warns, naming the count and the round that ran dry;
+  so does a candidate table too small for the corpus, and a refinement that ends early says so (`notify`).
 * Layout (the released one): ids 0..3 ``<pad> <unk> <bos> <eos>``, byte b at b + 4, multi-byte tokens from
   260 in order of selection, the 17 chat/tool/FIM specials at 16384..16400 and 111 reserved ids up to 16511.
   ``vocab_size`` counts all of them, as the model's ``config.vocab_size`` does: the released 16,512 gives
@@ -29,15 +33,12 @@ tokens for candidates worth more than twice their use.  Multi-byte ids follow th
 from __future__ import annotations
 
 import glob
-import heapq
 import math
 import os
 import random
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from itertools import compress
-from operator import add
 from pathlib import Path
 
 DEFAULT_VOCAB_SIZE = 16512
@@ -66,72 +67,224 @@ def _check_options(vocab_size, max_token_len, rounds, max_ngram, min_freq, max_c
         raise ValueError("rounds >= 1, max_ngram >= 2, min_freq >= 1 and max_candidates >= 1000 are required")
 
 
-class CandidateTable:
-    """The scoreboard of one round: for each run length n, byte string -> occurrences; bounded in entries.
+_MASK64 = (1 << 64) - 1
 
-    ``score(s) = Σ_n (n − 1) · count_n(s)`` (the tokens `s` would save), ``freq(s) = Σ_n count_n(s)``.
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+_HASH_BASE = 0x100000001B3  # odd, so it is invertible modulo 2**64
+_BYTE_CODES = [_splitmix64(b) for b in range(256)]  # fixed: numpy's generators may change their streams
+WINDOW_TOKENS = 1 << 18  # tokens counted at once: bounds the temporary arrays whatever the size of a chunk
+
+
+class _Powers:
+    """``base**i`` and ``base**-i`` modulo 2**64 for i = 0..n, grown on demand."""
+
+    def __init__(self):
+        self.up = self.down = None
+
+    def get(self, n: int):
+        import numpy as np
+
+        if self.up is None or len(self.up) <= n:
+            size = max(n + 1, 1 << 16, 0 if self.up is None else 2 * len(self.up))
+            self.up, self.down = (np.full(size, b, dtype=np.uint64) for b in (_HASH_BASE, pow(_HASH_BASE, -1, 1 << 64)))
+            self.up[0] = self.down[0] = 1
+            np.cumprod(self.up, out=self.up)  # integer products wrap: arithmetic modulo 2**64
+            np.cumprod(self.down, out=self.down)
+        return self.up, self.down
+
+
+_POWERS = _Powers()
+
+
+def _group(keys, *columns, sums: int):
+    """Sort by `keys` and merge equal keys: the first `sums` columns are added, the others keep a first value."""
+    import numpy as np
+
+    order = np.argsort(keys)  # equal keys are equal strings: which occurrence represents them does not matter
+    keys = keys[order]
+    first = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1]))) if len(keys) else np.empty(0, np.intp)
+    out = [keys[first]]
+    for i, col in enumerate(columns):
+        col = col[order]
+        out.append(np.add.reduceat(col, first) if i < sums and len(first) else col[first])
+    return out
+
+
+class CandidateTable:
+    """The scoreboard of one round: every run of n = 2..max_ngram consecutive tokens (at most max_token_len bytes)
+    with ``score(s) = Σ (n − 1)`` over its occurrences (the tokens `s` would save) and ``freq(s)`` (occurrences).
+
+    Counting is numpy over whole chunks, never a Python object per occurrence: a string is its 64-bit polynomial
+    hash, computed for every run at once from the chunk's prefix hashes, and one occurrence (its offset in the
+    round's stream) stands for its bytes until the round's winners are read back (`read_back`).  Two strings whose
+    hashes collide would share one count: about one chance in 10^4 for a round of 50 million distinct strings.
+
+    Memory is bounded: beyond `max_candidates` entries the table keeps the best half by the upper bound
+    ``score + err`` (lossy counting: `err` is what an entry may have lost before it was (re)inserted) and `floor`
+    remembers the highest bound dropped.  A string missing from the table scores at most `floor`; a kept one
+    scores between `score` and ``score + err``.
     """
 
-    def __init__(self, max_candidates: int):
-        self.max_candidates = max_candidates
-        self.counts: dict[int, Counter] = {}
+    def __init__(self, max_candidates: int, max_ngram: int, max_token_len: int):
+        import numpy as np
 
-    def add_segmentation(self, seg: list[str], max_ngram: int, max_token_len: int) -> None:
-        """Count every run of n = 2..max_ngram consecutive tokens of `seg` that fits in max_token_len bytes."""
-        fits = max_token_len.__ge__
-        runs = seg
-        for n in range(2, max_ngram + 1):
-            runs = list(map(add, runs[:-1], seg[n - 1:]))
-            fitting = list(compress(runs, map(fits, map(len, runs))))  # all in C: this loop is the hot path
-            if not fitting:
+        self.max_candidates, self.max_ngram, self.max_token_len = max_candidates, max_ngram, max_token_len
+        empty = np.empty(0, np.int64)
+        self.keys, self.length = np.empty(0, np.uint64), np.empty(0, np.uint16)
+        self.score, self.freq, self.err, self.pos = (empty,) * 4
+        self.floor = 0
+        self.n_read = 0  # bytes of the round's stream before the next chunk
+        self.pending: list = []
+        self.n_pending = 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def add_chunk(self, chunk: str, seg: list[str]) -> None:
+        """Count the runs of `seg`, the greedy segmentation of `chunk` (a latin-1 string)."""
+        import numpy as np
+
+        data = np.frombuffer(chunk.encode("latin-1"), dtype=np.uint8)
+        starts = np.zeros(len(seg) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, seg), dtype=np.int64, count=len(seg)), out=starts[1:])
+        for t0 in range(0, len(seg), WINDOW_TOKENS):
+            self._add_window(data, starts, t0, min(t0 + WINDOW_TOKENS, len(seg)))
+        self.n_read += len(chunk)
+
+    def _add_window(self, data, starts, t0: int, t1: int) -> None:
+        """The runs starting at tokens t0..t1 - 1 (they may end after t1)."""
+        import numpy as np
+
+        n_tokens = len(starts) - 1
+        b0, b1 = int(starts[t0]), int(starts[min(n_tokens, t1 + self.max_ngram - 1)])
+        up, down = _POWERS.get(b1 - b0)
+        codes = np.array(_BYTE_CODES, dtype=np.uint64)[data[b0:b1]]
+        prefix = np.zeros(b1 - b0 + 1, dtype=np.uint64)  # prefix[j] = Σ_{i<j} code_i · base^(j-1-i)
+        np.cumsum(codes * down[1:b1 - b0 + 1], out=prefix[1:])
+        prefix *= up[:b1 - b0 + 1]
+        keys, weights, where, lengths = [], [], [], []
+        runs = np.arange(t0, t1)  # first token of each run that still fits; a longer run from there is longer
+        for n in range(2, self.max_ngram + 1):
+            runs = runs[runs + n <= n_tokens]
+            size = starts[runs + n] - starts[runs]
+            fits = size <= self.max_token_len
+            runs, size = runs[fits], size[fits]
+            if not len(runs):
                 break
-            self.counts.setdefault(n, Counter()).update(fitting)
-        if sum(map(len, self.counts.values())) > self.max_candidates:
-            self.prune()
+            begin = starts[runs] - b0
+            keys.append(prefix[begin + size] - prefix[begin] * up[size])
+            weights.append(np.full(len(runs), n - 1, dtype=np.int64))
+            where.append(begin + (b0 + self.n_read))
+            lengths.append(size.astype(np.uint16))
+        if not keys:
+            return
+        cat = np.concatenate
+        keys, score, freq, pos, length = _group(cat(keys), cat(weights), np.ones(sum(map(len, where)), np.int64),
+                                                cat(where), cat(lengths), sums=2)
+        self.pending.append((keys, score, freq, pos, length))
+        self.n_pending += len(keys)
+        if self.n_pending >= self.max_candidates // 2:
+            self.flush()
 
-    def scores(self) -> tuple[Counter, Counter]:
-        score, freq = Counter(), Counter()
-        for n, counts in self.counts.items():
-            freq.update(counts)
-            if n == 2:
-                score.update(counts)
-            else:
-                for piece, c in counts.items():
-                    score[piece] += (n - 1) * c
-        return score, freq
+    def flush(self, last: bool = False) -> None:
+        """Merge the pending counts into the table, then prune it if it is over the bound: to its best half, room for
+        more counts, or with `last` (the round's counting is over) to `max_candidates`."""
+        import numpy as np
 
-    def prune(self) -> None:
-        """Keep the best-scoring half of `max_candidates` strings (deterministic: ties by the bytes)."""
-        score, _ = self.scores()
-        keep = {p for p, _ in heapq.nsmallest(self.max_candidates // 2, score.items(), key=_rank)}
-        self.counts = {n: Counter({p: c for p, c in counts.items() if p in keep}) for n, counts in self.counts.items()}
+        if not self.pending:
+            return
+        columns = [np.concatenate(c) for c in zip(*self.pending)]
+        self.pending, self.n_pending = [], 0
+        keys, score, freq, pos, length = _group(*columns, sums=2)
+        del columns
+        at = np.searchsorted(self.keys, keys)
+        seen = at < len(self.keys)
+        seen[seen] = self.keys[at[seen]] == keys[seen]
+        self.score[at[seen]] += score[seen]  # `keys` are distinct, so each table entry is hit at most once
+        self.freq[at[seen]] += freq[seen]
+        new, at = ~seen, at[~seen]
+        for name, values in (("keys", keys), ("score", score), ("freq", freq), ("pos", pos), ("length", length)):
+            setattr(self, name, np.insert(getattr(self, name), at, values[new]))
+        self.err = np.insert(self.err, at, self.floor)
+        if len(self.keys) > self.max_candidates:
+            bound = self.score + self.err
+            n_drop = len(bound) - (self.max_candidates if last else self.max_candidates // 2)
+            order = np.argpartition(bound, n_drop)
+            self.floor = max(self.floor, int(bound[order[:n_drop]].max()))
+            keep = np.sort(order[n_drop:])
+            del order, bound
+            for name in ("keys", "score", "freq", "err", "pos", "length"):
+                setattr(self, name, getattr(self, name)[keep])
 
-    def best(self, count: int, exclude: set[str], min_freq: int) -> list[tuple[str, int]]:
-        """The `count` best (string, score) pairs not in `exclude`, best first.
+    def ranked(self, min_freq: int):
+        """Indices of the entries occurring at least `min_freq` times, best score first (ties by hash)."""
+        import numpy as np
+
+        self.flush(last=True)
+        eligible = np.flatnonzero(self.freq >= min_freq)
+        return eligible[np.argsort(-self.score[eligible], kind="stable")]
+
+    def best(self, count: int, exclude: set[str], min_freq: int, read_back: Callable) -> list[tuple[str, int]]:
+        """The `count` best (string, score) pairs not in `exclude`, best first (ties by the bytes).
 
         A string inside one already chosen from this table is taken only if it occurs at least twice as often
         (otherwise most of its score comes from inside the longer token, which greedy matching will prefer).
+        `read_back(positions, lengths)` returns the strings at those offsets of the round's stream.
         """
+        import numpy as np
+
         # Never a token across a character boundary (b"d \xe2\x80"): the fast tokenizer's added-token matcher, what
         # makes it fast, can only find tokens that are text or lie inside one character.
         from ..tokenization_spike_fast import crossing_tokens
 
-        score, freq = self.scores()
-        eligible = ((p, s) for p, s in score.items()
-                    if freq[p] >= min_freq and p not in exclude and (p.isascii() or not crossing_tokens([p])))
+        order = self.ranked(min_freq)
         chosen: list[tuple[str, int]] = []
-        for piece, value in heapq.nsmallest(3 * count, eligible, key=_rank):
-            if any(piece in longer and freq[piece] < 2 * freq[longer] for longer, _ in chosen):
-                continue
-            chosen.append((piece, value))
-            if len(chosen) == count:
-                break
+        cover: dict[str, int] = {}  # substring of a chosen string -> the highest freq of a chosen string holding it
+        rising = -self.score[order]
+        lo, size = 0, 3 * count + 64
+        while lo < len(order):  # each batch reads the chunks again: batches double, so a round reads them few times
+            hi = min(len(order), lo + size)
+            hi = int(np.searchsorted(rising, rising[hi - 1], side="right"))  # a batch ends after a whole tie
+            idx, lo, size = order[lo:hi], hi, 2 * size
+            found = zip(read_back(self.pos[idx], self.length[idx]), self.score[idx].tolist(), self.freq[idx].tolist())
+            for piece, value, freq in sorted(found, key=lambda item: (-item[1], item[0])):
+                if piece in exclude or freq < 2 * cover.get(piece, 0):
+                    continue
+                if not piece.isascii() and crossing_tokens([piece]):
+                    continue
+                chosen.append((piece, value))
+                if len(chosen) == count:
+                    return chosen
+                for i in range(len(piece) - 1):
+                    for j in range(i + 2, len(piece) + 1 - (i == 0)):
+                        sub = piece[i:j]
+                        if cover.get(sub, 0) < freq:
+                            cover[sub] = freq
         return chosen
 
 
-def _rank(item: tuple[str, int]) -> tuple[int, str]:
-    return -item[1], item[0]
-
+def read_back(chunks: Iterable[str], positions, lengths) -> list[str]:
+    """The strings of `lengths` at `positions`, offsets into the stream of `chunks` (no run crosses a chunk)."""
+    out = [""] * len(positions)
+    wanted = sorted(zip(positions.tolist(), lengths.tolist(), range(len(positions))))
+    offset, k = 0, 0
+    for chunk in chunks:
+        end = offset + len(chunk)
+        while k < len(wanted) and wanted[k][0] < end:
+            pos, length, i = wanted[k]
+            out[i] = chunk[pos - offset:pos - offset + length]
+            k += 1
+        if k == len(wanted):
+            break
+        offset = end
+    return out
 
 
 def train_lengthmax_vocab(
@@ -145,12 +298,15 @@ def train_lengthmax_vocab(
     max_candidates: int = 4_000_000,
     refine_rounds: int = 4,
     progress: Callable[[int], object] | None = None,
+    notify: Callable[[str], object] | None = None,
 ) -> dict:
     """Train a vocab in the released file format.
 
     `chunks(round)` returns an iterable of corpus chunks as latin-1 strings (one character per byte); it is
-    called once per round, so the corpus is streamed, never held.  `progress(round)` may return a context
-    manager with an ``update(n_chars)`` method (a tqdm bar).
+    called once per round to count and again to read back the round's winners, and must give the same chunks each
+    time, so the corpus is streamed, never held.  `progress(round)` may return a context manager with an
+    ``update(n_chars)`` method (a tqdm bar); `notify(message)` hears of a refinement that ends before
+    `refine_rounds` (nothing was worth a swap).  What went wrong (a short vocab, a table too small) warns.
     """
     from ..tokenization_spike import compile_greedy_regex
 
@@ -162,35 +318,49 @@ def train_lengthmax_vocab(
     forbidden = set(lay["BASE_SPECIAL_TOKENS"]) | set(lay["SPECIAL_TOKENS"]) | set(lay["RESERVED_TOKENS"])
     known = {chr(b) for b in range(256)}
     selected: list[str] = []
+    pruned_rounds: list[str] = []
 
-    def scan(round_idx: int) -> tuple[CandidateTable, Counter, int]:
-        """Segment the corpus with the current vocab: the candidate table, how often each token is used and the
-        number of bytes read."""
+    def scan(round_idx: int, count_usage: bool = False) -> tuple[CandidateTable, Counter]:
+        """Segment the corpus with the current vocab: the candidate table and how often each token is used."""
         findall = compile_greedy_regex(known).findall
-        table, usage, n_read = CandidateTable(max_candidates), Counter(), 0
+        table, usage = CandidateTable(max_candidates, max_ngram, max_token_len), Counter()
         bar = progress(round_idx) if progress else None
         for chunk in chunks(round_idx):
             seg = findall(chunk)
-            table.add_segmentation(seg, max_ngram, max_token_len)
-            usage.update(seg)
-            n_read += len(chunk)
+            table.add_chunk(chunk, seg)
+            if count_usage:
+                usage.update(seg)
             if bar is not None:
                 bar.update(len(chunk))
         if bar is not None:
             bar.close()
-        return table, usage, n_read
+        return table, usage
+
+    def best(table: CandidateTable, round_idx: int, count: int) -> list[tuple[str, int]]:
+        def strings(pos, length):
+            return read_back(chunks(round_idx), pos, length)
+
+        return table.best(count, known | forbidden, min_freq, strings)
+
+    def check_floor(table: CandidateTable, round_idx: int, taken: list[tuple[str, int]]) -> None:
+        """A string dropped from the table could have scored up to its floor: note a round that took one below."""
+        if taken and table.floor >= taken[-1][1]:
+            pruned_rounds.append(f"round {round_idx + 1} dropped strings scoring up to {table.floor:,} and picked "
+                                 f"one scoring {taken[-1][1]:,}")
 
     shortfall = None
     for round_idx in range(rounds):
         remaining = capacity - len(selected)
         if remaining <= 0:
             break
-        table, _, n_read = scan(round_idx)
+        table, _ = scan(round_idx)
         take = math.ceil(remaining / (rounds - round_idx))
-        ranked = [piece for piece, _ in table.best(take, known | forbidden, min_freq)]
+        picks = best(table, round_idx, take)
+        check_floor(table, round_idx, picks)
+        ranked = [piece for piece, _ in picks]
         if len(ranked) < take:
-            shortfall = (f"round {round_idx + 1} of {rounds} read {n_read:,} bytes and found {len(ranked):,} new "
-                         f"strings occurring at least min_freq={min_freq} times where it needed {take:,} (a small "
+            shortfall = (f"round {round_idx + 1} of {rounds} read {table.n_read:,} bytes and found {len(ranked):,} "
+                         f"new strings occurring at least min_freq={min_freq} times where it needed {take:,} (a small "
                          "corpus, or --sample-bytes reading too little)")
         if not ranked:
             break
@@ -203,17 +373,26 @@ def train_lengthmax_vocab(
     # Refinement: tokens picked in the same batch overlap, so some end up rarely used. Each refine round swaps the
     # least used tokens (removing one costs at least one token per use) for new candidates worth clearly more.
     for refine_idx in range(refine_rounds):
-        table, usage, _ = scan(rounds + refine_idx)
+        round_idx = rounds + refine_idx
+        table, usage = scan(round_idx, count_usage=True)
         weakest = sorted(selected, key=lambda t: (usage[t], t))[: max(1, len(selected) // 10)]
-        fresh = table.best(len(weakest), known | forbidden, min_freq)
+        fresh = best(table, round_idx, len(weakest))
         swaps = 0
         while swaps < min(len(weakest), len(fresh)) and fresh[swaps][1] > 2 * usage[weakest[swaps]]:
             swaps += 1
+        check_floor(table, round_idx, fresh[:swaps])
         if swaps == 0:
+            if notify is not None:
+                notify(f"refinement stopped at round {refine_idx + 1} of {refine_rounds}: no new string scores more "
+                       "than twice the use of the token it would replace")
             break
         dropped = set(weakest[:swaps])
         selected = [t for t in selected if t not in dropped] + [piece for piece, _ in fresh[:swaps]]
         known = (known - dropped) | {piece for piece, _ in fresh[:swaps]}
+    if pruned_rounds:
+        warnings.warn(f"the candidate table (max_candidates={max_candidates:,}) was too small for this corpus: "
+                      f"{'; '.join(pruned_rounds)}, so better strings may have been missed; raise --max-candidates "
+                      "(memory) or lower --sample-bytes", stacklevel=2)
 
     vocab = {tok: i for i, tok in enumerate(lay["BASE_SPECIAL_TOKENS"])}
     vocab.update({chr(b): b + lay["BYTE_OFFSET"] for b in range(256)})
@@ -309,7 +488,8 @@ def train_from_files(patterns: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SI
         return tqdm(total=int(total * fraction), unit="B", unit_scale=True, desc=f"round {round_idx + 1}/{rounds}",
                     disable=not show_progress)
 
-    return train_lengthmax_vocab(chunks, vocab_size, progress=progress, **options)
+    return train_lengthmax_vocab(chunks, vocab_size, progress=progress, notify=tqdm.write if show_progress else None,
+                                 **options)
 
 
 def save_tokenizer_folder(data: dict, out_dir: str | os.PathLike, **tokenizer_kwargs) -> str:
@@ -394,7 +574,8 @@ def register(sub) -> None:
     p.add_argument("--max-ngram", type=int, default=8, help="longest run of current tokens scored (default 8)")
     p.add_argument("--min-freq", type=int, default=2, help="minimum occurrences of a new token (default 2)")
     p.add_argument("--max-candidates", type=int, default=4_000_000,
-                   help="candidate table bound (memory); pruned to its best half beyond it (default 4,000,000)")
+                   help="candidate table bound (memory: about 250 bytes an entry at its peak); pruned to its best "
+                   "half beyond it, and a warning says when that may have cost better tokens (default 4,000,000)")
     p.add_argument("--sample-bytes", type=int, default=None,
                    help="read about this many bytes per round, chunks chosen by --seed (default: all)")
     p.add_argument("--seed", type=int, default=0, help="seed for --sample-bytes (default 0)")
