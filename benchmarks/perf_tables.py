@@ -45,7 +45,7 @@ def run_line(result: dict) -> str:
 
 
 def table(result: dict) -> list[str]:
-    rows = result.get("table")
+    rows = result.get("table") if isinstance(result, dict) else None
     if not isinstance(rows, list):
         raise ValueError("the JSON has no 'table' list: pass the file bench_speed.py writes (benchmarks/results/speed.json)")
     lines = ["| path | spike_whale | anchor | ratio | target |", "|---|---|---|---|---|"]
