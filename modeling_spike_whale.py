@@ -175,7 +175,7 @@ OVERSIZE_FACTOR = 4
 def oversized_fields(values: dict, shapes: dict[str, tuple]) -> list[str]:
     """The `SIZE_FIELDS` of `values` (config fields) asking for more than `OVERSIZE_FACTOR` times what the checkpoint
     tensors `shapes` hold, as "field=value (the weights hold n)": plain arithmetic on the header, so that a config
-    asking for a million layers is refused before a module is built (a meta-device build takes ~9 ms a layer)."""
+    asking for a million layers is refused before a module is built (a meta-device build grows with the layers)."""
     found = []
     for name, (pattern, dim, flag) in SIZE_FIELDS.items():
         value = values.get(name)
