@@ -412,6 +412,7 @@ class ForwardContext:
     attn_mask: torch.Tensor | None
     is_causal: bool
     segments: SegmentLayout | None
+    key_valid: torch.Tensor | None = None  # [B, keys]: the real keys behind attn_mask (flash's 2D padding mask)
     token_ids: torch.Tensor | None = None  # [B, S] input ids (hash routing of the MoE); None with inputs_embeds
     past: int | torch.Tensor = 0  # positions cached before this chunk (a 0-d tensor under torch.compile)
     max_cache_len: int = 0  # positions each slot's K/V buffers hold (0: no cache)
@@ -977,6 +978,33 @@ def decode_attention(q, k, v, mask):
     return _as(torch.matmul(probs, v).view(B, nh, S, hd), dtype)
 
 
+def kernel_mask(impl: str, mask, is_causal: bool, key_valid, q, k, memo: dict | None = None) -> tuple:
+    """(mask, is_causal) in the form each attention kernel expects, from the boolean [B|1, 1, S, N] "query may read
+    key" mask (None: `is_causal` alone, or no mask at all), as in-library models hand them out:
+
+    sdpa: the boolean mask;  flash_*: the [B, N] padding mask of real keys (None without padding) with is_causal,
+    since flash unpads the keys and aligns causality bottom-right;  flex_attention: a `BlockMask` over the boolean
+    mask;  eager and registered functions: the additive float mask (0 where visible, the dtype's min elsewhere)."""
+    if impl == "sdpa" or (mask is None and not is_causal):
+        return mask, is_causal
+    if "flash" in impl:
+        return key_valid, True
+    vis = _visible(mask, is_causal, q.shape[2], k.shape[2], q.device)
+    if impl == "flex_attention":
+        key = ("flex", q.device)  # one mask per forward (`memo` is the forward's), shared by every slot
+        if memo is None or key not in memo:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            rows = vis.shape[0]
+            block = create_block_mask(lambda b, h, qi, ki: vis[b if rows > 1 else 0, 0, qi, ki], rows, None,
+                                      vis.shape[2], vis.shape[3], device=q.device)
+            if memo is None:
+                return block, False
+            memo[key] = block
+        return memo[key], False
+    return torch.zeros(vis.shape, dtype=q.dtype, device=q.device).masked_fill(~vis, torch.finfo(q.dtype).min), False
+
+
 def _visible(mask, is_causal, S: int, N: int, device) -> torch.Tensor:
     """The boolean [B|1, 1, S, N] "query may read key" matrix behind (mask, is_causal)."""
     if mask is not None:
@@ -1199,10 +1227,14 @@ class SpikeWhaleAttention(InputProjectionFusion, nn.Module):
             S = q.shape[2]
             # One query per row, or a short chunk continuing a cache (which always has a mask; a verify step).
             few = S == 1 or (S <= self.few_queries and not isinstance(ctx.past, torch.Tensor) and ctx.past > 0)
+            impl = ctx.attn_implementation
+            # A compiled step reads whole static buffers, which flash's 2D padding mask cannot describe.
+            flash_compiled = impl is not None and "flash" in impl and isinstance(ctx.past, torch.Tensor)
             if (self.attn_kind == "softmax" and few and not ctx.need_weights
-                    and ctx.attn_implementation in ("sdpa", "eager", None)):
+                    and (impl in ("sdpa", "eager", None) or flash_compiled)):
                 return decode_attention(q, k, v, mask), None, None, None
-            return (*self._attend_stateless(q, k, v, mask, ctx.is_causal, ctx.attn_implementation), None, None)
+            key_valid = _on(ctx.key_valid, q.device) if ctx.key_valid is not None else None
+            return (*self._attend_stateless(q, k, v, mask, ctx.is_causal, impl, key_valid, ctx.memo), None, None)
         dropout = self.config.attention_dropout if self.training else 0.0
         y, weights, ratings, per_query = elo_attention(
             q, k, v, mask, ctx.is_causal, dropout, self.elo_gain, self.elo_k, ratings, ctx.valid.to(q.device)
@@ -1213,10 +1245,12 @@ class SpikeWhaleAttention(InputProjectionFusion, nn.Module):
         steps = [per_query[:, :, j, : ctx.past + j + 1] for j in range(S - ctx.record, S)] if ctx.record else None
         return y.to(q.dtype), weights, ratings, steps
 
-    def _attend_stateless(self, q, k, v, mask, is_causal: bool, impl: str | None) -> tuple:
+    def _attend_stateless(self, q, k, v, mask, is_causal: bool, impl: str | None, key_valid=None,
+                          memo: dict | None = None) -> tuple:
         """(output, weights or None) of softmax attention through transformers' `AttentionInterface` (`impl`: the
         forward's `config._attn_implementation`, or eager for a call that returns the weights; eager, sdpa,
-        flex_attention or a registered function), or DERF: everything but Elo, whose ratings are state."""
+        flash_attention_*, flex_attention or a registered function), or DERF: everything but Elo, whose ratings are
+        state. Each kernel gets the mask it expects (`kernel_mask`)."""
         dropout = self.config.attention_dropout if self.training else 0.0
         if self.attn_kind == "derf":
             return derf_attention(q, k, v, mask, is_causal, dropout, self.derf_alpha, self.derf_bias, self.derf_gamma)
@@ -1225,10 +1259,7 @@ class SpikeWhaleAttention(InputProjectionFusion, nn.Module):
             attend = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
         else:  # transformers < 5.24, whose set_attn_implementation looks for this in-library idiom
             attend = eager_attention_forward if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
-        if impl != "sdpa" and (mask is not None or is_causal):
-            # Every other kernel gets the additive float mask of transformers' eager convention.
-            vis = _visible(mask, is_causal, q.shape[2], k.shape[2], q.device)
-            mask = torch.zeros(vis.shape, dtype=q.dtype, device=q.device).masked_fill(~vis, torch.finfo(q.dtype).min)
+        mask, is_causal = kernel_mask(impl, mask, is_causal, key_valid, q, k, memo)
         y, weights = attend(self, q, k, v, mask, dropout=dropout, scaling=self.scaling, is_causal=is_causal)
         return y.transpose(1, 2), weights
 
@@ -2213,6 +2244,7 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
     _no_split_modules = ["SpikeWhaleDecoderLayer", "MTPHead"]
     _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
+    _supports_flash_attn = True  # each kernel gets its own mask form (`kernel_mask`)
     _supports_flex_attn = True
     _supports_attention_backend = True  # softmax attention goes through ALL_ATTENTION_FUNCTIONS
     # torch.compile(model, fullgraph=True) holds for prefill and decode steps on the loop-slot cache (no host syncs
@@ -2478,7 +2510,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         else:
             needs_mask = (not bool(valid.all()) or (past > 0 and S > 1)
                           or (past > 0 and not bool(cache.key_valid[:, :past].all())))
-        attn_mask, is_causal = None, False
+        attn_mask, is_causal, key_valid = None, False, None
         if needs_mask:
             q_idx = (past + torch.arange(S, device=device))[:, None]
             if compiling and cache is not None:  # the whole static buffers (`write_kv`): unwritten keys are masked
@@ -2504,9 +2536,10 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                 base, n_fin = torch.zeros(B, dtype=torch.long, device=device), 0
             segments = SegmentLayout.build(positions, valid, base, L, n_fin)
         impl = self.config._attn_implementation
+        key_valid = key_valid if needs_mask else None
         if cache is None:
-            return ForwardContext(positions, valid, attn_mask, is_causal, segments, attn_implementation=impl)
-        return ForwardContext(positions, valid, attn_mask, is_causal, segments, past=past,
+            return ForwardContext(positions, valid, attn_mask, is_causal, segments, key_valid, attn_implementation=impl)
+        return ForwardContext(positions, valid, attn_mask, is_causal, segments, key_valid, past=past,
                               max_cache_len=cache.max_cache_len, n_mc_segments=cache.n_mc_segments,
                               record=min(S, cache.get_recurrent_states_to_keep() + 1) if cache.record_past else 0,
                               attn_implementation=impl)

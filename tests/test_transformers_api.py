@@ -299,3 +299,59 @@ def test_from_pretrained_applies_checkpoint_renames_and_reports_mismatches(tmp_p
     monkeypatch.setitem(msw.CHECKPOINT_KEY_RENAMES, r"^model\.mix\.logits$", "model.hc_out_mix.mix_logits")
     loaded = SpikeWhaleForCausalLM.from_pretrained(tmp_path)
     assert torch.equal(loaded.model.hc_out_mix.mix_logits, model.model.hc_out_mix.mix_logits)
+
+
+def _flash_stand_in(seen):
+    """A CPU stand-in for flash_attention_2 that checks flash's mask contract (a [B, keys] padding mask or None, and
+    is_causal with causality aligned bottom-right) and computes exactly what flash would from it."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def flash(module, q, k, v, attention_mask, is_causal=None, **kw):
+        B, _, S, _ = q.shape
+        N = k.shape[2]
+        assert is_causal is True
+        assert attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.shape == (B, N))
+        seen.append(None if attention_mask is None else tuple(attention_mask.shape))
+        keys = torch.ones(B, N, dtype=torch.bool) if attention_mask is None else attention_mask
+        causal = torch.arange(N)[None, :] <= (N - S + torch.arange(S))[:, None]
+        vis = (causal[None] & keys[:, None, :]) | ~keys[:, None, N - S:].transpose(1, 2)  # padded queries: anything
+        return sdpa_attention_forward(module, q, k, v, vis[:, None], is_causal=False, **kw)
+
+    return flash
+
+
+@pytest.mark.parametrize("impl", ["flash_attention_2", "flex_attention"])
+def test_each_attention_kernel_gets_the_mask_it_expects(impl, monkeypatch):
+    """flash gets the [B, keys] padding mask (or None) with is_causal, flex a BlockMask (torch's CPU flex kernel does
+    not survive the dense float mask), and both give the sdpa model's logits on a left-padded batch and its tokens in
+    cached greedy decoding across Memory-Cache segments (prefill, a multi-token chunk, decode steps)."""
+    from torch.nn.attention.flex_attention import BlockMask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    seen = []
+    if impl == "flash_attention_2":
+        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, impl, _flash_stand_in(seen))
+    else:
+        real = ALL_ATTENTION_FUNCTIONS[impl]
+
+        def flex(module, q, k, v, attention_mask, **kw):
+            assert isinstance(attention_mask, BlockMask) and not kw.get("is_causal")
+            seen.append(attention_mask.shape)
+            return real(module, q, k, v, attention_mask, **kw)
+
+        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, impl, flex)
+    model = tiny_model()
+    L = model.config.mc_segment_len
+    ids = ids_of(2, L + 5, high=300)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask, use_cache=False).logits
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=L, do_sample=False, repetition_penalty=1.0)
+        model.config._attn_implementation = impl
+        got = model(ids, attention_mask=mask, use_cache=False).logits
+        assert torch.allclose(got[mask.bool()], ref[mask.bool()], atol=1e-5)
+        calls = len(seen)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=L, do_sample=False, repetition_penalty=1.0)
+    assert torch.equal(out, want)
+    assert calls >= model.config.num_loop_slots and len(seen) > calls
