@@ -1,12 +1,14 @@
 """Train the committed default model (models/spike-whale-demo) on a real English corpus.
 
-    python -m spike_whale.hub_export.train_default OUT_DIR --corpus jargon.txt.gz [--time-budget-min 80]
+    python -m spike_whale.hub_export.train_default OUT_DIR --corpus CORPUS_DIR --tokenizer VOCAB_DIR --size 10m
+    python -m spike_whale.hub_export.train_default OUT_DIR --corpus text.txt[.gz]
 
-The corpus is the Jargon File 4.4.7 as Debian's `jargon-text` package ships it
-(/usr/share/doc/jargon-text/jargon.txt.gz; public domain). `prepare_corpus` reflows it into one paragraph per
-line pair and drops the box-drawing tables; the last 5% of paragraphs are held out (written to
-OUT_DIR/heldout.txt) and never trained on. The vocabulary is trained on the rest by the project's Length-MAX
-trainer (`train_tokenizer.train_from_files`, as `spike-whale train-tokenizer` runs it). The objective is the model's own (`model(x, labels=x).loss`: CE +
+`--corpus` is either a folder built by `scripts/build_corpus.py` (train.txt is trained on; validation.txt gives the
+held-out batch and OUT_DIR/heldout.txt; test.txt is never read here) or one text file, which `prepare_corpus`
+reflows into paragraphs and whose last 5% of paragraphs are held out. The vocabulary is `--tokenizer`'s (a folder
+written by `spike-whale train-tokenizer`) or is trained on the training text by the project's Length-MAX trainer.
+`--bf16` (default: where the CPU has bf16 instructions) runs the step under bf16 autocast, the model keeping its
+float32 modules; `--compile` compiles the forward and backward once (fixed shapes). The objective is the model's own (`model(x, labels=x).loss`: CE +
 z-loss + MTP + HRM deep supervision) with its three-tier optimizer groups; the schedule is linear warm-up then
 cosine over `--max-steps`, so the same command and seed give the same model. `--time-budget-min` only stops a run
 that is slower than planned (the record then says so). Every `--eval-every` steps the loss on a fixed held-out batch
@@ -51,7 +53,18 @@ DEFAULT_CONFIG = dict(
     engram_compress_dim=16, engram_table_size=1024, hrm_refine_dim=64, mc_segment_len=64, mc_num_heads=2,
     mc_head_dim=16, mc_gate_dim=32, depth_attention_stride=2, max_position_embeddings=512,
 )
+# ~10M parameters (4.2M of them the tied embedding), the same mechanisms, for the English corpus: rows of 512
+# tokens cross 8 Memory-Cache segments.
+ENGLISH_CONFIG = dict(
+    hidden_size=256, num_hidden_layers=4, loop_count=3, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=64, qk_rope_head_dim=32, q_lora_rank=128, o_lora_rank=128, moe_intermediate_size=768,
+    engram_compress_dim=32, engram_table_size=4096, hrm_refine_dim=128, mc_segment_len=64, mc_num_heads=4,
+    mc_head_dim=32, mc_gate_dim=64, depth_attention_stride=2, max_position_embeddings=1024,
+)
+SIZES = {"3m": DEFAULT_CONFIG, "10m": ENGLISH_CONFIG}
 HELD_OUT_FRACTION = 0.05
+# The held-out text written next to a corpus-folder model (the head of validation.txt): the card's quick check.
+HELD_OUT_FILE_BYTES = 65536
 # What a run writes into OUT_DIR besides the model folder's files (an earlier run's folder may be replaced or resumed).
 # MTP self-distillation prompts: `<bos>` + this many training tokens, continued for --seq-len greedy tokens.
 MTP_PROMPT_TOKENS = 32
@@ -84,8 +97,17 @@ def split_held_out(text: str, fraction: float = HELD_OUT_FRACTION) -> tuple[str,
 
 
 def lr_at(step: int, args) -> float:
+    """Linear warm-up, then cosine to --min-lr over --max-steps; or, with --schedule wsd, constant until the last
+    --decay-fraction of the steps and linear to --min-lr there (so a run's --max-steps can still be changed on
+    --resume before its decay starts, without changing any step already taken)."""
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
+    if args.schedule == "wsd":
+        decay_start = args.max_steps - int(args.decay_fraction * args.max_steps)
+        if step < decay_start:
+            return args.lr
+        progress = min(1.0, (step - decay_start) / max(1, args.max_steps - decay_start))
+        return args.lr + (args.min_lr - args.lr) * progress
     progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
     return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * progress))
 
@@ -110,13 +132,45 @@ def held_out_loss(model, batch: torch.Tensor) -> float:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
 
 
+def corpus_texts(args) -> tuple[str, str, str, dict]:
+    """(train text, held-out text, what the held-out batch is drawn from, corpus facts for the record)."""
+    if os.path.isdir(args.corpus):
+        manifest_path = os.path.join(args.corpus, "manifest.json")
+        manifest = json.load(open(manifest_path, encoding="utf-8"))
+        train_text = read_text(os.path.join(args.corpus, "train.txt"))
+        validation = read_text(os.path.join(args.corpus, "validation.txt"))
+        held_text = validation.encode()[:HELD_OUT_FILE_BYTES].decode("utf-8", "ignore")
+        facts = {"corpus": "scripts/build_corpus.py folder",
+                 "corpus_sha256": {k: v["sha256"] for k, v in manifest["splits"].items()},
+                 "manifest_sha256": hashlib.sha256(open(manifest_path, "rb").read()).hexdigest()}
+        return train_text, held_text, validation, facts
+    text = prepare_corpus(read_text(args.corpus))
+    train_text, held_text = split_held_out(text)
+    facts = {"corpus": os.path.basename(args.corpus),
+             "corpus_sha256": hashlib.sha256(open(args.corpus, "rb").read()).hexdigest(),
+             "prepared_sha256": hashlib.sha256(text.encode()).hexdigest()}
+    return train_text, held_text, held_text, facts
+
+
+def encode_cached(tokenizer, text: str, work: str, name: str) -> torch.Tensor:
+    """The text's ids, kept in the work folder under the text's and vocabulary's hash (a resumed run skips the
+    encoding of a large corpus)."""
+    key = hashlib.sha256(text.encode() + tokenizer.backend_tokenizer.to_str().encode()).hexdigest()[:16]
+    path = os.path.join(work, f"{name}-{key}.pt")
+    if os.path.exists(path):
+        return torch.load(path)
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.int32)
+    torch.save(ids, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return ids
+
+
 def train(args) -> int:
     torch.set_num_threads(args.threads)
     os.makedirs(args.out_dir, exist_ok=True)
     work = os.path.join(args.out_dir, "training")
     os.makedirs(work, exist_ok=True)
-    text = prepare_corpus(read_text(args.corpus))
-    train_text, held_text = split_held_out(text)
+    train_text, held_text, held_source, facts = corpus_texts(args)
     heldout_sha256 = hashlib.sha256(held_text.encode()).hexdigest()
     source = None
     if args.mtp_distill_from:
@@ -127,19 +181,19 @@ def train(args) -> int:
     with open(os.path.join(args.out_dir, "heldout.txt"), "w", encoding="utf-8") as handle:
         handle.write(held_text)
 
-    train_path = os.path.join(work, "train.txt")
-    with open(train_path, "w", encoding="utf-8") as handle:
-        handle.write(train_text)
-    vocab_path = os.path.join(args.mtp_distill_from or work, "spike_vocab.json")
+    vocab_path = os.path.join(args.mtp_distill_from or args.tokenizer or work, "spike_vocab.json")
     if not os.path.exists(vocab_path):
+        train_path = os.path.join(work, "train.txt")
+        with open(train_path, "w", encoding="utf-8") as handle:
+            handle.write(train_text)
         t0 = time.time()
         data = train_from_files([train_path], vocab_size=args.vocab_size, show_progress=False)
         with open(vocab_path, "w", encoding="utf-8") as handle:
             handle.write(dump_vocab_data(data))
         print(f"Length-MAX vocab (vocab_size {args.vocab_size}) trained in {time.time() - t0:.0f}s", flush=True)
     tokenizer = SpikeTokenizerFast(load_vocab_file(vocab_path))
-    ids = torch.tensor(tokenizer(train_text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    held_ids = torch.tensor(tokenizer(held_text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    ids = encode_cached(tokenizer, train_text, work, "train").long()
+    held_ids = encode_cached(tokenizer, held_source, work, "held").long()
     log_path = os.path.join(args.out_dir, "training_log.txt")
     earlier_log = open(os.path.join(args.mtp_distill_from, "training_log.txt")).read() if source else ""
     log_file = open(log_path, "a" if args.resume else "w", encoding="utf-8")
@@ -158,7 +212,7 @@ def train(args) -> int:
         log(f"from {args.mtp_distill_from} ({run['steps']} steps): MTP self-distillation only")
     else:
         log(f"train: {len(train_text.encode()):,} bytes -> {len(ids):,} tokens; held out: "
-            f"{len(held_text.encode()):,} bytes -> {len(held_ids):,} tokens")
+            f"{len(held_source.encode()):,} bytes -> {len(held_ids):,} tokens")
         model, run = train_lm(args, ids, held_ids, log)
     if args.mtp_distill_steps:
         run["mtp_self_distillation"] = mtp_self_distill(model, ids, held_ids, args, log)
@@ -167,9 +221,8 @@ def train(args) -> int:
     save_hub_folder(model, tokenizer, args.out_dir)
     record = {
         "commands": run.pop("commands"),
-        "corpus": os.path.basename(args.corpus),
-        "corpus_sha256": hashlib.sha256(open(args.corpus, "rb").read()).hexdigest(),
-        "prepared_sha256": hashlib.sha256(text.encode()).hexdigest(),
+        **facts,
+        "vocab_sha256": hashlib.sha256(open(vocab_path, "rb").read()).hexdigest(),
         "heldout_sha256": heldout_sha256,
         "train_bytes": len(train_text.encode()), "train_tokens": len(ids),
         **run,
@@ -181,15 +234,24 @@ def train(args) -> int:
     return 0
 
 
+def use_bf16(choice: str) -> bool:
+    """--bf16 auto: bf16 autocast where the CPU has bf16 instructions (AVX512-BF16 or AMX)."""
+    if choice != "auto":
+        return choice == "on"
+    from ..modeling_spike_whale import cpu_has_mkldnn_bf16
+    return cpu_has_mkldnn_bf16()
+
+
 def train_lm(args, ids: torch.Tensor, held_ids: torch.Tensor, log) -> tuple[SpikeWhaleForCausalLM, dict]:
     """The model's own objective over the LM schedule (from OUT_DIR/training/checkpoint.pt with --resume)."""
     work = os.path.join(args.out_dir, "training")
     torch.manual_seed(args.seed)
-    config = SpikeWhaleConfig.from_preset("tiny", **DEFAULT_CONFIG)
+    config = SpikeWhaleConfig.from_preset("tiny", **SIZES[args.size])
     model = SpikeWhaleForCausalLM(config)
     eval_batch = held_out_batch(held_ids, args.seq_len, config.bos_token_id)
     opt = torch.optim.AdamW(model.optimizer_param_groups(args.lr, embedding_lr_scale=args.embedding_lr_scale,
-                                                         weight_decay=args.weight_decay), betas=(0.9, 0.95))
+                                                         weight_decay=args.weight_decay), betas=(0.9, 0.95),
+                            foreach=True)
     base_lrs = [group["lr"] / args.lr for group in opt.param_groups]
     ckpt_path = os.path.join(work, "checkpoint.pt")
     commands_path = os.path.join(work, "commands.json")
@@ -206,7 +268,18 @@ def train_lm(args, ids: torch.Tensor, held_ids: torch.Tensor, log) -> tuple[Spik
         log(f"resumed at step {step} ({spent / 60:.1f} min spent)")
     g = torch.Generator().manual_seed(args.seed + step)
     model.train()
+    bf16 = use_bf16(args.bf16)
+
+    def objective(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = model(x, labels=x)
+        return out.loss, getattr(out, "lm_loss", None), getattr(out, "mtp_loss", None)
+
+    step_fn = torch.compile(objective) if args.compile else objective
+    log(f"{sum(p.numel() for p in model.parameters()):,} parameters; bf16 autocast {'on' if bf16 else 'off'}; "
+        f"compiled {'yes' if args.compile else 'no'}; {args.threads} threads")
     start = time.time() - spent
+    window_start, window_tokens = time.time(), 0
     ema = None
     last = min(args.max_steps, args.stop_at_step or args.max_steps)
     while step < last and time.time() - start < 60 * args.time_budget_min:
@@ -215,20 +288,25 @@ def train_lm(args, ids: torch.Tensor, held_ids: torch.Tensor, log) -> tuple[Spik
             group["lr"] = lr * scale
         starts = torch.randint(0, len(ids) - args.seq_len - 1, (args.batch_size,), generator=g)
         x = batch_of(ids, starts, args.seq_len, config.bos_token_id)
-        out = model(x, labels=x)
+        loss, lm_loss, mtp_loss = step_fn(x)
         opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+            raise FloatingPointError(f"step {step + 1}: the loss or the gradient is not finite; resume from the "
+                                     f"last checkpoint with a lower --lr")
         opt.step()
         step += 1
-        lm = out.lm_loss.item() if getattr(out, "lm_loss", None) is not None else out.loss.item()
+        window_tokens += x.numel()
+        lm = lm_loss.item() if lm_loss is not None else loss.item()
         ema = lm if ema is None else 0.95 * ema + 0.05 * lm
         if step % args.log_every == 0 or step % args.eval_every == 0 or step == 1:
             held = f"  held-out {held_out_loss(model, eval_batch):.3f}" if step % args.eval_every == 0 else ""
-            mtp = getattr(out, "mtp_loss", None)
-            mtp = f"  mtp {mtp.item():.3f}" if mtp is not None else ""
-            log(f"step {step:5d}  lr {lr:.2e}  loss {out.loss.item():.3f}  lm {lm:.3f} (ema {ema:.3f}){mtp}{held}  "
-                f"{(time.time() - start) / 60:.1f} min")
+            mtp = f"  mtp {mtp_loss.item():.3f}" if mtp_loss is not None else ""
+            rate = window_tokens / (time.time() - window_start)
+            log(f"step {step:5d}  lr {lr:.2e}  loss {loss.item():.3f}  lm {lm:.3f} (ema {ema:.3f}){mtp}{held}  "
+                f"{rate:.0f} tok/s  {(time.time() - start) / 60:.1f} min")
+            window_start, window_tokens = time.time(), 0
         if step % args.checkpoint_every == 0 or step == last:
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
                         "elapsed": time.time() - start}, ckpt_path + ".tmp")
@@ -311,7 +389,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m spike_whale.hub_export.train_default", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir", help="model folder to write (training state goes to OUT_DIR/training)")
-    p.add_argument("--corpus", required=True, help="jargon.txt.gz from Debian's jargon-text package (or any text)")
+    p.add_argument("--corpus", required=True,
+                   help="a folder built by scripts/build_corpus.py, or one text file (.gz read as gzip)")
+    p.add_argument("--tokenizer", default=None, metavar="VOCAB_DIR",
+                   help="use this spike-whale train-tokenizer folder's vocabulary (default: train one here)")
+    p.add_argument("--size", choices=sorted(SIZES), default="3m", help="model size (3m: the old demo's shape)")
+    p.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
+                   help="bf16 autocast (auto: where the CPU has bf16 instructions)")
+    p.add_argument("--compile", action="store_true", help="compile the forward and backward (fixed shapes)")
+    p.add_argument("--schedule", choices=("cosine", "wsd"), default="cosine")
+    p.add_argument("--decay-fraction", type=float, default=0.2, help="wsd: the share of steps that decay")
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--vocab-size", type=int, default=4484,
                    help="Length-MAX vocab size as spike-whale train-tokenizer counts it (4484: 4,096 multi-byte tokens)")
     p.add_argument("--seq-len", type=int, default=128)
@@ -344,8 +432,19 @@ def main(argv=None) -> int:
                    help="replace an earlier run's folder (never a folder holding files this command does not write)")
     args = p.parse_args(argv)
     args.command = " ".join([p.prog] + (sys.argv[1:] if argv is None else list(argv)))
-    if not os.path.isfile(args.corpus):
-        p.error(f"corpus {args.corpus!r} not found (apt-get download jargon-text; dpkg-deb -x it)")
+    if os.path.isdir(args.corpus):
+        missing = [f for f in ("train.txt", "validation.txt", "manifest.json")
+                   if not os.path.isfile(os.path.join(args.corpus, f))]
+        if missing:
+            p.error(f"corpus folder {args.corpus!r} lacks {', '.join(missing)} (build it with scripts/build_corpus.py)")
+    elif not os.path.isfile(args.corpus):
+        p.error(f"corpus {args.corpus!r} not found (a scripts/build_corpus.py folder or a text file)")
+    if args.tokenizer and not os.path.isfile(os.path.join(args.tokenizer, "spike_vocab.json")):
+        p.error(f"--tokenizer {args.tokenizer!r} holds no spike_vocab.json (write one with spike-whale train-tokenizer)")
+    if not (0.0 <= args.decay_fraction <= 1.0):
+        p.error("--decay-fraction must lie in [0, 1]")
+    if not (math.isfinite(args.lr) and args.lr > 0 and math.isfinite(args.max_grad_norm) and args.max_grad_norm > 0):
+        p.error("--lr and --max-grad-norm must be finite and > 0")
     if args.mtp_distill_from and not args.mtp_distill_steps:
         p.error("--mtp-distill-from needs --mtp-distill-steps N (the MTP self-distillation is all it runs)")
     if args.mtp_distill_from and not os.path.isfile(os.path.join(args.mtp_distill_from, "training_record.json")):
@@ -353,7 +452,7 @@ def main(argv=None) -> int:
     if args.mtp_distill_from and args.resume:
         p.error("--mtp-distill-from starts from a finished folder; it does not combine with --resume")
     try:
-        check_destination(args.out_dir, [args.corpus] + ([args.mtp_distill_from] if args.mtp_distill_from else []), overwrite=args.overwrite or args.resume, also_ours=RUN_FILES)
+        check_destination(args.out_dir, [args.corpus] + ([args.tokenizer] if args.tokenizer else []) + ([args.mtp_distill_from] if args.mtp_distill_from else []), overwrite=args.overwrite or args.resume, also_ours=RUN_FILES)
     except ValueError as err:
         p.error(str(err))
     return train(args)

@@ -539,16 +539,18 @@ def test_crossing_tokens_stay_exact_inside_the_tokenizers_pipeline(pieces_pair):
     assert added(texts)["input_ids"] == slow_added(texts)["input_ids"]
 
 
-def test_demo_model_keeps_its_ids():
-    """The shipped demo folder's vocab has two crossing tokens (b"d \xe2\x80", b"or \xe2\x80"), so its
+def test_crossing_vocabulary_of_a_real_corpus_keeps_its_ids():
+    """The previous default model's vocabulary (tests/data/jargon-vocab, trained on the Jargon File before the trainer
+    refused tokens across a character boundary) has two crossing tokens (b"d \xe2\x80", b"or \xe2\x80"), so its
     tokenizer.json is the pieces pipeline: its held-out text in ~2 KB rows, and a row where greedy takes
     b"d \xe2\x80", give the slow ids."""
-    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "spike-whale-demo")
-    slow, fast = SpikeTokenizer.from_pretrained(folder), SpikeTokenizerFast.from_pretrained(folder)
+    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "jargon-vocab")
+    data = load_vocab_file(os.path.join(folder, "spike_vocab.json"))
+    slow, fast = SpikeTokenizer(data), SpikeTokenizerFast(data)
     assert not fast._matches_text
     assert sorted(t.encode("latin-1") for t in slow.greedy_vocab if crosses_a_character(t)) == [b"d \xe2\x80",
                                                                                                  b"or \xe2\x80"]
-    with open(os.path.join(folder, "heldout.txt"), encoding="utf-8") as handle:
+    with open(os.path.join(folder, "jargon-heldout.txt"), encoding="utf-8") as handle:
         text = handle.read()
     rows = [text[i:i + 2048] for i in range(0, len(text), 2048)]
     rows.insert(3, "d “x” or “y”")
