@@ -429,6 +429,16 @@ class ForwardContext:
     def cached(self) -> bool:
         return self.max_cache_len > 0
 
+    def segments_on(self, device: torch.device) -> SegmentLayout:
+        """The segment layout with its tensors on `device`: copied once per forward for each device of a
+        multi-device map, not in every slot."""
+        if self.segments.rel.device == device:
+            return self.segments
+        key = ("segments", device)
+        if key not in self.memo:
+            self.memo[key] = self.segments.on_device(device)
+        return self.memo[key]
+
     def rope_tables(self, rope: "SpikeWhaleRotaryEmbedding", device: torch.device, dtype: torch.dtype) -> tuple:
         """rope's cos and sin at this chunk's positions, in `dtype`: looked up once per forward for each layer, whose
         slot in every loop pass reads the same."""
@@ -480,7 +490,7 @@ class MemoryCacheBranch(KeepsFloat32):
     def forward(self, u: torch.Tensor, ctx: ForwardContext, state: MemoryCacheState | None, proj: tuple | None = None):
         """(output [B, S, H], the slot's state after the chunk and after each chunk token while recording; both None
         without a cache). state: the slot's state before the chunk (None: nothing read yet); proj: see `_features`."""
-        lay = ctx.segments.on_device(u.device)
+        lay = ctx.segments_on(u.device)
         # Autocast is turned off only where it is on: its enter/exit nodes in a compiled graph keep AOTAutograd from
         # caching the graph on disk.
         on = torch.is_autocast_enabled(u.device.type)

@@ -131,3 +131,17 @@ def test_cuda_and_cpu_split_is_exact_and_slot_state_lives_on_its_layer(folder):
     for slot, (layer_idx, _) in zip(cache.layers, split.config.loop_plan.entries):
         device = execution_device(split.model.layers[layer_idx])
         assert all(t.device == device for t in slot_tensors(slot)), (layer_idx, device)
+
+
+def test_the_segment_layout_is_copied_once_per_forward_for_each_other_device():
+    """Each device of a multi-device map gets one copy of the forward's Memory-Cache segment layout, shared by its
+    slots (it was rebuilt in every slot of every step)."""
+    from spike_whale.modeling_spike_whale import ForwardContext, SegmentLayout
+
+    positions = torch.arange(20)[None].repeat(2, 1)
+    valid = torch.ones(2, 20, dtype=torch.bool)
+    layout = SegmentLayout.build(positions, valid, torch.zeros(2, dtype=torch.long), 8, 0)
+    ctx = ForwardContext(positions, valid, None, True, layout)
+    assert ctx.segments_on(torch.device("cpu")) is layout
+    meta = ctx.segments_on(torch.device("meta"))
+    assert meta is ctx.segments_on(torch.device("meta")) and meta.rel.is_meta and meta.onehot.is_meta
