@@ -175,7 +175,7 @@ def test_bool_layer_count_in_a_config_json_names_the_field(tmp_path):
 
 def test_committed_model_and_every_preset_validate():
     folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "spike-whale-demo")
-    assert SpikeWhaleConfig.from_pretrained(folder).hidden_size == 128
+    assert SpikeWhaleConfig.from_pretrained(folder).hidden_size == 256
     for name in PRESETS:
         SpikeWhaleConfig.from_preset(name).validate_architecture()
 

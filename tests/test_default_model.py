@@ -1,5 +1,5 @@
-"""The committed default model (models/spike-whale-demo): it loads as shipped, it has learned its corpus (held-out
-bits per byte below gzip and xz of the same text), its card matches its files, and diagnose runs on it."""
+"""The committed default model (models/spike-whale-demo): it loads as shipped, it has learned English (held-out
+bits per byte well below xz of the same text), its card matches its files, and diagnose runs on it."""
 
 from __future__ import annotations
 
@@ -18,6 +18,18 @@ from spike_whale.hub_export import cli
 from spike_whale.hub_export.perplexity import score_ids
 
 FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "spike-whale-demo")
+ROOT = os.path.dirname(os.path.dirname(FOLDER))
+
+
+def demo_prompt() -> str:
+    """The prompt scripts/demo.sh gives the model."""
+    import re
+
+    script = open(os.path.join(ROOT, "scripts", "demo.sh"), encoding="utf-8").read()
+    return re.search(r'PROMPT:-([^}]*)\}', script).group(1)
+
+
+DEMO_PROMPT = demo_prompt()
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +42,7 @@ def test_folder_is_complete_and_small():
                  "tokenizer_config.json", "chat_template.jinja", "modeling_spike_whale.py", "README.md",
                  "heldout.txt", "training_record.json"):
         assert os.path.isfile(os.path.join(FOLDER, name)), name
-    assert os.path.getsize(os.path.join(FOLDER, "model.safetensors")) <= 25 * 2**20
+    assert sum(os.path.getsize(os.path.join(FOLDER, f)) for f in os.listdir(FOLDER)) <= 60 * 10**6
 
 
 def test_card_states_the_held_out_hash_and_figures():
@@ -38,8 +50,12 @@ def test_card_states_the_held_out_hash_and_figures():
     held = open(os.path.join(FOLDER, "heldout.txt"), "rb").read()
     assert hashlib.sha256(held).hexdigest() == record["heldout_sha256"]
     card = open(os.path.join(FOLDER, "README.md"), encoding="utf-8").read()
-    for fact in (record["corpus_sha256"], record["heldout_sha256"], "bits_per_byte", "gzip", "xz", "Public domain"):
+    facts = [*record["corpus_sha256"].values(), record["manifest_sha256"], record["vocab_sha256"],
+             record["heldout_sha256"], "bits per byte", "gzip", "xz -9e", "public domain"]
+    for fact in facts:
         assert fact in card, fact
+    for command in record["commands"]:
+        assert command.replace("/root/.cache/spike-whale/", "~/.cache/spike-whale/") in card, command
 
 
 def test_every_mechanism_is_on(loaded):
@@ -47,31 +63,32 @@ def test_every_mechanism_is_on(loaded):
     assert c.loop_count > 1 and c.use_memory_cache and c.use_engram and c.use_hyper_connections
     assert c.use_depth_attention and c.use_fractal_rope and c.use_hrm_refine and c.use_xsa and c.use_qk_norm
     assert c.num_nextn_predict_layers >= 1
-    assert 1e6 < sum(p.numel() for p in loaded[1].parameters()) < 10e6
+    assert 5e6 < sum(p.numel() for p in loaded[1].parameters()) < 30e6
 
 
-def test_held_out_bits_per_byte_below_gzip_and_xz(loaded):
+def test_held_out_bits_per_byte_well_below_xz(loaded):
+    """The head of the validation split (never trained on), 8,000 characters: clearly below both compressors of the
+    same text (the card: 0.84x xz -9e there)."""
     tokenizer, model = loaded
     text = open(os.path.join(FOLDER, "heldout.txt"), encoding="utf-8").read()[:8000]
     data = text.encode("utf-8")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    bpb = score_ids(model, ids, context=model.config.max_position_embeddings, stride=255) / len(data) / math.log(2)
+    bpb = score_ids(model, ids, context=512, stride=256) / len(data) / math.log(2)
     gzip_bpb = len(zlib.compress(data, 9)) * 8 / len(data)
     xz_bpb = len(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)) * 8 / len(data)
-    assert bpb < min(gzip_bpb, xz_bpb) - 0.2, (bpb, gzip_bpb, xz_bpb)  # clearly below, not at the unigram plateau
-    assert bpb < 2.95, bpb  # the card: 2.79 on the whole held-out text
+    assert bpb < 0.9 * xz_bpb and bpb < 0.9 * gzip_bpb, (bpb, gzip_bpb, xz_bpb)
 
 
 def test_generates_words_from_the_corpus(loaded):
     tokenizer, model = loaded
-    enc = tokenizer("A hacker is a person who", return_tensors="pt")
+    enc = tokenizer(DEMO_PROMPT, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**enc, do_sample=False, max_new_tokens=30)
     text = tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     words = [w.strip(".,;:()\"'") for w in text.split()]
     corpus = {w.strip(".,;:()\"'").lower() for w in open(os.path.join(FOLDER, "heldout.txt"), encoding="utf-8").read().split()}
     known = sum(1 for w in words if w and w.lower() in corpus)  # English words of the held-out text
-    assert len(words) >= 4 and known >= 0.5 * len(words), text
+    assert len(words) >= 4 and known >= 0.8 * len(words), text
 
 
 def test_diagnose_tables_on_the_default_model(tmp_path, capsys):
@@ -127,6 +144,41 @@ def test_training_is_deterministic_and_resumable(tmp_path):
     log = (resumed / "training_log.txt").read_text()
     assert "held-out" in log and "resumed at step 2" in log
     assert torch.load(resumed / "training" / "checkpoint.pt", weights_only=False)["step"] == 3  # the last step's
+
+
+def test_training_from_a_corpus_folder_with_a_given_vocabulary(tmp_path):
+    """The default model's route: a scripts/build_corpus.py folder (train.txt trained on, the head of validation.txt
+    as heldout.txt, test.txt never read), a train-tokenizer folder's vocabulary, the wsd schedule (constant until the
+    last --decay-fraction of the steps, so its first steps do not depend on --max-steps); the record holds the
+    splits' and the vocabulary's hashes."""
+    import argparse
+
+    from spike_whale.hub_export import train_default
+    from spike_whale.hub_export.train_tokenizer import DEMO_CORPUS, build_demo_tokenizer
+    from spike_whale.tokenization_spike import dump_vocab_data
+
+    corpus, vocab = tmp_path / "corpus", tmp_path / "vocab"
+    corpus.mkdir()
+    vocab.mkdir()
+    text = " ".join(DEMO_CORPUS.split())
+    (corpus / "train.txt").write_text(text * 2, encoding="utf-8")
+    (corpus / "validation.txt").write_text(text[:2000], encoding="utf-8")
+    splits = {name: {"sha256": name * 4} for name in ("train", "validation", "test")}
+    (corpus / "manifest.json").write_text(json.dumps({"splits": splits}))
+    (vocab / "spike_vocab.json").write_text(dump_vocab_data(build_demo_tokenizer().vocab_data), encoding="utf-8")
+    out = tmp_path / "run"
+    argv = [str(out), "--corpus", str(corpus), "--tokenizer", str(vocab), "--seq-len", "16", "--batch-size", "2",
+            "--max-steps", "2", "--warmup-steps", "1", "--schedule", "wsd", "--log-every", "1"]
+    assert train_default.main(argv) == 0
+    record = json.load(open(out / "training_record.json"))
+    assert record["corpus_sha256"] == {k: v["sha256"] for k, v in splits.items()}
+    assert record["vocab_sha256"] == hashlib.sha256((vocab / "spike_vocab.json").read_bytes()).hexdigest()
+    assert (out / "heldout.txt").read_text(encoding="utf-8") == text[:2000]
+    assert not (out / "training" / "spike_vocab.json").exists()  # the given vocabulary, not one trained here
+    short, long = (argparse.Namespace(lr=1.0, min_lr=0.1, warmup_steps=10, schedule="wsd", decay_fraction=0.25,
+                                      max_steps=n) for n in (100, 200))
+    assert [train_default.lr_at(i, short) for i in range(75)] == [train_default.lr_at(i, long) for i in range(75)]
+    assert train_default.lr_at(99, short) < train_default.lr_at(74, short) == 1.0
 
 
 def test_mtp_self_distillation_trains_only_the_mtp_heads(tmp_path, capsys):

@@ -117,8 +117,8 @@ def healed(demo, prompts, **kwargs):
 
 
 @pytest.mark.parametrize("prompt,kept,crossing", [
-    ("The harbour w", ["The ", "har", "bou", "r "], "w"),
-    ("A hacker is a person w", ["A", " hacker", " is a", " person "], "w"),
+    ("The harbour w", ["The ", "har", "bour"], " w"),
+    ("A hacker is a person w", ["A", " hack", "er i", "s a ", "person"], " w"),
 ])
 def test_demo_prompt_ending_inside_a_token_crosses_the_boundary(demo, prompt, kept, crossing):
     tok, _ = demo
@@ -128,12 +128,12 @@ def test_demo_prompt_ending_inside_a_token_crosses_the_boundary(demo, prompt, ke
     assert text.startswith(prompt), text
     assert tokens[1:len(kept) + 1] == kept
     first = tokens[len(kept) + 1]
-    assert first.startswith(crossing) and len(first) > len(crossing), tokens  # e.g. 'which ', 'with '
+    assert first.startswith(crossing) and len(first) > len(crossing), tokens  # e.g. ' was ', ' which '
     # ... exactly as greedy matching tokenizes the text: the model continues from a tokenization it was trained on.
     assert tok(text)["input_ids"][:len(kept) + 2] == out[0, :len(kept) + 2].tolist()
 
 
-@pytest.mark.parametrize("prompt", ["A hacker is a person who", "A hacker is a person in the "])
+@pytest.mark.parametrize("prompt", ["A hacker is a person who ", "The function returns the "])
 def test_well_tokenized_prompt_is_unchanged(demo, prompt):
     tok, model = demo
     enc, out = healed(demo, [prompt])
