@@ -988,7 +988,7 @@ def decode_attention(q, k, v, mask):
     return _as(torch.matmul(probs, v).view(B, nh, S, hd), dtype)
 
 
-def kernel_mask(impl: str, mask, is_causal: bool, key_valid, q, k, memo: dict | None = None) -> tuple:
+def kernel_mask(impl: str, mask, is_causal: bool, key_valid, q, k, memo: dict) -> tuple:
     """(mask, is_causal) in the form each attention kernel expects, from the boolean [B|1, 1, S, N] "query may read
     key" mask (None: `is_causal` alone, or no mask at all), as in-library models hand them out:
 
@@ -1002,15 +1002,12 @@ def kernel_mask(impl: str, mask, is_causal: bool, key_valid, q, k, memo: dict | 
     vis = _visible(mask, is_causal, q.shape[2], k.shape[2], q.device)
     if impl == "flex_attention":
         key = ("flex", q.device)  # one mask per forward (`memo` is the forward's), shared by every slot
-        if memo is None or key not in memo:
+        if key not in memo:
             from torch.nn.attention.flex_attention import create_block_mask
 
             rows = vis.shape[0]
-            block = create_block_mask(lambda b, h, qi, ki: vis[b if rows > 1 else 0, 0, qi, ki], rows, None,
-                                      vis.shape[2], vis.shape[3], device=q.device)
-            if memo is None:
-                return block, False
-            memo[key] = block
+            memo[key] = create_block_mask(lambda b, h, qi, ki: vis[b if rows > 1 else 0, 0, qi, ki], rows, None,
+                                          vis.shape[2], vis.shape[3], device=q.device)
         return memo[key], False
     return torch.zeros(vis.shape, dtype=q.dtype, device=q.device).masked_fill(~vis, torch.finfo(q.dtype).min), False
 
@@ -1255,8 +1252,7 @@ class SpikeWhaleAttention(InputProjectionFusion, nn.Module):
         steps = [per_query[:, :, j, : ctx.past + j + 1] for j in range(S - ctx.record, S)] if ctx.record else None
         return y.to(q.dtype), weights, ratings, steps
 
-    def _attend_stateless(self, q, k, v, mask, is_causal: bool, impl: str | None, key_valid=None,
-                          memo: dict | None = None) -> tuple:
+    def _attend_stateless(self, q, k, v, mask, is_causal: bool, impl: str | None, key_valid, memo: dict) -> tuple:
         """(output, weights or None) of softmax attention through transformers' `AttentionInterface` (`impl`: the
         forward's `config._attn_implementation`, or eager for a call that returns the weights; eager, sdpa,
         flash_attention_*, flex_attention or a registered function), or DERF: everything but Elo, whose ratings are
@@ -2546,7 +2542,6 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                 base, n_fin = torch.zeros(B, dtype=torch.long, device=device), 0
             segments = SegmentLayout.build(positions, valid, base, L, n_fin)
         impl = self.config._attn_implementation
-        key_valid = key_valid if needs_mask else None
         if cache is None:
             return ForwardContext(positions, valid, attn_mask, is_causal, segments, key_valid, attn_implementation=impl)
         return ForwardContext(positions, valid, attn_mask, is_causal, segments, key_valid, past=past,
