@@ -10,36 +10,30 @@ recompute, a prefill and any mix of multi-token decode steps compute the same fu
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import glob
-import hashlib
-import io
 import json
 import math
 import os
-import platform
 import re
-import stat
-import statistics
-import sys
-import tempfile
-import time
-import uuid
 from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
-import torch.utils.weak
 from safetensors import safe_open
 from torch import nn
-import transformers
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    flash_attention_mask,
+    flex_attention_mask,
+    sdpa_mask,
+)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 from transformers.utils.generic import can_return_tuple
@@ -476,9 +470,9 @@ class MemoryCacheBranch(KeepsFloat32):
         H, nh, hd, gd = config.hidden_size, config.mc_num_heads, config.mc_head_dim, config.mc_gate_dim
         self.nh, self.hd, self.gd = nh, hd, gd
         f32 = torch.float32
-        self.qkv_proj = SpikeWhaleLinear(H, 3 * nh * hd, bias=True, dtype=f32)
-        self.o_proj = SpikeWhaleLinear(nh * hd, H, bias=True, dtype=f32)
-        self.gate_proj = SpikeWhaleLinear(H, 2 * gd, bias=False, dtype=f32)
+        self.qkv_proj = nn.Linear(H, 3 * nh * hd, bias=True, dtype=f32)
+        self.o_proj = nn.Linear(nh * hd, H, bias=True, dtype=f32)
+        self.gate_proj = nn.Linear(H, 2 * gd, bias=False, dtype=f32)
         self.gate_bias = nn.Parameter(torch.zeros(gd, dtype=f32))
         self.feature_scale = nn.Parameter(torch.ones(hd, dtype=f32))
         self.mc_gate = nn.Parameter(torch.zeros(1, dtype=f32))
@@ -486,7 +480,6 @@ class MemoryCacheBranch(KeepsFloat32):
     def phi(self, x: torch.Tensor) -> torch.Tensor:
         return F.elu(x * _as(self.feature_scale, torch.float32)) + 1.0
 
-    @force_accelerate_hooks(["qkv_proj", "o_proj", "gate_proj"])
     def forward(self, u: torch.Tensor, ctx: ForwardContext, state: MemoryCacheState | None, proj: tuple | None = None):
         """(output [B, S, H], the slot's state after the chunk and after each chunk token while recording; both None
         without a cache). state: the slot's state before the chunk (None: nothing read yet); proj: see `_features`."""
@@ -504,24 +497,23 @@ class MemoryCacheBranch(KeepsFloat32):
     def _features(self, x: torch.Tensor, proj: tuple | None = None):
         """φ(q), φ(k), v ([B, S, nh, hd]) and the gate query u / gate key W_k x ([B, S, gd]) of float32 x.
 
-        proj: x's (qkv_proj, gate_proj) outputs when the caller already has them (a `FusedLinears` GEMM)."""
+        proj: x's (qkv_proj, gate_proj) outputs where the attention computed them with its own input projections."""
         B, S, _ = x.shape
-        f32 = torch.float32
-        if proj is None:
-            qkv, gate = self.qkv_proj, self.gate_proj
-            proj = (linear_forward(x, _as(qkv.weight, f32), _as(qkv.bias, f32), compiled_kind(qkv, x)),
-                    linear_forward(x, _as(gate.weight, f32), None, compiled_kind(gate, x)))
-        qkv, g = proj
+        qkv, g = proj if proj is not None else self.input_projections(x)
         qkv = qkv.view(B, S, 3, self.nh, self.hd)
         fq, fk = self.phi(qkv[:, :, :2]).unbind(2)  # q and k in one call
-        gu, gk = g[..., : self.gd] + _as(self.gate_bias, f32), g[..., self.gd :]
+        gu, gk = g[..., : self.gd] + _as(self.gate_bias, torch.float32), g[..., self.gd :]
         return fq, fk, qkv[:, :, 2], gu, gk
+
+    def input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qkv_proj(x), gate_proj(x)) of float32 x, in float32 (weights cast to float64 compute in float64)."""
+        dtype = self.qkv_proj.weight.dtype
+        return _as(self.qkv_proj(_as(x, dtype)), torch.float32), _as(self.gate_proj(_as(x, dtype)), torch.float32)
 
     def _output(self, y: torch.Tensor) -> torch.Tensor:
         """tanh(mc_gate) · o_proj(y), float32."""
-        f32 = torch.float32
-        out = linear_forward(y, _as(self.o_proj.weight, f32), _as(self.o_proj.bias, f32), compiled_kind(self.o_proj, y))
-        return derived(self, "gate", lambda: torch.tanh(_as(self.mc_gate, f32)), self.mc_gate) * out
+        out = _as(self.o_proj(_as(y, self.o_proj.weight.dtype)), torch.float32)
+        return derived(self, "gate", lambda: torch.tanh(_as(self.mc_gate, torch.float32)), self.mc_gate) * out
 
     @staticmethod
     def _add_to_segment(sums: tuple | None, fk, v, gk, valid_f) -> tuple:
@@ -579,7 +571,7 @@ class MemoryCacheBranch(KeepsFloat32):
         # Σ_i γ_{t,i} φ(q_t)ᵀ[M⁽ⁱ⁾ | z⁽ⁱ⁾] as one GEMM per head: the rows [γ_{t,1}φ(q_t), …, γ_{t,I}φ(q_t)] times the
         # stacked [M⁽ⁱ⁾ | z⁽ⁱ⁾], so no token builds its own mixed hd × hd memory. φ(q) goes head-major first, so those
         # rows (I times larger) are born in the GEMM's layout instead of being copied into it. A long chunk builds them
-        # `read_floats` at a time: all at once, a 4,096-token prefill of the 114M preset made 32 MiB of them per slot,
+        # `read_floats` at a time: all at once, a long prefill makes tens of MiB of them per slot,
         # which glibc's malloc hands out as fresh pages, faulted in again by every call.
         g_cand = gamma[..., :I] if own is not None else gamma
         fq_heads = fq.transpose(1, 2).contiguous()
@@ -861,7 +853,7 @@ class DERFContextGate(nn.Module):
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__()
         H = config.hidden_size
-        self.proj = SpikeWhaleLinear(2 * H, H, bias=True)
+        self.proj = nn.Linear(2 * H, H, bias=True)
         self.alpha = nn.Parameter(torch.ones(H))
         self.beta = nn.Parameter(torch.full((H,), config.engram_gate_init_bias))
         self.gamma = nn.Parameter(torch.ones(H))
@@ -904,7 +896,7 @@ class HyperConnection(nn.Module):
     def pre_op(self, X: torch.Tensor) -> torch.Tensor:
         two = X.shape[1] == 2
         w = derived(self, ("pre", X.dtype, two), lambda: self._pre_weights(X.dtype, two), self.pre_logits)
-        if two:  # X₀ + w₁(X₁ − X₀), the weights summing to 1: one pass, where a K=2 GEMM is 1.3-5× slower
+        if two:  # X₀ + w₁(X₁ − X₀), the weights summing to 1: one pass, where a K=2 GEMM is slower
             return torch.lerp(X[:, 0], X[:, 1], w)
         return torch.matmul(w, X.flatten(2)).view(X.shape[0], *X.shape[2:])
 
@@ -968,40 +960,24 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling: 
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
-def decode_attention(q, k, v, mask):
-    """softmax(q·kᵀ/√hd)·v for a few queries per row, each KV head's query group read at once (no K/V repeat):
-    the softmax kernel of decode steps and short chunks (eager CPU SDPA takes twice as long for one query per row at
-    batch 8, and with a mask transformers' SDPA path copies every K/V head for its group; `compile_decode` keeps
-    inductor from rewriting this back into its CPU SDPA kernel). On CPU bf16 and float16 are read in float32 and
-    the result rounded once: oneDNN's bf16 batched GEMM of these few-row shapes, a new kernel for each cache length,
-    made the 114M preset's call 100-210 µs against 51-84 µs cast to float32 (Xeon with AMX, 2 threads, 264-1,100
-    cached tokens). mask: [B|1, 1, S, N] bool or None."""
-    B, nh, S, hd = q.shape
-    kvh, dtype = k.shape[1], v.dtype
-    if q.is_cpu and dtype in (torch.bfloat16, torch.float16):
-        q, k, v = q.float(), k.float(), v.float()
-    scores = torch.matmul(q.reshape(B, kvh, nh // kvh * S, hd), k.transpose(-1, -2)).float() / math.sqrt(hd)
-    if mask is not None:
-        N = scores.shape[-1]
-        scores = scores.view(B, kvh, nh // kvh, S, N).masked_fill(~mask[:, :, None], float("-inf")).view(B, kvh, -1, N)
-    probs = _as(torch.softmax(scores, -1), v.dtype)
-    return _as(torch.matmul(probs, v).view(B, nh, S, hd), dtype)
-
-
 def kernel_mask(impl: str, mask, is_causal: bool, key_valid, q, k, memo: dict) -> tuple:
     """(mask, is_causal) in the form each attention kernel expects, from the boolean [B|1, 1, S, N] "query may read
-    key" mask (None: `is_causal` alone, or no mask at all), as in-library models hand them out:
+    key" mask (None: `is_causal` alone, or no mask at all). The form follows the mask function transformers'
+    `AttentionMaskInterface` holds for `impl`, as in-library models build theirs (a registered kernel declares its
+    form by registering one of these):
 
-    sdpa: the boolean mask;  flash_*: the [B, N] padding mask of real keys (None without padding) with is_causal,
-    since flash unpads the keys and aligns causality bottom-right;  flex_attention: a `BlockMask` over the boolean
-    mask;  eager and registered functions: the additive float mask (0 where visible, the dtype's min elsewhere)."""
-    if impl == "sdpa" or (mask is None and not is_causal):
+    `sdpa_mask`: the boolean mask;  `flash_attention_mask`: the [B, N] padding mask of real keys (None without
+    padding) with is_causal, since flash unpads the keys and aligns causality bottom-right;  `flex_attention_mask`:
+    a `BlockMask`;  anything else (`eager_mask`, none registered): the additive float mask (0 where visible, the
+    dtype's min elsewhere). Each is built once per forward (`memo`) and shared by every slot."""
+    form = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(impl)
+    if form is sdpa_mask or (mask is None and not is_causal):
         return mask, is_causal
-    if "flash" in impl:
+    if form is flash_attention_mask:
         return key_valid, True
     vis = _visible(mask, is_causal, q.shape[2], k.shape[2], q.device)
-    if impl == "flex_attention":
-        key = ("flex", q.device)  # one mask per forward (`memo` is the forward's), shared by every slot
+    if form is flex_attention_mask:
+        key = ("flex", q.device)
         if key not in memo:
             from torch.nn.attention.flex_attention import create_block_mask
 
@@ -1009,7 +985,10 @@ def kernel_mask(impl: str, mask, is_causal: bool, key_valid, q, k, memo: dict) -
             memo[key] = create_block_mask(lambda b, h, qi, ki: vis[b if rows > 1 else 0, 0, qi, ki], rows, None,
                                           vis.shape[2], vis.shape[3], device=q.device)
         return memo[key], False
-    return torch.zeros(vis.shape, dtype=q.dtype, device=q.device).masked_fill(~vis, torch.finfo(q.dtype).min), False
+    key = ("additive", q.device, q.dtype)
+    if key not in memo:
+        memo[key] = torch.zeros(vis.shape, dtype=q.dtype, device=q.device).masked_fill(~vis, torch.finfo(q.dtype).min)
+    return memo[key], False
 
 
 def _visible(mask, is_causal, S: int, N: int, device) -> torch.Tensor:
@@ -1081,102 +1060,10 @@ def elo_attention(q, k, v, mask, is_causal, dropout, gain, k_factor, past_rating
     return _read_values(w, v, dropout), w, after[:, :, -1], after
 
 
-class FusedLinears:
-    """[x·W₁ᵀ + b₁, …, x·Wₙᵀ + bₙ] as one GEMM: the weights of nn.Linear layers that read the same input re-stored
-    as the row blocks of one matrix, so a decode step streams them in one pass instead of n small ones.
 
-    Each Linear's weight becomes a view of its block: values, state dict and in-place updates stay shared. Moving
-    or re-typing a module gives its weights new storage; `intact` notices, and the owner fuses again. The fused GEMM
-    stands in for the Linears' calls, so it is taken only while each would compute x·Wᵀ + b and nothing else: no
-    forward hook on it (or on every module), no replaced `forward` (accelerate's hooks), no wrapper class (a PEFT
-    adapter); otherwise its owner runs the Linears one by one.
-    """
-
-    # The fused GEMM's products in a compiled decode walk (`compiled_kind`; `compile_decode` chooses them).
-    compiled_product = compiled_product_rows = "linear"
-
-    def __init__(self, linears: tuple[nn.Linear, ...]):
-        self.linears = linears
-        self.sizes = [linear.out_features for linear in linears]
-        # Never an inference tensor (the weights become views of it), even when re-fused in an inference-mode step;
-        # no_grad innermost, since inference_mode(False) turns gradients back on.
-        with torch.inference_mode(False), torch.no_grad():
-            self.weight = torch.cat([linear.weight for linear in linears])
-            for linear, block in zip(linears, self.weight.split(self.sizes)):
-                linear.weight.data = block
-        self._blocks = tuple(linear.weight.data_ptr() for linear in linears)
-
-    @staticmethod
-    def fusable(linears: tuple[nn.Linear, ...]) -> bool:
-        """Plain Linears (`only_compute`) with plain tensors of one dtype and device, present: a quantized or
-        tensor-parallel weight (a tensor subclass) does not concatenate, and an offloaded one (meta, loaded by
-        accelerate's hook per call) is not there."""
-        if not FusedLinears.only_compute(linears):
-            return False
-        weights = [linear.weight for linear in linears]
-        return (len({(w.dtype, w.device) for w in weights}) == 1 and weights[0].device.type != "meta"
-                and all(type(w.data) is torch.Tensor for w in weights))
-
-    @staticmethod
-    def only_compute(linears: tuple[nn.Linear, ...]) -> bool:
-        """Whether calling each Linear would only compute x·Wᵀ + b: its class's own forward, no hooks."""
-        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
-            return False
-        return all(type(linear) in (nn.Linear, SpikeWhaleLinear) and "forward" not in vars(linear)
-                   and not linear._forward_hooks and not linear._forward_pre_hooks for linear in linears)
-
-    def intact(self) -> bool:
-        """The weights are still the fused matrix's blocks, and the Linears still only compute."""
-        return (all(linear.weight.data_ptr() == ptr for linear, ptr in zip(self.linears, self._blocks))
-                and self.only_compute(self.linears))
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        parts = linear_forward(x, self.weight, None, compiled_kind(self, x)).split(self.sizes, -1)
-        return tuple(y if linear.bias is None else y + linear.bias for y, linear in zip(parts, self.linears))
-
-
-class InputProjectionFusion:
-    """A module whose Linears reading the same input (`input_linears`) may run as one GEMM (`FusedLinears`). Every
-    eager no-grad forward in eval fuses them (`SpikeWhaleModel._fuse_input_projections`), and its products of a few
-    rows take the fused GEMM: at batch 1 it streams the weights on every thread where 2-5 small GEMVs keep to one,
-    with one call instead of several (114M preset, 2 threads: 1.08× a decode step with the attention's and the
-    FFN's fused)."""
-
-    fused_input: FusedLinears | None = None
-
-    def input_linears(self) -> tuple[nn.Linear, ...]:
-        raise NotImplementedError
-
-    def fuse_input_projections(self, enable: bool = True) -> None:
-        """Let `forward` read `input_linears` in one GEMM; `enable=False` (or weights that cannot be fused) undoes it."""
-        linears = self.input_linears()
-        self.fused_input = FusedLinears(linears) if enable and FusedLinears.fusable(linears) else None
-
-    def _fused_projections(self, x: torch.Tensor) -> tuple | None:
-        """x's projections from `fused_input`, or None where they are made one by one: not fused, gradients on (the
-        fused matrix is a copy that does not train), under autocast, which would run the float32 Memory-Cache
-        projections in low precision too, or (eagerly) more than `FEW_ROWS_MAX` rows, whose GEMMs are compute bound
-        and read the fused outputs as strided views (114M prefill of 4096 tokens: 0.98× fused). Weights given new
-        storage since fusing are fused again (outside a compiled graph; `SpikeWhaleModel._decode_step_compiles` checks
-        before entering one)."""
-        if self.fused_input is None or torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
-            return None
-        if torch.compiler.is_compiling():  # a decode walk: no test of its (symbolic) row count
-            return self.fused_input(x)
-        if x.numel() > FEW_ROWS_MAX * x.shape[-1]:
-            return None
-        if not self.fused_input.intact():
-            self.fuse_input_projections()
-            if self.fused_input is None:
-                return None
-        return self.fused_input(x)
-
-
-class SpikeWhaleAttention(InputProjectionFusion, nn.Module):
+class SpikeWhaleAttention(nn.Module):
     """MLA attention: low-rank Q, direct GQA K/V, QK-norm before partial RoPE, XSA, low-rank output,
     depth mixing of V before caching, and the Memory Cache branch added to the output."""
-
-    few_queries = 8  # longest cached chunk whose softmax attention runs through `decode_attention` (faster than SDPA)
 
     def __init__(self, config: SpikeWhaleConfig, layer_idx: int):
         super().__init__()
@@ -1186,13 +1073,13 @@ class SpikeWhaleAttention(InputProjectionFusion, nn.Module):
         # What transformers' attention functions read from the module.
         self.layer_idx, self.is_causal = layer_idx, True
         self.num_key_value_groups, self.scaling = nh // kvh, hd**-0.5
-        self.q_a_proj = SpikeWhaleLinear(H, config.q_lora_rank, bias=False)
+        self.q_a_proj = nn.Linear(H, config.q_lora_rank, bias=False)
         self.q_a_norm = SpikeWhaleRMSNorm(config.q_lora_rank, config.rms_norm_eps)
-        self.q_b_proj = SpikeWhaleLinear(config.q_lora_rank, nh * hd, bias=False)
-        self.k_proj = SpikeWhaleLinear(H, kvh * hd, bias=False)
-        self.v_proj = SpikeWhaleLinear(H, kvh * hd, bias=False)
-        self.o_a_proj = SpikeWhaleLinear(nh * hd, config.o_lora_rank, bias=False)
-        self.o_b_proj = SpikeWhaleLinear(config.o_lora_rank, H, bias=False)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, nh * hd, bias=False)
+        self.k_proj = nn.Linear(H, kvh * hd, bias=False)
+        self.v_proj = nn.Linear(H, kvh * hd, bias=False)
+        self.o_a_proj = nn.Linear(nh * hd, config.o_lora_rank, bias=False)
+        self.o_b_proj = nn.Linear(config.o_lora_rank, H, bias=False)
         self.use_qk_norm, self.use_xsa = config.use_qk_norm, config.use_xsa
         if config.use_qk_norm:
             self.q_norm = SpikeWhaleRMSNorm(hd, config.rms_norm_eps)
@@ -1215,31 +1102,21 @@ class SpikeWhaleAttention(InputProjectionFusion, nn.Module):
             self.elo_gain = nn.Parameter(torch.zeros(nh))
             self.elo_k = nn.Parameter(torch.full((nh,), float(config.elo_k_init)))
 
-    def input_linears(self) -> tuple[nn.Linear, ...]:
-        """q_a, k, v and, when the weights are float32 (the branch computes in float32), the Memory Cache's qkv and
-        gate."""
-        linears = (self.q_a_proj, self.k_proj, self.v_proj)
-        if self.mc is not None and self.q_a_proj.weight.dtype == torch.float32:
-            linears += (self.mc.qkv_proj, self.mc.gate_proj)
-        return linears
+    def input_projections(self, u: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The projections that read the layer input u: (q_a_proj(u), k_proj(u), v_proj(u)). A drop-in may add the
+        Memory Cache's (qkv_proj, gate_proj) outputs as two more (`MemoryCacheBranch.input_projections`)."""
+        return self.q_a_proj(u), self.k_proj(u), self.v_proj(u)
 
     def _attend(self, q, k, v, ctx: ForwardContext, ratings: torch.Tensor | None):
         """(attention output [B, nh, S, hd], attention weights or None, Elo ratings after the chunk and after each
-        chunk token while recording, or None). The kernel fits the case: one query per row (a decode step) or up to
-        `few_queries` continuing a cache (a speculative verify chunk) read it with `decode_attention`, other softmax
-        attention goes through the
-        `AttentionInterface`, DERF and Elo are the config's own kernels. ratings: the cached keys' Elo ratings."""
+        chunk token while recording, or None). Softmax attention goes through transformers' `AttentionInterface`,
+        DERF and Elo are the config's own kernels. ratings: the cached keys' Elo ratings."""
         mask = _on(ctx.attn_mask, q.device) if ctx.attn_mask is not None else None
         if self.attn_kind != "elo":
-            S = q.shape[2]
-            # One query per row, or a short chunk continuing a cache (which always has a mask; a verify step).
-            few = S == 1 or (S <= self.few_queries and not isinstance(ctx.past, torch.Tensor) and ctx.past > 0)
             impl = ctx.attn_implementation
-            # A compiled step reads whole static buffers, which flash's 2D padding mask cannot describe.
-            flash_compiled = impl is not None and "flash" in impl and isinstance(ctx.past, torch.Tensor)
-            if (self.attn_kind == "softmax" and few and not ctx.need_weights
-                    and (impl in ("sdpa", "eager", None) or flash_compiled)):
-                return decode_attention(q, k, v, mask), None, None, None
+            if impl is not None and "flash" in impl and isinstance(ctx.past, torch.Tensor):
+                # A compiled step reads whole static buffers, which flash's 2D padding mask cannot describe.
+                impl = "sdpa"
             key_valid = _on(ctx.key_valid, q.device) if ctx.key_valid is not None else None
             return (*self._attend_stateless(q, k, v, mask, ctx.is_causal, impl, key_valid, ctx.memo), None, None)
         dropout = self.config.attention_dropout if self.training else 0.0
@@ -1263,25 +1140,27 @@ class SpikeWhaleAttention(InputProjectionFusion, nn.Module):
         impl = impl or "sdpa"
         if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
             attend = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
-        else:  # transformers < 5.24, whose set_attn_implementation looks for this in-library idiom
-            attend = eager_attention_forward if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
+        elif impl == "eager":  # transformers < 5.24
+            attend = eager_attention_forward
+        elif impl == self.config._attn_implementation:  # the in-library idiom its set_attn_implementation looks for
+            attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        else:
+            attend = ALL_ATTENTION_FUNCTIONS[impl]
         mask, is_causal = kernel_mask(impl, mask, is_causal, key_valid, q, k, memo)
         y, weights = attend(self, q, k, v, mask, dropout=dropout, scaling=self.scaling, is_causal=is_causal)
         return y.transpose(1, 2), weights
 
-    def _project(self, u: torch.Tensor, ctx: ForwardContext, proj: tuple | None = None):
-        """q [B, nh, S, hd] and k, v [B, kvh, S, hd]: low-rank Q, QK-norm, then partial RoPE on q and k.
-
-        proj: u's (q_a_proj, k_proj, v_proj) outputs when the caller already has them (`fused_input`)."""
+    def _project(self, u: torch.Tensor, ctx: ForwardContext, proj: tuple):
+        """q [B, nh, S, hd] and k, v [B, kvh, S, hd] from u's (q_a, k, v) projections `proj`: low-rank Q, QK-norm,
+        then partial RoPE on q and k."""
         B, S, _ = u.shape
-        q_lat, k, v = proj if proj is not None else (self.q_a_proj(u), self.k_proj(u), self.v_proj(u))
+        q_lat, k, v = proj
         # -1 heads: under tensor parallelism each rank's projections hold only its share of the heads.
         q = self.q_b_proj(self.q_a_norm(q_lat)).view(B, S, -1, self.hd)
         k = k.view(B, S, -1, self.hd)
         if self.use_qk_norm:
-            # On the projections' own layout (contiguous in a prefill), before the heads go first: torch's CPU RMSNorm
-            # of the transposed view took twice as long (114M preset, 512-token q: 332 against 166 µs float32, 455
-            # against 266 bf16), for the same values bit for bit.
+            # On the projections' own layout (contiguous in a prefill), before the heads go first: RMSNorm of the
+            # transposed view is slower, for the same values bit for bit.
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, S, -1, self.hd).transpose(1, 2)
         cos, sin = ctx.rope_tables(self.rope, u.device, q.dtype)
@@ -1309,8 +1188,8 @@ class SpikeWhaleAttention(InputProjectionFusion, nn.Module):
         """(output [B, S, H], this layer's depth entry or None, attention weights or None, the slot's `SlotUpdate` or
         None without a cache). state: what the slot carries (None without a cache); its K/V buffers are written in
         place at `ctx.past`."""
-        fused = self._fused_projections(u)
-        q, k, v = self._project(u, ctx, fused[:3] if fused is not None else None)
+        proj = self.input_projections(u)
+        q, k, v = self._project(u, ctx, proj[:3])
         v, depth_entry = self._mix_depth(q, k, v, depth_sources)
         v_self = v
         new_kv = None
@@ -1325,8 +1204,7 @@ class SpikeWhaleAttention(InputProjectionFusion, nn.Module):
         out = self._output(y, v_self)
         mc = mc_steps = None
         if self.mc is not None:
-            mc_proj = fused[3:] if fused is not None and len(fused) == 5 else None
-            mc_out, mc, mc_steps = self.mc(u, ctx, state.mc if state is not None else None, mc_proj)
+            mc_out, mc, mc_steps = self.mc(u, ctx, state.mc if state is not None else None, proj[3:] or None)
             out = out + mc_out
         update = SlotUpdate(new_kv, mc, mc_steps, elo, elo_steps) if state is not None else None
         return out, depth_entry, weights, update
@@ -1340,485 +1218,25 @@ class SpikeWhaleAttention(InputProjectionFusion, nn.Module):
         return torch.addcmul(yg, (yg * vhat).sum(-1, keepdim=True), vhat, value=-1).view(B, nh, S, hd)
 
 
-# Weights of fewer elements stay in cache, where `linear_forward`'s few-row kernel costs more than it saves.
-FEW_ROWS_MIN_WEIGHT = 1 << 16
-# The most rows for which `linear_forward` weighs other products against F.linear: a decode step of a batch of up to 16.
-FEW_ROWS_MAX = 16
-FEW_ROWS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-
-class FewRowsKernel:
-    """Picks, per (weight shape, rows, torch threads), the fastest of equal products for an eager CPU product of a
-    few rows, as `torch.backends.cudnn.benchmark` picks convolution kernels: F.linear's x·Wᵀ ("linear"); (W·Xᵀ)ᵀ
-    ("transposed": MKL's GEMM of W·[x; 0]ᵀ streamed W ~1.5× faster than its GEMV on an EPYC with AVX-512, while on an
-    AVX2 EPYC the GEMV is as fast); and x·Wᵀ as one batched GEMM over s blocks of W's rows ("blocks2/4/8"), whose
-    blocks MKL streams on separate threads where its GEMV of one row keeps to one (AVX2 EPYC, 2 threads, W cold:
-    14-27 GB/s against F.linear's 8-17 for the 114M model's products); and, for one row, W·x as a matrix-vector
-    product ("mv": on a Xeon with AMX, 2 threads, the 114M model's bf16 one-row products ran 1.2-1.6× faster through
-    torch.mv than through F.linear, e.g. [2048, 768] 174 against 266 µs, while float32 ran as fast either way). A
-    weight-only int8 weight (`weight_only_int8`) with bf16 rows has two: F.linear, which torchao runs eagerly as its
-    whole weight converted to bf16 and a GEMM, and `torch._weight_int8pack_mm` ("int8pack"), the kernel inductor
-    lowers the same product to (Xeon with AMX, [2048, 768]: 38 against 270 µs for one row, 155 against 284 for 8,
-    300 against 269 for 16). A bf16 weight where no gradient flows has oneDNN's linear on a prepacked copy of it
-    ("packed", `packed_weight`, as inductor's freezing prepacks; bit for bit F.linear's values for the shapes checked
-    on the CPU below): on an AMD EPYC with AVX512-BF16 and no AMX, 2 threads, one row, cold weights, 338 against 500 µs
-    for [4096, 768], 144 against 184 for [768, 2048], 1,306 against 2,191 for the [16512, 768] `lm_head`; the copy
-    costs the weight's memory again, kept only for weights whose key takes it (114M bf16: 100 copies, 198 MB beside
-    244 MB of parameters; `FewRowsKernel.prepack = False` packs none from then on, `FewRowsKernel.packed.clear()`
-    drops those made). In a compiled walk an int8 weight's standard product is "int8pack", and with inductor one row
-    has its float32 reduction too ("int8reduce"; 114M shapes, bf16 rows, cold: 1.2-1.6× faster than "int8pack" on
-    an AVX512-BF16 EPYC). A walk compiled by inductor has one more for one row of a plain float weight: Σ_k x_k·W_nk
-    as a float32 reduction ("reduce", `reduce_product`), which inductor emits as one vectorised pass over W
-    converting each element as it reads it (AVX512-BF16 EPYC, 2 threads, a compiled chain of the 114M FFN's 64
-    products: bf16 10.9 against 16.3 ms for "packed" and 19.4 for F.linear; float32 18.5 against 20.2 for "blocks4";
-    with 8 rows it reads W once per row, 1.9× slower than F.linear). The winner differs between CPUs, dtypes, row
-    counts and thread counts. The first `trials` calls of each candidate per key take turns on the model's own
-    weights, timed where they run, so W is as cold as in a decode step; another product wins from then on only if its
-    median is below `margin` × F.linear's: per-call times on a shared machine scatter by about 10%, so a near-tie keeps
-    the standard kernel. `medians` keeps every candidate's median per key (diagnostics). `forced` (a product's name;
-    F.linear where it does not apply) skips the timing; under `torch.use_deterministic_algorithms(True)` F.linear runs,
-    so that no result depends on a timing."""
-
-    trials = 9
-    margin = 0.9
-    forced: str | None = None
-    prepack = True
-    # Prepacked copies by weight (weak: they go with it), each with the weight's (version, data pointer) when packed,
-    # so an in-place update or new storage packs again.
-    packed = torch.utils.weak.WeakIdKeyDictionary()
-    blocks = {"blocks2": 2, "blocks4": 4, "blocks8": 8}
-    min_block_rows = 64
-    reduce_kernels: dict[tuple, object] = {}  # `compiled_reduce`'s, by the shapes and dtypes of its arguments
-
-    def __init__(self):
-        # Keyed by (*weight shape, rows, threads, dtype of the stored elements); a weight-only int8 weight's ends with
-        # int8 and the dtype of its rows.
-        self.chosen: dict[tuple, str] = {}
-        self.medians: dict[tuple, dict[str, float]] = {}  # seconds per call, by product
-        self.walk_medians: dict[tuple, dict[str, float]] = {}  # the same, timed for a compiled walk (`choose`)
-        self.timings: dict[tuple, dict[str, list[float]]] = {}
-
-    @classmethod
-    def candidates(cls, weight: torch.Tensor, rows: int) -> tuple[str, ...]:
-        """F.linear first, then the products that apply to this weight (blocks of `min_block_rows`+ whole rows; int8
-        weights: int8pack alone) and this many rows (W·x: one)."""
-        if weight_only_int8(weight):
-            return ("linear", "int8pack")
-        N = weight.shape[0]
-        blocks = (k for k, s in cls.blocks.items() if N % s == 0 and N // s >= cls.min_block_rows)
-        packed = cls.prepack and weight.dtype == torch.bfloat16 and not weight.is_inference() and cpu_has_mkldnn_bf16()
-        return ("linear", "transposed", *blocks, *(("mv",) if rows == 1 else ()), *(("packed",) if packed else ()))
-
-    @classmethod
-    def traced_candidates(cls, weight: torch.Tensor, rows: int, reduce: bool = True) -> tuple[str, ...]:
-        """The products a compiled walk can take (`traced_product`): `candidates` but W·x, which has no form for a
-        symbolic row count, and, where `reduce` (the walk is inductor's, which fuses it), for one row of a plain float
-        CPU weight the float32 reduction ("reduce"). The first is the standard the others must beat. A weight-only int8
-        weight has `torch._weight_int8pack_mm` ("int8pack", the kernel inductor's pattern matcher lowers torchao's
-        product to) and, where `reduce`, for one row its float32 reduction ("int8reduce")."""
-        if weight_only_int8(weight):
-            # Both explicit, so the walk needs no pattern matcher to lower torchao's product (`compile_decode`).
-            return ("int8pack", "int8reduce") if reduce and rows == 1 and weight.is_cpu else ("int8pack",)
-        kinds = tuple(k for k in cls.candidates(weight, rows) if k != "mv")
-        plain = type(weight) in (torch.Tensor, nn.Parameter) and weight.is_cpu and weight.dtype.is_floating_point
-        return (*kinds, "reduce") if reduce and rows == 1 and plain else kinds
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
-        if self.forced is not None:
-            kind = self.forced if self.forced in self.candidates(weight, rows) else "linear"
-            kind = kind if kind != "packed" or self.packable(x, weight) else "linear"
-            return self.product(x, weight, bias, rows, kind)
-        key = self.key(weight, rows)
-        kind = self.chosen.get(key)
-        # F.linear first and without another call: it is the choice for many keys, and this runs ~580 times a step.
-        if kind == "linear" or torch.are_deterministic_algorithms_enabled():
-            return F.linear(x, weight, bias)
-        if kind is not None:
-            kind = kind if kind != "packed" or self.packable(x, weight) else "linear"
-            return self.product(x, weight, bias, rows, kind)
-        timings = self.timings.setdefault(key, {k: [] for k in self.candidates(weight, rows)})
-        kinds = [k for k in timings if k != "packed" or self.packable(x, weight)]
-        kind = min(kinds, key=lambda k: len(timings[k]))  # take turns, in candidate order
-        if kind == "packed":
-            self.packed_weight(weight)  # packing once per weight is not the product's time
-        start = time.perf_counter()
-        y = self.product(x, weight, bias, rows, kind)
-        timings[kind].append(time.perf_counter() - start)
-        if all(len(t) >= self.trials for t in timings.values()):  # more where gradients left out "packed"
-            medians = self.medians[key] = {k: statistics.median(t) for k, t in timings.items()}
-            self.chosen[key] = self._fastest(medians, medians)
-            del self.timings[key]
-            if self.chosen[key] != "packed":  # the trials' copies are not kept
-                for w in [w for w in self.packed if self.key(w, rows) == key]:
-                    del self.packed[w]
-        return y
-
-    def packable(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether "packed" may multiply x by this weight now: prepacking on, no gradient to flow (the product has no
-        derivative), and a weight that counts its in-place updates (not an inference tensor)."""
-        return (self.prepack and not weight.is_inference()
-                and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
-
-    def _fastest(self, medians: dict[str, float], kinds) -> str:
-        """The product of `kinds` with the lowest median, where that is below `margin` × the first's (the standard
-        product: F.linear, or "int8pack" in a compiled walk); else the first."""
-        standard = next(iter(kinds))
-        best = min(kinds, key=medians.get)
-        return best if medians[best] < self.margin * medians[standard] else standard
-
-    def choose(self, weights: list[torch.Tensor], rows: int, stored: dict[str, str] | None = None,
-               walk: list[torch.Tensor] | None = None, keep: list[torch.Tensor] = (), reduce: bool = True) -> list[str]:
-        """The product a compiled walk takes for `rows` rows by each of `weights` (`compile_decode`): per key, the
-        fastest of those it can trace (`traced_candidates`, the reduction only where `reduce`: another backend than
-        inductor runs it unfused), timed now (`time_in_walk_order`) where no earlier call has. `stored` (product by
-        torch version, CPU model and key) answers a key timed in an earlier process and takes this one's, so that a
-        choice made once stays made (single timings scatter). `keep`: weights whose prepacked copy stays whatever this
-        call takes (another row count's product takes it)."""
-        if self.forced is not None:  # whatever the backend: a diagnostic's or a test's choice
-            return [self.forced if self.forced in ks else ks[0]
-                    for ks in (self.traced_candidates(w, rows) for w in weights)]
-        kinds = [self.traced_candidates(w, rows, reduce) for w in weights]
-        if torch.are_deterministic_algorithms_enabled():
-            return ["linear"] * len(weights)
-        keys = [self.key(w, rows) for w in weights]
-        # The tag: choices timed otherwise, or without "packed" among the compiled products (earlier releases), are
-        # timed again.
-        names = [f"torch {torch.__version__} | {cpu_model()} | timed in walk rounds, packed and reduce traced | "
-                 + " ".join(map(str, k)) for k in keys]
-        known = {k for k, n, ks in zip(keys, names, kinds) if stored is not None and stored.get(n) in ks}
-        # Timed again where an earlier call (another backend's walk) left a product out.
-        pending = {k: ks for k, ks in zip(keys, kinds)
-                   if k not in known and len(ks) > 1 and not set(ks) <= set(self.walk_medians.get(k, ()))}
-        if pending:
-            self.time_in_walk_order(weights, keys, pending, rows, walk)
-        chosen, kept = [], {id(w) for w in keep}
-        for weight, key, name, ks in zip(weights, keys, names, kinds):
-            if key in known:
-                kind = stored[name]
-            else:  # a single candidate is not timed
-                kind = ks[0] if len(ks) == 1 else self._fastest(self.walk_medians[key], ks)
-            if stored is not None:
-                stored[name] = kind
-            # The timing's copy, unless a product takes it.
-            if "packed" not in (kind, self.chosen.get(key)) and id(weight) not in kept:
-                self.packed.pop(weight, None)
-            chosen.append(kind)
-        return chosen
-
-    def time_in_walk_order(self, weights: list[torch.Tensor], keys: list[tuple], kinds: dict[tuple, list[str]],
-                           rows: int, walk: list[torch.Tensor] | None) -> None:
-        """Times the products `kinds` names per key (`keys`: each weight's) on `weights` as a compiled decode step
-        runs them, into `walk_medians`: in rounds over `walk` (the weights a step reads, in its order; by default
-        `weights`), each round one product per key for all its weights and every other weight read untimed by
-        F.linear, so that each product finds its weight as cold as in a step and follows its own kind. Timed
-        otherwise the choice came out wrong on a Xeon with AMX (~100 MB of usable cache, 2 threads): over one shape's
-        16 weights alone (50 MB of bf16 FFN, warm), or with the products alternating call by call (as eager trials
-        do), F.linear tied (W·xᵀ)ᵀ (237 against 238 µs), which in the compiled step ran 174 against 240 µs (the step:
-        1.12×)."""
-        timed = {id(w): key for w, key in zip(weights, keys) if key in kinds}
-        counts = collections.Counter(timed.values())
-        read = {id(w) for w in walk or ()}
-        walk = [*(walk or ()), *(w for w in weights if id(w) not in read)]
-        # Rows of the dtype the weight multiplies (an int8 weight's: the dtype it dequantizes to).
-        inputs = {(w.shape[1], w.dtype): torch.zeros(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in walk}
-        for weight in walk:  # untimed: a weight's first read may fault its pages in (a model just loaded)
-            x, weight_kinds = inputs[weight.shape[1], weight.dtype], kinds.get(timed.get(id(weight)), ())
-            F.linear(x, weight)
-            if "packed" in weight_kinds:
-                self.packed_weight(weight)  # packing once per weight is not the product's time
-            if "reduce" in weight_kinds:  # nor compiling it
-                self.compiled_reduce(x, weight, None)
-            if "int8reduce" in weight_kinds:
-                self.compiled_reduce(x, weight.qdata, None, weight.scale)
-        per_kind = max(2, *(-(-self.trials // n) for n in counts.values()))  # rounds per product, each key ≥ trials
-        times = {k: {kind: [] for kind in ks} for k, ks in kinds.items()}
-        for r in range(per_kind * max(map(len, kinds.values()))):
-            for weight in walk:
-                x, key = inputs[weight.shape[1], weight.dtype], timed.get(id(weight))
-                if key is None:
-                    F.linear(x, weight)
-                    continue
-                kind = kinds[key][r % len(kinds[key])]
-                start = time.perf_counter()
-                self.product(x, weight, None, rows, kind)
-                times[key][kind].append(time.perf_counter() - start)
-        for key, by_kind in times.items():
-            self.walk_medians[key] = {kind: statistics.median(t) for kind, t in by_kind.items() if t}
-
-    @staticmethod
-    def key(weight: torch.Tensor, rows: int) -> tuple:
-        plain = type(weight) in (torch.Tensor, nn.Parameter)  # first: this runs ~580 times a step
-        if not plain and weight_only_int8(weight):  # and the dtype of its rows (float32 for the Memory Cache's)
-            return (*weight.shape, rows, torch.get_num_threads(), torch.int8, weight.dtype)
-        return (*weight.shape, rows, torch.get_num_threads(), weight.dtype)
-
-    @classmethod
-    def product(cls, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, kind: str):
-        """x·Wᵀ + b by the product named `kind` (see the class)."""
-        if kind == "linear":
-            return F.linear(x, weight, bias)
-        if kind in cls.blocks:
-            return cls.row_blocks_product(x, weight, bias, cls.blocks[kind])
-        K = x.shape[-1]
-        if kind == "packed":
-            return torch.ops.mkldnn._linear_pointwise(x, cls.packed_weight(weight), bias, "none", [], "")
-        if kind == "reduce":
-            return cls.compiled_reduce(x, weight, bias)
-        if kind == "int8reduce":
-            return cls.compiled_reduce(x, weight.qdata, bias, weight.scale)
-        if kind == "int8pack":
-            return cls.int8pack_product(x, weight.qdata, weight.scale, bias)
-        if kind == "mv":
-            y = torch.mv(weight, x.reshape(K))
-        elif rows == 1:  # column 0 of W·[x; 0]ᵀ
-            y = torch.mm(weight, F.pad(x.reshape(1, K), (0, 0, 0, 1)).t())[:, 0].contiguous()
-        else:
-            y = torch.mm(weight, x.reshape(rows, K).contiguous().t()).t().contiguous()
-        if bias is not None:
-            y = y + bias
-        return y.view(*x.shape[:-1], weight.shape[0])
-
-    @classmethod
-    def packed_weight(cls, weight: torch.Tensor) -> torch.Tensor:
-        """oneDNN's prepacked copy of bf16 `weight` for its linear, packed again after the weight changed."""
-        tag = (weight._version, weight.data_ptr())
-        entry = cls.packed.get(weight)
-        if entry is None or entry[0] != tag:
-            # Never an inference tensor: a later step may run outside inference mode.
-            with torch.inference_mode(False), torch.no_grad():
-                entry = cls.packed[weight] = (tag, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
-        return entry[1]
-
-    @classmethod
-    def traced_product(cls, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
-        """The product named `kind` (not "mv") in a compiled graph, for any (symbolic) number of rows: the float32
-        reduction (`reduce_product`); row blocks as
-        eagerly; (W·Xᵀ)ᵀ as the first columns of W·[X; 0]ᵀ, as eagerly for one row (a one-column GEMM takes the slow
-        path that F.linear's does: bf16 [2048, 768] on a Xeon with AMX, 227 µs against 159 µs for two columns); and
-        the prepacked linear as the op `spike_whale::packed_linear` (`packed_linear`), where no gradient flows."""
-        if kind in cls.blocks:
-            return cls.row_blocks_product(x, weight, bias, cls.blocks[kind])
-        if kind == "packed" and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-            return torch.ops.spike_whale.packed_linear(x, weight, bias)
-        if kind == "reduce":
-            return cls.reduce_product(x, weight, bias)
-        if kind == "int8reduce":
-            return cls.reduce_product(x, weight.qdata, bias, weight.scale)
-        if kind == "int8pack":  # opaque: inductor's own lowering of it takes no scale converted in the graph
-            return torch.ops.spike_whale.int8pack_linear(x, weight.qdata, weight.scale, bias)
-        if kind != "transposed":
-            return F.linear(x, weight, bias)
-        x2 = x.reshape(-1, x.shape[-1])
-        # Row-major, as F.linear's and the eager product's: a strided result would reach the slot states (the
-        # Memory-Cache sums of a fused projection's q/k/v) and change their strides, and with them the next step's
-        # guards (one more compile).
-        y = torch.mm(weight, F.pad(x2, (0, 0, 0, 1)).t())[:, : x2.shape[0]].t().contiguous()
-        if bias is not None:
-            y = y + bias
-        return y.reshape(*x.shape[:-1], weight.shape[0])
-
-    @staticmethod
-    def reduce_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       scale: torch.Tensor | None = None) -> torch.Tensor:
-        """x·Wᵀ + b as Σ_k x_k·W_nk + b_n in float32, rounded to x's dtype once (F.linear's function): compiled, one
-        pass over W per row of x. With `scale` (W an int8 weight's values), Σ_k x_k·W_nk is multiplied by s_n rounded
-        to x's dtype before the bias (`int8pack_product`'s function)."""
-        y = (x.float().unsqueeze(-2) * weight.float()).sum(-1)
-        if scale is not None:
-            y = y * scale.reshape(-1).to(x.dtype).float()
-        return (y if bias is None else y + bias.float()).to(x.dtype)
-
-    @staticmethod
-    def int8pack_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
-                         bias: torch.Tensor | None) -> torch.Tensor:
-        """torchao's weight-only int8 y = (x·qᵀ)·s + b by `torch._weight_int8pack_mm` (s rounded to x's dtype, the
-        products accumulated in float32); also the op `spike_whale::int8pack_linear` of a compiled walk."""
-        K = x.shape[-1]
-        y = torch._weight_int8pack_mm(x.reshape(-1, K), qdata, scale.reshape(-1).to(x.dtype))
-        if bias is not None:
-            y = y + bias
-        return y.view(*x.shape[:-1], qdata.shape[0])
-
-    @classmethod
-    def compiled_reduce(cls, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        scale: torch.Tensor | None = None) -> torch.Tensor:
-        """`reduce_product` as inductor compiles it for these shapes and dtypes (compiled once per process and kept
-        in `reduce_kernels`), for timing it outside a compiled walk: called directly, without dynamo's guards, so
-        that its time is close to its time inside the walk's graph."""
-        given = {k: t for k, t in (("bias", bias), ("scale", scale)) if t is not None}
-        args = (x, weight, *given.values())
-        key = tuple((a.shape, a.dtype) for a in args)  # an int8 weight, and only it, comes with a scale
-        kernel = cls.reduce_kernels.get(key)
-        if kernel is None:
-            from torch.fx.experimental.proxy_tensor import make_fx
-
-            def product(x, weight, *rest):
-                return cls.reduce_product(x, weight, **{"bias": None, **dict(zip(given, rest))})
-
-            kernel = cls.reduce_kernels[key] = torch._inductor.compile(make_fx(product)(*args), list(args))
-        return kernel(*args)
-
-    @staticmethod
-    def row_blocks_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, s: int) -> torch.Tensor:
-        """x·Wᵀ + b as one batched GEMM [s, rows, K] × [s, K, N/s] over s blocks of W's rows (views; x broadcast)."""
-        K, N = x.shape[-1], weight.shape[0]
-        y = torch.bmm(x.reshape(1, -1, K).expand(s, -1, K), weight.unflatten(0, (s, N // s)).transpose(1, 2))
-        y = y.transpose(0, 1).reshape(-1, N)
-        if bias is not None:
-            y = y + bias
-        return y.view(*x.shape[:-1], N)
-
-
-FEW_ROWS_KERNEL = FewRowsKernel()
-
-
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x·Wᵀ + b by oneDNN's linear on W's prepacked copy (`FewRowsKernel.packed_weight`): the op
-    `spike_whale::packed_linear`, which a compiled decode walk calls as an opaque kernel. Inductor lowers oneDNN's
-    own op only for a weight frozen into the graph as a constant, and the walk reads its weights as inputs (bf16
-    [2048, 768] and [768, 2048] products alternating in a compiled graph, AVX512-BF16 EPYC, 2 threads: 195 against
-    265 µs a call for F.linear's GEMM)."""
-    return torch.ops.mkldnn._linear_pointwise(x, FewRowsKernel.packed_weight(weight), bias, "none", [], "")
-
-
-_SPIKE_WHALE_OPS = torch.library.Library("spike_whale", "FRAGMENT")
-for _name, _schema, _impl in (
-    ("packed_linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor", packed_linear),
-    ("int8pack_linear", "(Tensor x, Tensor qdata, Tensor scale, Tensor? bias) -> Tensor",
-     FewRowsKernel.int8pack_product),
-):
-    if not hasattr(torch.ops.spike_whale, _name):  # once per process, whichever copy of this file comes first
-        _SPIKE_WHALE_OPS.define(_name + _schema)
-        _SPIKE_WHALE_OPS.impl(_name, _impl, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"spike_whale::{_name}", lib=_SPIKE_WHALE_OPS)(
-            lambda x, weight, *rest: x.new_empty(*x.shape[:-1], weight.shape[0]))
-
-
-def weight_only_int8(weight: torch.Tensor) -> bool:
-    """Whether `weight` is an int8 weight with one scale per output row and float activations: torchao's
-    `Int8WeightOnlyConfig`, through transformers' `TorchAoConfig`, whose product is y = (x·qᵀ)·s."""
-    q = getattr(weight, "qdata", None)
-    return (isinstance(q, torch.Tensor) and q.dtype == torch.int8 and q.dim() == 2 and q.is_contiguous()
-            and getattr(weight, "act_quant_kwargs", True) is None and getattr(weight, "act_pre_scale", True) is None
-            and list(getattr(weight, "block_size", ())) == [1, q.shape[1]]
-            and getattr(weight, "scale", None) is not None and weight.scale.numel() == q.shape[0])
-
-
-@functools.cache
-def cpu_model() -> str:
-    """The CPU's model name (Linux: /proc/cpuinfo), else `platform.processor()`."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-@functools.cache
-def cpu_has_mkldnn_bf16() -> bool:
-    """Whether oneDNN's bf16 linear on prepacked weights (`FewRowsKernel`'s "packed") runs here: the op exists and
-    this CPU has the instructions its bf16 path needs (an AVX2-only CPU raises at the reorder)."""
-    try:
-        return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-                and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
-    except (AttributeError, RuntimeError):
-        return False
-
-
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    """Whether oneDNN has bf16 instructions on this CPU (AVX512-BF16 or AMX); a torch built without oneDNN cannot
-    tell, and keeps its bf16 kernels."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return True
-
-
-# The fewest rows whose bf16 CPU product runs in float32 where the CPU has no bf16 instructions: there MKL's bf16
-# GEMM is ~3.5-7× slower than converting both sides and running its float32 one (512 × 768 → 2048: 338 against
-# 94 ms), while one row stays bf16 (half the weight bytes to stream). Rows 2-7 were not measured.
-BF16_AS_FLOAT32_MIN_ROWS = 8
-
-# The rows a compiled walk's batch products are timed at (`_choose_compiled_products`): one graph serves every batch
-# of 2 or more, so one representative count picks their product.
-COMPILED_BATCH_ROWS = 8
-
-
-def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   compiled_product: str = "linear") -> torch.Tensor:
-    """x·Wᵀ + b, as F.linear. Eagerly, a product of 1-`FEW_ROWS_MAX` rows with a plain float32, bf16 or float16
-    row-major W of at least `FEW_ROWS_MIN_WEIGHT` elements on CPU (a decode step; a speculative verify chunk; an MTP
-    verify step's `lm_head` product) runs through `FEW_ROWS_KERNEL`, the fastest of its equal products on this
-    machine, as does a product of bf16 rows with a weight-only int8 W (`weight_only_int8`) where no gradient flows
-    to x (`_weight_int8pack_mm` has no derivative); a bf16 product of `BF16_AS_FLOAT32_MIN_ROWS`+ rows on a CPU
-    without bf16 instructions runs in float32 and is rounded to bf16 once, the function of a native bf16 GEMM
-    (float32 accumulation, one rounding). Under torch.compile inductor picks its own GEMM, of the product
-    `compiled_product` names where that is given (`compile_decode`)."""
-    # First: under compile a test of the (symbolic) row count would guard the graph on it, and dynamo cannot trace
-    # the kernel's get_num_threads.
-    if torch.compiler.is_compiling():
-        return FewRowsKernel.traced_product(x, weight, bias, compiled_product)
-    if not x.is_cpu:
-        return F.linear(x, weight, bias)
-    K = x.shape[-1]
-    rows = x.numel() // K if K else 0
-    if type(weight) not in (torch.Tensor, nn.Parameter):
-        if (0 < rows <= FEW_ROWS_MAX and x.dtype == torch.bfloat16 and weight.numel() >= FEW_ROWS_MIN_WEIGHT
-                and not (x.requires_grad and torch.is_grad_enabled()) and weight_only_int8(weight)):
-            return FEW_ROWS_KERNEL(x, weight, bias, rows)
-        return F.linear(x, weight, bias)
-    if rows >= BF16_AS_FLOAT32_MIN_ROWS and x.dtype == weight.dtype == torch.bfloat16 and not cpu_has_native_bf16():
-        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
-    if not (0 < rows <= FEW_ROWS_MAX and x.dtype == weight.dtype and x.dtype in FEW_ROWS_DTYPES
-            and weight.numel() >= FEW_ROWS_MIN_WEIGHT and weight.stride(-1) == 1):
-        return F.linear(x, weight, bias)
-    return FEW_ROWS_KERNEL(x, weight, bias, rows)
-
-
-def compiled_kind(owner, x: torch.Tensor) -> str:
-    """The product `owner` (a SpikeWhaleLinear or FusedLinears) multiplies x by in a compiled decode walk
-    (`compile_decode`'s choices): `compiled_product` for one row, `compiled_product_rows` for several. A compiled step
-    has one row per sequence, and dynamo specialises a batch of one, so a batch-1 graph and the graph of larger
-    batches each trace their own."""
-    if torch.compiler.is_compiling() and x.numel() != x.shape[-1]:
-        return owner.compiled_product_rows
-    return owner.compiled_product
-
-
-class SpikeWhaleLinear(nn.Linear):
-    """nn.Linear computed by `linear_forward` (same parameters and state dict), multiplied in a compiled decode walk by
-    the product `compiled_kind` names (a `FewRowsKernel` product; "linear": F.linear)."""
-
-    compiled_product = "linear"
-    compiled_product_rows = "linear"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_forward(x, self.weight, self.bias, compiled_kind(self, x))
-
-
-class SpikeWhaleMLP(InputProjectionFusion, nn.Module):
+class SpikeWhaleMLP(nn.Module):
     """Dense SwiGLU: down(silu(gate(u)) ⊙ up(u)); also one MoE expert (and the fused shared experts)."""
 
     def __init__(self, config: SpikeWhaleConfig, width: int | None = None):
         super().__init__()
         H, F_ = config.hidden_size, width or config.moe_intermediate_size
-        self.gate_proj = SpikeWhaleLinear(H, F_, bias=False)
-        self.up_proj = SpikeWhaleLinear(H, F_, bias=False)
-        self.down_proj = SpikeWhaleLinear(F_, H, bias=False)
+        self.gate_proj = nn.Linear(H, F_, bias=False)
+        self.up_proj = nn.Linear(H, F_, bias=False)
+        self.down_proj = nn.Linear(F_, H, bias=False)
 
-    def input_linears(self) -> tuple[nn.Linear, ...]:
-        return self.gate_proj, self.up_proj
+    def input_projections(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_proj(u), self.up_proj(u)
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         # Without autograd, silu and ⊙ run in place on the gate projection's output: a long prefill's [S, F]
-        # temporaries are fresh page-faulted buffers each (32 MiB at 4096 tokens), which cost about as much as the ops.
+        # temporaries are fresh page-faulted buffers each, which cost about as much as the ops.
         inplace = not torch.is_grad_enabled()
-        fused = self._fused_projections(u)
-        gate, up = fused if fused is not None else (self.gate_proj(u), self.up_proj(u))
+        gate, up = self.input_projections(u)
         h = F.silu(gate, inplace=inplace)
         return self.down_proj(h.mul_(up) if inplace else h * up)
 
@@ -2044,8 +1462,7 @@ def compiled_decode_guards(entries) -> list[bool]:
     checks of module parameters, which only change when the model is re-typed or moved (`SpikeWhaleModel._run_slots`
     checks that itself) or its weights are replaced; guards on structure, the slot states and the inputs all stay.
     A quantized parameter (a tensor subclass: torchao's int8) keeps its type check but not the checks of its
-    metadata, which call its `__tensor_flatten__` in Python on every call (114M int8, 2 threads: dynamo's cache
-    lookup took 2.3 ms of a step without them, 4.3 ms with)."""
+    metadata, which call its `__tensor_flatten__` in Python on every call."""
     return [
         not (e.orig_guard.source.is_unspecialized_builtin_nn_module()
              or (e.guard_type in ("TENSOR_MATCH", "TENSOR_SUBCLASS_METADATA_MATCH", "EQUALS_MATCH")
@@ -2054,160 +1471,20 @@ def compiled_decode_guards(entries) -> list[bool]:
     ]
 
 
-def stored_decode_guards(entries) -> list[bool]:
-    """`compiled_decode_guards` less the identity checks torch cannot store (`PersistentDecodeWalk`): that a
-    function, class or module is the very object traced (the namedtuple constructors' scopes included). Its key
-    holds the package's source instead; guards on values, shapes and structure stay."""
-    from torch._dynamo.guards import CheckFunctionManager
 
-    unstorable = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
-    return [
-        keep and e.guard_type not in unstorable and not unstorable.intersection(e.derived_guard_types or ())
-        and "___unnamed_scope" not in e.name
-        for keep, e in zip(compiled_decode_guards(entries), entries)
-    ]
-
-
-def owned_privately(st: os.stat_result, kind) -> bool:
-    """Whether a cache entry (its `lstat`/`fstat`) is of `kind` (`stat.S_ISDIR`, `stat.S_ISREG`; a link is neither),
-    owned by this user and writable by no one else. Without uids (Windows, whose temp folder is per user) only the
-    kind is checked."""
-    getuid = getattr(os, "getuid", None)
-    return kind(st.st_mode) and (getuid is None or (st.st_uid == getuid() and not st.st_mode & 0o022))
-
-
-def read_private(path: str) -> bytes | None:
-    """A file's bytes where it is this user's alone (`owned_privately`, opened without following a link), else None."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
-        return None
-    with os.fdopen(fd, "rb") as f:
-        return f.read() if owned_privately(os.fstat(fd), stat.S_ISREG) else None
-
-
-def write_private(path: str, data: bytes) -> None:
-    """Writes `path` whole or not at all (also with another process writing), readable by this user only."""
-    fd, partial = tempfile.mkstemp(dir=os.path.dirname(path))  # created 0600
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(partial, path)
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
-
-
-class PersistentDecodeWalk:
-    """`walk_run` compiled for decode steps and kept in torch's cache directory, so that a later process decoding
-    with the same model skips dynamo's trace of the walk (most of a first compiled step once inductor's own caches
-    are warm; issue 12: 12.6 s for the 114M preset).
-
-    Each graph is compiled ahead of time by torch (`torch.compile(walk_run, fullgraph=True).aot_compile`, inductor's
-    code bundled in) and written to `<torch cache dir>/spike_whale_decode/<key>/`, under the directory inductor uses
-    (`TORCHINDUCTOR_CACHE_DIR`, by default /tmp/torchinductor_<user>); nothing is written next to the model. The key
-    hashes the torch, transformers and Python versions, the source and module name of this package, the compile
-    options, the thread count (CPU kernels specialise on it), the CPU's model and vector ISA or the GPU's name and
-    capability, every layer parameter's name, shape, stride, dtype and device, and the products the walk's Linears
-    and fused projections take (`compiled_kind`), since the stored guards cannot check what identity guards check
-    in-process (`stored_decode_guards`). A call runs the first stored graph whose guards pass, else compiles, stores
-    and runs a new one (a new batch size, say).
-
-    A stored graph is code (bytecode and inductor's kernels, which torch's loader unpickles and runs, as it does its
-    own caches'), so only this user's own entries are read: both folders are created 0700, and a folder or file that
-    another user owns or may write, or a link, is neither read nor written (`owned_privately`; the walk then compiles
-    in this process). An entry that cannot be read back (cut short, or from another build) is compiled again.
-    `options` and `compile_kwargs` are `torch.compile`'s (inductor backend; the walk is always one graph, `fullgraph`)."""
-
-    def __init__(self, model: "SpikeWhaleModel", options: dict, compile_kwargs: dict):
-        options = {k: v for k, v in options.items() if k != "guard_filter_fn"}
-        compile_kwargs = {k: v for k, v in compile_kwargs.items() if k not in ("fullgraph", "backend")}
-        self.compile = torch.compile(walk_run, fullgraph=True, **compile_kwargs,
-                                     options={**options, "guard_filter_fn": stored_decode_guards})
-        self.folder = os.path.join(self.root(), self.key(model, options, compile_kwargs))
-        self.graphs = []
-        self.unread: list[str] | None = None  # stored graphs not read yet, listed on the first call
-        self.stores = True  # False once the folder is found not to be this user's alone
-
-    @staticmethod
-    def root() -> str:
-        """The folder of every stored walk (one subfolder per key) and of `compiled_products.json`."""
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-        return os.path.join(cache_dir(), "spike_whale_decode")
-
-    @classmethod
-    def private_folder(cls, folder: str) -> bool:
-        """Creates `root()` and `folder` below it (0700) where absent; whether both are this user's alone (else a
-        warning: nothing is read from or stored there)."""
-        for path in dict.fromkeys((cls.root(), folder)):
-            try:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(path, 0o700)
-                private = owned_privately(os.lstat(path), stat.S_ISDIR)
-            except OSError:
-                private = False
-            if not private:
-                logger.warning_once(
-                    f"{path} is another user's, writable by others or a link, so compiled decode walks are neither "
-                    "read from nor stored there; set TORCHINDUCTOR_CACHE_DIR to a folder of your own to keep them."
-                )
-                return False
-        return True
-
-    @staticmethod
-    def key(model: "SpikeWhaleModel", options: dict, compile_kwargs: dict) -> str:
-        # The module's name too: the stored code imports this package's modules by name (`spike_whale.*`, or
-        # transformers_modules.* under trust_remote_code). The machine's kernels: inductor's CPU code targets this
-        # CPU's vector ISA, its GPU code the device's capability.
-        devices = sorted({p.device for p in model.layers.parameters()}, key=str)
-        machine = [(torch.cuda.get_device_name(d), torch.cuda.get_device_capability(d)) if d.type == "cuda"
-                   else (d.type, cpu_model(), torch.backends.cpu.get_cpu_capability()) for d in devices]
-        digest = hashlib.sha256(repr((torch.__version__, transformers.__version__, sys.version, walk_run.__module__,
-                                      torch.get_num_threads(), machine, sorted(options.items()),
-                                      sorted(compile_kwargs.items()))).encode())
-        package = os.path.dirname(os.path.abspath(sys.modules[walk_run.__module__].__file__))
-        for path in sorted(glob.glob(os.path.join(package, "*.py"))):
-            with open(path, "rb") as f:
-                digest.update(f.read())
-        for name, p in model.layers.named_parameters():
-            digest.update(repr((name, tuple(p.shape), p.stride(), p.dtype, p.device.type, type(p.data))).encode())
-        for name, module in model.layers.named_modules():
-            for owner, label in ((module, name), (getattr(module, "fused_input", None), f"{name}.fused_input")):
-                kinds = getattr(owner, "compiled_product", "linear"), getattr(owner, "compiled_product_rows", "linear")
-                if kinds != ("linear", "linear"):
-                    digest.update(repr((label, *kinds)).encode())
-        return digest.hexdigest()[:32]
-
-    def __call__(self, *args):
-        for graph in self.graphs:
-            if graph.guard_check(*args):
-                return graph.fn(*args)
-        if self.unread is None:
-            self.stores = self.private_folder(self.folder)
-            self.unread = sorted(glob.glob(os.path.join(self.folder, "*.bin"))) if self.stores else []
-        # Read only as far as the first stored graph that fits (other batch sizes' wait until they are needed).
-        while self.unread:
-            path = self.unread.pop(0)
-            data = read_private(path)
-            if data is None:
-                continue
-            try:
-                graph = torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=walk_run.__globals__)
-            except Exception:  # cut short or stale, a stored entry can fail anywhere in torch's loader
-                logger.info(f"{path} could not be read back; compiling the walk again")
-                with contextlib.suppress(OSError):
-                    os.remove(path)
-                continue
-            self.graphs.append(graph)
-            if graph.guard_check(*args):
-                return graph.fn(*args)
-        with torch._dynamo.config.patch(specialize_float=True):  # as compile_decode's in-process walk
-            graph = self.compile.aot_compile((args, {}))
-        if self.stores:  # written whole (a renamed temporary file), 0600
-            graph.save_compiled_function(os.path.join(self.folder, f"{uuid.uuid4().hex}.bin"))
-        self.graphs.append(graph)
-        return graph.fn(*args)
+def decode_compile_options(device: torch.device, compile_kwargs: dict) -> tuple[dict, dict]:
+    """(inductor options, torch.compile kwargs) of a compiled decode walk: dynamic shapes, the guards
+    `compiled_decode_guards` keeps, no per-call asserts (dynamo's guards already pin every input's size and stride),
+    `mode` turned into options (torch.compile takes one or the other), CUDA graphs only on CUDA."""
+    compile_kwargs = {"dynamic": True, **compile_kwargs}
+    options = {"guard_filter_fn": compiled_decode_guards, "size_asserts": False, "alignment_asserts": False,
+               "scalar_asserts": False}
+    options.update(torch._inductor.list_mode_options(compile_kwargs.pop("mode", None) or "default",
+                                                     compile_kwargs["dynamic"]))
+    if device.type != "cuda":
+        options.pop("triton.cudagraphs", None)
+    options.update(compile_kwargs.pop("options", None) or {})
+    return options, compile_kwargs
 
 
 class HRMRefinement(nn.Module):
@@ -2217,8 +1494,8 @@ class HRMRefinement(nn.Module):
         super().__init__()
         H, D = config.hidden_size, config.hrm_refine_dim
         self.norm = SpikeWhaleRMSNorm(H, config.rms_norm_eps)
-        self.down = SpikeWhaleLinear(2 * H, D, bias=False)
-        self.up = SpikeWhaleLinear(D, H, bias=False)
+        self.down = nn.Linear(2 * H, D, bias=False)
+        self.up = nn.Linear(D, H, bias=False)
         self.gate = nn.Parameter(torch.full((config.hrm_refine_steps,), float(config.hrm_gate_init)))
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -2235,7 +1512,7 @@ class MTPHead(nn.Module):
 
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__()
-        self.proj = SpikeWhaleLinear(config.hidden_size, config.hidden_size, bias=False)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.proj(h)
@@ -2571,15 +1848,12 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         compiled = self._compiled_run is not None and self._decode_step_compiles(ctx, cache)
         X = X.contiguous()  # the streams start as an expanded view; one memory layout means one compiled graph
         # A no-grad chunk on a warm cache (a decode step, a verify chunk, a later prompt chunk) walks in inference
-        # mode: eager CPU decode ~5-9% faster (no version counters or view tracking on the ~6,000 view ops of a
-        # step). Nothing it allocates outlives it but the slots' recurrent states, which the cache makes normal
-        # tensors again before any other forward (`SpikeWhaleCache.leave_inference_mode`); X is read outside, so
-        # every output is a normal tensor.
+        # mode: no version counters or view tracking on the thousands of small view ops of a step. Nothing it
+        # allocates outlives it but the slots' recurrent states, which the cache makes normal tensors again before
+        # any other forward (`SpikeWhaleCache.leave_inference_mode`); X is read outside, so every output is normal.
         compiling = torch.compiler.is_compiling()  # first: under compile `ctx.past` is a tensor
         inference = (not compiling and cache is not None and ctx.past > 0 and not compiled
                      and not torch.is_grad_enabled() and hidden_states is None and attentions is None)
-        if not compiling and not self.training and not torch.is_grad_enabled() and self._compiled_run is None:
-            self._fuse_input_projections()
         if inference:  # set first: a walk that raises halfway has stored some states already
             cache.holds_inference_states = True
         elif cache is not None and not compiling:
@@ -2604,14 +1878,6 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                         cache.store_slot(slot, update, end)
         return X, aux_terms
 
-    def _fuse_input_projections(self) -> None:
-        """Eager no-grad forwards in eval read each attention's and dense FFN's input projections as one GEMM
-        (`InputProjectionFusion`); `compile_decode` decides the fusion of a compiled model itself."""
-        for layer in self.layers:
-            for module in (layer.attn, layer.ffn):
-                if isinstance(module, InputProjectionFusion) and module.fused_input is None:
-                    module.fuse_input_projections()
-
     def _decode_step_compiles(self, ctx: ForwardContext, cache: SpikeWhaleCache | None) -> bool:
         """Whether this chunk runs through the compiled `walk_run`: one token per row staying in its current
         Memory-Cache segment, on a warm cache, in eval, returning no per-slot outputs. Everything else runs eagerly
@@ -2627,9 +1893,6 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                 f"compile_decode() traced this model for {self._compiled_for[0]} on {self._compiled_for[1]}, but it "
                 f"now runs in {X.dtype} on {X.device}; call model.compile_decode() again after moving or re-typing it."
             )
-        for layer in self.layers:
-            if layer.attn.fused_input is not None and not layer.attn.fused_input.intact():
-                layer.attn.fuse_input_projections()
         return True
 
     @staticmethod
@@ -2821,7 +2084,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__(config)
         self.model = SpikeWhaleModel(config)
-        self.lm_head = SpikeWhaleLinear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp_heads = nn.ModuleList(MTPHead(config) for _ in range(config.num_nextn_predict_layers))
         for head in self.mtp_heads:
             head.proj._spike_zero_init = True
@@ -2892,10 +2155,8 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         traced once per config), and returns the model's call; prefill and multi-token chunks stay eager.
 
         transformers' own `PreTrainedModel.get_compiled_call` (`torch.compile(model.__call__)`) works too: the whole
-        decode step is one graph with static shapes, never recompiled (tested). It is not the default because on the
-        114M preset, batch 1, 1 CPU thread, it compiled in 769 s against this walk's 177 s and decoded at 169 against
-        102 ms/step (medians of 3 interleaved rounds, under load): 48 slots unrolled in one graph, and without the
-        re-stored weights below."""
+        decode step is one graph with static shapes (tested). It is not the default because it unrolls every slot of
+        every loop pass into one graph, which compiles several times longer and decoded slower (docs/performance.md)."""
         if compile_blocker(self.model) is not None:
             return self.__call__
         config = compile_config.to_dict() if compile_config is not None else {}
@@ -2926,65 +2187,18 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         """
         return spike_whale_generate(self, super().generate, inputs, generation_config, **kwargs)
 
-    def compile_decode(self, enable: bool = True, persistent: bool = True, **compile_kwargs) -> None:
-        """Run one-token decode steps through `torch.compile` (the gpt-fast recipe, on the loop-slot cache). This is
-        what transformers' standard switch, `generate(..., compile_config=CompileConfig(...))`, calls
-        (`get_compiled_call`); calling it directly is a convenience for forwards outside generate.
+    def compile_decode(self, enable: bool = True, **compile_kwargs) -> None:
+        """Run one-token decode steps through `torch.compile`, the call behind `generate(...,
+        compile_config=CompileConfig(...))` (`get_compiled_call`); direct calls serve forwards outside generate.
 
-        The walk of one run of the loop plan (`walk_run`, a loop pass) becomes one graph with dynamic shapes, traced
-        on the first decode step and reused by every pass and step after it; prefill, multi-token chunks and the
-        steps `SpikeWhaleModel._decode_step_compiles` leaves out run the same walk eagerly. The first compiled step takes about a minute
-        for the 114M preset on 2 CPU cores; a later process reuses it (below).
-        `compile_kwargs` go to `torch.compile` (e.g. `options={"cpp_wrapper": True}`); a `mode` becomes its inductor
-        options (`torch._inductor.list_mode_options`), without CUDA graphs off CUDA, under explicit `options`.
-
-        With inductor (the default backend) the compiled walk persists (`PersistentDecodeWalk`): a later process
-        loading the same model with the same code, torch, options and thread count reads it from torch's cache
-        directory instead of tracing again (the 114M preset's first compiled step in a second process, 2 threads:
-        see README "Every path"). `persistent=False`, another backend, CUDA graphs (`mode="reduce-overhead"` on CUDA),
-        quantized weights, `torch._inductor.config.force_disable_caches` or transformers < 5.24 compile in this
-        process only. To keep the per-pass dispatch cheap, the guards on built-in modules and on parameter tensors are
-        skipped (`compiled_decode_guards`): moving or re-typing the model afterwards raises until this is called again;
-        call it again too after giving weights another layout or registering module hooks. `enable=False` returns
-        to eager decoding, drops the walk's prepacked copies and stores column-major weights row-major again.
-
-        It re-stores weights for the one-token GEMMs, with the same shapes and values (`state_dict` and
-        `save_pretrained` are unchanged): each attention's projections of its input become one matrix
-        (`SpikeWhaleAttention.fuse_input_projections`). On CPU that matrix, each FFN weight and each rank→hidden
-        up-projection is multiplied in the compiled walk by the product `FEW_ROWS_KERNEL` times fastest on this
-        machine, for one row in a batch-1 graph and for `COMPILED_BATCH_ROWS` rows in the graph of larger batches
-        (`_choose_compiled_products`: timed on the first call and kept beside the
-        stored walks for later processes): one batched GEMM over blocks of its rows, (W·Xᵀ)ᵀ (bf16 gate
-        and up on a Xeon with AMX: 174 against 240 µs a call in the compiled step), for one row a float32 reduction
-        that inductor fuses into one pass over W ("reduce": on an AVX512-BF16 EPYC every such product of the 114M
-        preset but [128, 768], float32 and bf16; its bf16 compiled step 1.28× faster than on prepacked copies), or,
-        for bf16, oneDNN's linear on a prepacked copy through the op `spike_whale::packed_linear` (there the bf16 FFN of a
-        batch; its copies 151 MB beside the weights); a float32 weight that keeps
-        F.linear is stored column-major, which MKL reads 10-25% faster than row-major for a batch of a few rows. On CPU,
-        `options={"cpp_wrapper": True}` trims the per-kernel dispatch further (4-9% faster at batch 1 in two
-        benchmark runs) for about twice the compile time, though not for a bf16 walk with prepacked products, whose op
-        it calls back into Python (114M, EPYC: generate's step 75-78 against 62-64 ms). A weight-only int8 weight
-        (torchao through `TorchAoConfig`) is multiplied by `torch._weight_int8pack_mm` (the op
-        `spike_whale::int8pack_linear`) or, for one row with inductor, by its float32 reduction ("int8reduce"),
-        whichever is timed faster. On CPU inductor's pattern matcher is off, since its one-query attention rewrite
-        swaps in a CPU SDPA kernel (for the float walk, slower), unless a quantized weight of the layers has no such
-        product of its own (one below `FEW_ROWS_MIN_WEIGHT` elements, or another quantization): inductor's lowering of
-        torchao's int8 product lives there (an explicit `options={"pattern_matcher": ...}` wins).
-        """
+        The walk of one run of the loop plan (`walk_run`, a loop pass) becomes one graph with dynamic shapes, traced on
+        the first decode step and reused by every pass and step: the weights are shared, so one graph serves the loop.
+        Prefill and multi-token chunks run the same walk eagerly. `compile_kwargs` go to `torch.compile`; a `mode`
+        becomes inductor options (CUDA graphs only on CUDA), under explicit `options`. Guards on built-in modules and
+        parameter tensors are skipped (`compiled_decode_guards`), so moving or re-typing the model raises until this
+        is called again. `enable=False` returns to eager decoding."""
         if not enable:
             self.model._compiled_run, self.model._compiled_for = None, None
-            for owner in self._compiled_owners():
-                kinds = vars(owner).pop("compiled_product", None), vars(owner).pop("compiled_product_rows", None)
-                if "packed" in kinds:
-                    FewRowsKernel.packed.pop(owner.weight, None)  # the walk's copy; eager products pack their own
-            for layer in self.model.layers:
-                layer.attn.fuse_input_projections(enable=False)  # fused again by the next eager no-grad forward
-            with torch.no_grad():
-                for linear in self._column_major_linears():
-                    # Row-major again: the eager few-row products take row-major weights only, and a later
-                    # compile_decode times the products of row-major ones.
-                    if type(linear.weight.data) is torch.Tensor and not linear.weight.is_contiguous():
-                        linear.weight.data = linear.weight.data.contiguous()
             return
         reason = compile_blocker(self.model)
         if reason is not None:
@@ -2992,132 +2206,17 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
                 f"compile_decode() cannot compile this model's decode steps because {reason}; they run eagerly. "
                 "Generate without it."
             )
-        # Dynamo's guards already pin every input's size and stride, so inductor's own per-call asserts only add
-        # latency.
-        options = {
-            "guard_filter_fn": compiled_decode_guards,
-            "size_asserts": False,
-            "alignment_asserts": False,
-            "scalar_asserts": False,
-        }
-        plain_weights = all(type(p.data) is torch.Tensor for p in self.parameters())  # not quantized (a subclass)
-        # Eager decoding fused the FFN's gate and up; the walk multiplies them by their own chosen products or
-        # re-stores them column-major, and nothing fuses them again while it is on (`SpikeWhaleModel._run_slots`).
-        for module in self.model.modules():
-            if isinstance(module, SpikeWhaleMLP):
-                module.fuse_input_projections(enable=False)
-        for layer in self.model.layers:
-            layer.attn.fuse_input_projections()
-        if self.device.type == "cpu":
-            # Another backend would run the reduction unfused, and its choices are not kept (nor is its walk).
-            inductor = compile_kwargs.get("backend", "inductor") == "inductor"
-            self._choose_compiled_products(persistent and inductor, reduce=inductor)
-            with torch.no_grad():
-                for linear in self._column_major_linears():
-                    # float32 only, where MKL reads it faster. A quantized weight (a tensor subclass) keeps its own
-                    # layout; a column-major bf16 weight runs ~28x slower than a row-major one on a CPU without bf16
-                    # instructions (one row against [2048, 768]: 6.7 against 0.23 ms). Other products keep row-major.
-                    if (type(linear.weight.data) is torch.Tensor and linear.weight.dtype == torch.float32
-                            and getattr(linear, "compiled_product", "linear") == "linear"
-                            and getattr(linear, "compiled_product_rows", "linear") == "linear"):
-                        linear.weight.data = linear.weight.data.t().contiguous().t()
-            # Its attention rewrite swaps in a CPU SDPA kernel slower than the two small matmuls of one query; it also
-            # holds inductor's lowering of torchao's int8 product, which the walk's int8 weights do not need where
-            # each takes an int8 product of its own (so an int8 walk is the float walk's graph, products aside).
-            if all(type(p.data) is torch.Tensor or getattr(m, "compiled_product", "").startswith("int8")
-                   for m in self.model.layers.modules() for p in m.parameters(recurse=False)):
-                options["pattern_matcher"] = False
-        compile_kwargs.setdefault("dynamic", True)
-        # torch.compile takes `mode` or `options`, not both; this walk needs options, so a mode becomes them.
-        mode = compile_kwargs.pop("mode", None) or "default"
-        options.update(torch._inductor.list_mode_options(mode, compile_kwargs["dynamic"]))
-        if self.device.type != "cuda":
-            options.pop("triton.cudagraphs", None)  # CUDA graphs only exist on CUDA
-        options.update(compile_kwargs.pop("options", None) or {})
-        # Below transformers 5.24 the decoder layers' wrapped forward holds closures whose guards a stored walk cannot
-        # rebuild (torch raises creating them), so the walk is compiled in this process there.
-        stored_guards_hold = tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (5, 24)
-        if (persistent and stored_guards_hold and plain_weights
-                and compile_kwargs.get("backend", "inductor") == "inductor"
-                and not torch._inductor.config.force_disable_caches and not options.get("triton.cudagraphs")):
-            self.model._compiled_run = PersistentDecodeWalk(self.model, options, compile_kwargs)
-        else:
-            compiled = torch.compile(walk_run, options=options, **compile_kwargs)
+        options, compile_kwargs = decode_compile_options(self.device, compile_kwargs)
+        compiled = torch.compile(walk_run, options=options, **compile_kwargs)
 
-            def compiled_run(*args):
-                # The blocks' Python floats (RMSNorm eps, ...) are constants of the model: traced as constants, they
-                # are guarded in C++ rather than by per-call Python shape guards.
-                with torch._dynamo.config.patch(specialize_float=True):
-                    return compiled(*args)
+        def compiled_run(*args):
+            # The blocks' Python floats (RMSNorm eps, ...) are constants of the model: traced as constants, they are
+            # guarded in C++ rather than by per-call Python shape guards.
+            with torch._dynamo.config.patch(specialize_float=True):
+                return compiled(*args)
 
-            self.model._compiled_run = compiled_run
+        self.model._compiled_run = compiled_run
         self.model._compiled_for = (self.model.embed_tokens.weight.dtype, self.model.embed_tokens.weight.device)
-
-    def _choose_compiled_products(self, persistent: bool, reduce: bool = True) -> None:
-        """Gives each of `_compiled_owners` the products `FEW_ROWS_KERNEL` takes for one row and for
-        `COMPILED_BATCH_ROWS` rows (timed on the model's weights, see `FewRowsKernel.choose`) as its
-        `compiled_product` and `compiled_product_rows` in the compiled walk: with the 114M preset's float32 FFN
-        weights multiplied by blocks of their rows, 16 layers streamed them at 24 GB/s against 14 GB/s column-major
-        (AVX2 EPYC, 2 threads; blocks of a column-major W ran at 9 GB/s). The fastest product for one row can be the
-        slowest for a batch: on an AVX512-BF16 EPYC (float32, 2 threads) (W·Xᵀ)ᵀ won one row of [2048, 768], and with
-        8 rows, in a compiled chain of 48 such products, took 1,204 µs a call against 637 for blocks of 4 rows (the
-        114M batch-8 step: 75 of its 190 ms in that product of the FFN's gate and up).
-        `persistent`: the choices are kept in `compiled_products.json` beside the stored walks and reused by later
-        processes, whose stored walk (keyed on them) would otherwise be compiled again after a near-tie timed the
-        other way."""
-        root = PersistentDecodeWalk.root() if persistent else None
-        path = None
-        if persistent and PersistentDecodeWalk.private_folder(root):
-            path = os.path.join(root, "compiled_products.json")
-        stored: dict[str, str] = {}
-        data = read_private(path) if path is not None else None
-        with contextlib.suppress(ValueError):  # another format, or cut short: timed again
-            stored = json.loads(data) if data is not None else {}
-        if not isinstance(stored, dict):
-            stored = {}
-        before = dict(stored)
-        owners = [o for o in self._compiled_owners() if o.weight.numel() >= FEW_ROWS_MIN_WEIGHT and (
-            weight_only_int8(o.weight) or type(o.weight.data) is torch.Tensor
-            and o.weight.dtype in FEW_ROWS_DTYPES and o.weight.is_contiguous())]
-        # What a decode step reads between two reads of one of them: every plain weight of the layers, in order (a
-        # fused matrix in place of its blocks).
-        walk, fused = [], set()
-        for m in self.model.layers.modules():
-            if getattr(m, "fused_input", None) is not None:
-                walk.append(m.fused_input.weight)
-                fused.update(id(linear) for linear in m.fused_input.linears)
-            elif (isinstance(m, nn.Linear) and id(m) not in fused and type(m.weight.data) is torch.Tensor
-                  and m.weight.dtype.is_floating_point):
-                walk.append(m.weight)
-        weights = [o.weight for o in owners]
-        with torch.no_grad():
-            one = FEW_ROWS_KERNEL.choose(weights, 1, stored, walk, reduce=reduce)
-            several = FEW_ROWS_KERNEL.choose(weights, COMPILED_BATCH_ROWS, stored, walk,
-                                             keep=[w for w, kind in zip(weights, one) if kind == "packed"])
-        for owner, kind, kind_rows in zip(owners, one, several):
-            owner.compiled_product, owner.compiled_product_rows = kind, kind_rows
-        if path is not None and stored != before:
-            write_private(path, json.dumps(stored, indent=1, sort_keys=True).encode())
-
-    def _compiled_owners(self) -> list:
-        """What the compiled walk multiplies by a chosen product (`compiled_kind`): each attention's fused input
-        projections (`FusedLinears`) and every other SpikeWhaleLinear of the decoder layers: o_a and the Memory
-        Cache's, float32 under bf16 too (the 114M bf16 step 1.035× faster with them, AVX512-BF16 EPYC)."""
-        fused = [layer.attn.fused_input for layer in self.model.layers if layer.attn.fused_input is not None]
-        in_fused = {id(linear) for f in fused for linear in f.linears}
-        return [m for m in self.model.layers.modules() if isinstance(m, SpikeWhaleLinear) and id(m) not in in_fused] \
-            + fused
-
-    def _column_major_linears(self) -> list[nn.Linear]:
-        """The Linears whose one-token GEMMs MKL runs faster column-major: the FFN's, and the rank→hidden
-        up-projections (q_b, o_b, the Memory Cache's o_proj)."""
-        linears = []
-        for module in self.model.modules():
-            if isinstance(module, SpikeWhaleMLP):
-                linears += [module.gate_proj, module.up_proj, module.down_proj]
-            elif isinstance(module, SpikeWhaleAttention):
-                linears += [module.q_b_proj, module.o_b_proj] + ([module.mc.o_proj] if module.mc is not None else [])
-        return linears
 
     def get_input_embeddings(self):
         return self.model.embed_tokens

@@ -49,9 +49,10 @@ import torch
 
 from _common import PRESET, time_generate
 from spike_whale import SpikeWhaleConfig, SpikeWhaleForCausalLM
+from spike_whale.accel import optimize_for_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
-ROWS = ("eager_b1", "eager_b8", "compiled_b1", "compiled_b8")
+ROWS = ("eager_b1", "eager_b8", "compiled_b1", "compiled_b8", "prefill512", "fresh_compiled_step")
 
 
 def import_base(rev: str, folder: Path):
@@ -102,9 +103,96 @@ def same_ids(old: torch.Tensor, new: torch.Tensor, mode: str, where: str) -> flo
     return share
 
 
+def summary(ms: dict, agreement: list) -> dict:
+    old_ms, new_ms = statistics.median(ms["old"]), statistics.median(ms["new"])
+    return {
+        "old_ms_per_step": ms["old"], "new_ms_per_step": ms["new"],
+        "old_median_ms": old_ms, "new_median_ms": new_ms, "speed_ratio_of_medians": old_ms / new_ms,
+        "equal_ids_share": agreement,
+        "paired_median_speed_ratio": statistics.median(o / n for o, n in zip(ms["old"], ms["new"])),
+        "pairs_new_faster": sum(o > n for o, n in zip(ms["old"], ms["new"])), "pairs": len(ms["old"]),
+        "same_ids": True,
+    }
+
+
+def prefill_rows(models: dict, rounds: int) -> dict:
+    """One forward of a 512-token prompt (no cache, last logits), eager models, old and new alternating; ms per
+    forward. The two must agree on the argmax of the last logits."""
+    ids = prompt_ids(1, 512)
+    ms, agreement = {"old": [], "new": []}, []
+    with torch.no_grad():
+        for side in ms:  # warm-up
+            models[side]["eager"](ids, use_cache=False, logits_to_keep=1)
+        for r in range(max(rounds, 3)):
+            top = {}
+            for side in (("old", "new") if r % 2 == 0 else ("new", "old")):
+                t = time.perf_counter()
+                out = models[side]["eager"](ids, use_cache=False, logits_to_keep=1)
+                ms[side].append(1000 * (time.perf_counter() - t))
+                top[side] = out.logits[:, -1].argmax(-1)
+            agreement.append(same_ids(top["old"], top["new"], "equal", f"prefill512, round {r + 1}"))
+            print(f"  prefill512 round {r + 1}: old {ms['old'][-1]:.0f} ms, new {ms['new'][-1]:.0f} ms", flush=True)
+    return summary(ms, agreement)
+
+
+FRESH = """
+import json, sys, time
+import torch
+torch.set_num_threads({threads})
+sys.path[:0] = [{bench!r}, {base_path!r}]
+from _common import PRESET, time_generate
+from transformers import CompileConfig
+if {new}:
+    from spike_whale import SpikeWhaleConfig, SpikeWhaleForCausalLM
+else:
+    from spike_whale_base.configuration_spike_whale import SpikeWhaleConfig
+    from spike_whale_base.modeling_spike_whale import SpikeWhaleForCausalLM
+model = SpikeWhaleForCausalLM._from_config(SpikeWhaleConfig.from_preset(PRESET), dtype=torch.{dtype}).eval()
+model.load_state_dict(torch.load({state!r}))
+if {new} and {accel}:
+    from spike_whale.accel import optimize_for_cpu
+    optimize_for_cpu(model)
+ids = torch.randint(10, 16000, (1, 128), generator=torch.Generator().manual_seed(1))
+ids[:, 0] = 2
+kw = {{"compile_config": CompileConfig()}} if {new} or not hasattr(SpikeWhaleForCausalLM, "compile_decode") else {{}}
+if not {new} and hasattr(SpikeWhaleForCausalLM, "compile_decode"):
+    model.compile_decode()
+steps = time_generate(model, ids, 4, **kw)["step_s"]
+print(json.dumps({{"first_compiled_step_s": max(steps), "ids": time_generate(model, ids, 4, **kw)["ids"].tolist()}}))
+"""
+
+
+def fresh_process_rows(args, folder: Path) -> dict:
+    """The first compiled decode step of a fresh process, old and new alternating, each after one process of its
+    own has filled the persistent caches (seconds, reported in the ms columns as ms)."""
+    ms, agreement, ids = {"old": [], "new": []}, [], {}
+    for r in range(max(args.rounds, 2) + 1):
+        for side in (("old", "new") if r % 2 == 0 else ("new", "old")):
+            code = FRESH.format(threads=args.threads, bench=str(Path(__file__).parent), base_path=str(folder),
+                                new=side == "new", accel=args.accel == "on", dtype=args.dtype,
+                                state=str(folder / "state.pt"))
+            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
+            if proc.returncode != 0:
+                raise RuntimeError(f"fresh {side} process failed: {proc.stderr.strip()[-2000:]}")
+            res = json.loads(proc.stdout.strip().splitlines()[-1])
+            ids[side] = res["ids"]
+            if r == 0:  # the caches' filling run
+                print(f"  fresh_compiled_step {side}: filling run {res['first_compiled_step_s']:.1f} s", flush=True)
+                continue
+            ms[side].append(1000 * res["first_compiled_step_s"])
+        if r:
+            agreement.append(same_ids(torch.tensor(ids["old"]), torch.tensor(ids["new"]), "equal",
+                                      f"fresh_compiled_step, round {r}"))
+            print(f"  fresh_compiled_step round {r}: old {ms['old'][-1] / 1000:.1f} s, new "
+                  f"{ms['new'][-1] / 1000:.1f} s", flush=True)
+    return summary(ms, agreement)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", default="781e662", help="git revision to compare against (default 781e662)")
+    p.add_argument("--base", default="f9f76d9", help="git revision to compare against (default f9f76d9)")
+    p.add_argument("--accel", choices=("on", "off"), default="on",
+                   help="apply spike_whale.accel.optimize_for_cpu to the new models (default on: the CLI's default)")
     p.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
@@ -143,14 +231,18 @@ def main(argv=None):
                 from torchao.quantization import Int8WeightOnlyConfig
                 from transformers import TorchAoConfig
 
-                return cls.from_pretrained(folder, quantization_config=TorchAoConfig(Int8WeightOnlyConfig()),
-                                           dtype=getattr(torch, args.dtype)).eval()
-            model = cls._from_config(cfg.from_preset(PRESET), dtype=getattr(torch, args.dtype)).eval()
-            model.load_state_dict(state)
+                model = cls.from_pretrained(folder, quantization_config=TorchAoConfig(Int8WeightOnlyConfig()),
+                                            dtype=getattr(torch, args.dtype)).eval()
+            else:
+                model = cls._from_config(cfg.from_preset(PRESET), dtype=getattr(torch, args.dtype)).eval()
+                model.load_state_dict(state)
+            if new and args.accel == "on":
+                optimize_for_cpu(model)
             return model
 
         base_compiles = hasattr(BaseLM, "compile_decode")
         compiled_rows = [r for r in args.rows if r.startswith("compiled")]
+        timed_rows = [r for r in args.rows if r.split("_b")[0] in ("eager", "compiled")]
         models = {"old": {"eager": build(False)}, "new": {"eager": build(True)}}
         kwargs = {"old": {"eager": {}, "compiled": {} if base_compiles else {"compile_config": CompileConfig()}},
                   "new": {"eager": {}, "compiled": {"compile_config": CompileConfig()}}}
@@ -176,7 +268,13 @@ def main(argv=None):
             time_generate(models[side]["eager"], prompt_ids(1, 16), 3)
 
         results = {}
-        for row in args.rows:
+        if "prefill512" in args.rows:
+            results["prefill512"] = prefill_rows(models, args.rounds)
+        if "fresh_compiled_step" in args.rows:
+            base_folder = Path(tmp)
+            torch.save(state, base_folder / "state.pt")
+            results["fresh_compiled_step"] = fresh_process_rows(args, base_folder)
+        for row in timed_rows:
             kind, batch = row.split("_b")[0], int(row.split("_b")[1])
             ids = prompt_ids(batch, args.prompt)
             ms, agreement = {"old": [], "new": []}, []
@@ -200,23 +298,15 @@ def main(argv=None):
                 print(f"  {row} round {r + 1} ({order[0]} first): old {ms['old'][-1]:.1f} ms/step, "
                       f"new {ms['new'][-1]:.1f} ms/step, new/old speed {ms['old'][-1] / ms['new'][-1]:.3f}x",
                       flush=True)
-            old_ms, new_ms = statistics.median(ms["old"]), statistics.median(ms["new"])
-            results[row] = {
-                "old_ms_per_step": ms["old"], "new_ms_per_step": ms["new"],
-                "old_median_ms": old_ms, "new_median_ms": new_ms, "speed_ratio_of_medians": old_ms / new_ms,
-                "equal_ids_share": agreement,
-                "paired_median_speed_ratio": statistics.median(o / n for o, n in zip(ms["old"], ms["new"])),
-                "pairs_new_faster": sum(o > n for o, n in zip(ms["old"], ms["new"])), "pairs": len(ms["old"]),
-                "same_ids": True,
-            }
+            results[row] = summary(ms, agreement)
         load_after = os.getloadavg()
 
     shares = [share for res in results.values() for share in res["equal_ids_share"]]
     ids_line = ("same ids in every row" if all(share == 1 for share in shares)
                 else f"{100 * min(shares):.1f}% of the ids equal in the worst round")
-    print(f"\n{'row':<14}{'old ms/step':>13}{'new ms/step':>13}{'new/old':>10}{'paired':>10}{'new faster':>12}")
+    print(f"\n{'row':<20}{'old ms':>10}{'new ms':>10}{'new/old':>10}{'paired':>10}{'new faster':>12}")
     for row, res in results.items():
-        print(f"{row:<14}{res['old_median_ms']:>13.1f}{res['new_median_ms']:>13.1f}"
+        print(f"{row:<20}{res['old_median_ms']:>10.1f}{res['new_median_ms']:>10.1f}"
               f"{res['speed_ratio_of_medians']:>9.3f}x{res['paired_median_speed_ratio']:>9.3f}x"
               f"{res['pairs_new_faster']:>6} of {res['pairs']}")
     print(f"(new/old: speed ratio, > 1 means the new code is faster; load average {load_before[0]:.2f} -> "
@@ -224,6 +314,7 @@ def main(argv=None):
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "base": args.base, "head": head, "dirty": dirty, "preset": PRESET, "dtype": args.dtype, "int8": args.int8,
+        "accel": args.accel,
         "threads": torch.get_num_threads(),
         "prompt": args.prompt, "new_tokens": args.new_tokens, "rounds": args.rounds, "interleave": args.interleave,
         "load_average": [load_before[0], load_after[0]], "compile_s": compile_s, "rows": results,

@@ -64,6 +64,7 @@ import torch
 
 from _common import build_models, median_rows, n_params, time_generate
 from spike_whale import SpikeWhaleForCausalLM
+from spike_whale.accel.compile import compiled_owners
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_ROWS = ("eager", "compiled", "bf16", "bf16_compiled", "int8", "int8_bf16", "int8_compiled", "prefill",
@@ -119,7 +120,7 @@ def streaming_rates(dtype: torch.dtype, sizes_mb=(16, 64, 128, 256, 512, 1024), 
     """GB/s at which `linear_forward` (the model's one-row product, `FewRowsKernel` included) reads distinct weights of
     `shape` cycled over each working-set size (the best of several passes, so the kernel's first-call trials of other
     products do not count)."""
-    from spike_whale.modeling_spike_whale import linear_forward
+    from spike_whale.accel.kernels import linear_forward
 
     per = shape[0] * shape[1] * torch.finfo(dtype).bits // 8
     rates = {}
@@ -186,6 +187,20 @@ def bytes_per_token(model, context: int) -> int:
     return int(total)
 
 
+# spike_whale runs with the CPU layer applied (`spike_whale.accel.optimize_for_cpu`, the command line's default)
+# unless --no-cpu-accel.
+CPU_ACCEL = True
+
+
+def accelerated(model):
+    """`model` with the CPU layer applied where this run uses it (spike_whale models only)."""
+    if CPU_ACCEL and isinstance(model, SpikeWhaleForCausalLM):
+        from spike_whale.accel import optimize_for_cpu
+
+        optimize_for_cpu(model)
+    return model
+
+
 def twin(model, dtype=None):
     """A second model with the same weights (a compiled twin re-stores weights, so it must not be the eager row's),
     built in `dtype` through transformers' `_from_config(dtype=...)` (which keeps the float32 modules float32)."""
@@ -193,7 +208,7 @@ def twin(model, dtype=None):
     copy = cls._from_config(model.config, dtype=dtype or model.dtype).eval()
     copy.load_state_dict(model.state_dict())
     copy.generation_config = model.generation_config
-    return copy
+    return accelerated(copy)
 
 
 def compile_kwargs(model) -> dict:
@@ -212,7 +227,7 @@ def compile_kwargs(model) -> dict:
 # Memory Cache's own projections are in its row), the Memory-Cache branch, the norms (the QK-norms too), then what
 # the attention and FFN modules do themselves (softmax attention, applying RoPE, depth attention, XSA; the
 # activation), and the rest of the forward (Hyper-Connections, residuals, embeddings, RoPE tables, Engram).
-BREAKDOWN_KINDS = {"SpikeWhaleLinear": "products", "Linear": "products", "FrozenLinear": "products",
+BREAKDOWN_KINDS = {"FewRowsLinear": "products", "Linear": "products", "FrozenLinear": "products",
                    "MemoryCacheBranch": "memory cache", "SpikeWhaleRMSNorm": "norms", "LlamaRMSNorm": "norms",
                    "SpikeWhaleAttention": "attention, other", "LlamaAttention": "attention, other",
                    "SpikeWhaleMLP": "ffn, other", "LlamaMLP": "ffn, other", "SiLUActivation": "ffn, other"}
@@ -275,7 +290,7 @@ def int8_model(folder: str, dtype: torch.dtype | None = None):
 
     quant = TorchAoConfig(Int8WeightOnlyConfig())
     model = SpikeWhaleForCausalLM.from_pretrained(folder, quantization_config=quant, dtype=dtype).eval()
-    return model, None
+    return accelerated(model), None
 
 
 def first_compiled_step_in_fresh_process(folder: str, prompt: int, threads: int) -> dict:
@@ -291,6 +306,9 @@ def first_compiled_step_in_fresh_process(folder: str, prompt: int, threads: int)
         from transformers import CompileConfig
         from spike_whale import SpikeWhaleForCausalLM
         model = SpikeWhaleForCausalLM.from_pretrained({folder!r}).eval()
+        if {CPU_ACCEL}:
+            from spike_whale.accel import optimize_for_cpu
+            optimize_for_cpu(model)
         ids = torch.randint(10, 16000, (1, {prompt}), generator=torch.Generator().manual_seed(1))
         ids[:, 0] = 2
         ready = time.perf_counter()
@@ -323,7 +341,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--glibc-defaults", action="store_true",
                    help="glibc malloc's dynamic thresholds (default: STEADY_MALLOC for both models)")
+    p.add_argument("--no-cpu-accel", dest="cpu_accel", action="store_false",
+                   help="the plain Hub model (default: spike_whale.accel.optimize_for_cpu applied, as the CLI does)")
     args = p.parse_args(argv)
+    global CPU_ACCEL
+    CPU_ACCEL = args.cpu_accel
     glibc = platform.libc_ver()[0] == "glibc"
     env = {k: v for k, v in os.environ.items() if k not in STEADY_MALLOC}
     if not args.glibc_defaults:
@@ -346,6 +368,7 @@ def main(argv=None) -> int:
         prefill_lengths.append(args.prefill_long)
     context = max([1024, args.prompt + new + 8] + [n + 8 for n in prefill_lengths])
     spike, llama = build_models(max_position_embeddings=context if context > 1024 else None)
+    spike = accelerated(spike)
     cpu = cpu_info()
     load_before = os.getloadavg()
     print(f"spike_whale {n_params(spike):,} parameters ({spike.config.num_hidden_layers} layers, "
@@ -365,7 +388,7 @@ def main(argv=None) -> int:
     pairs: dict[tuple[str, int], tuple] = {}
     compile_s: dict[str, float] = {}
     skipped: dict[str, str] = {}
-    notes: dict[str, object] = {}
+    notes: dict[str, object] = {"cpu_accel": CPU_ACCEL}
     if "eager" in rows_on:
         for batch in args.batch_sizes:
             pairs[("eager", batch)] = (spike, {}, "llama", llama, {})
@@ -432,7 +455,7 @@ def main(argv=None) -> int:
                 print(f"int8_compiled: skipped, {skipped['int8_compiled']}", flush=True)
             else:
                 compile_s["int8_compiled/spike_whale/b1"] = time.perf_counter() - t
-                taken = collections.Counter(getattr(o, "compiled_product", "linear") for o in int8_c._compiled_owners())
+                taken = collections.Counter(getattr(o, "compiled_product", "linear") for o in compiled_owners(int8_c))
                 notes["int8_compiled_products"] = dict(taken)
                 print(f"int8_compiled: one-row products of the walk {dict(taken)}", flush=True)
                 pairs[("int8_compiled", 1)] = (int8_c, int8_compile_kwargs(), "spike_whale_fp32", spike, {})

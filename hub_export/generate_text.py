@@ -28,6 +28,8 @@ def add_sampling_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=160)
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="fp32", help="weights dtype (default fp32)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--no-cpu-accel", dest="cpu_accel", action="store_false",
+                   help="run the plain Hub model on CPU (by default spike_whale.accel.optimize_for_cpu is applied)")
 
 
 def sampling_kwargs(args) -> dict:
@@ -92,6 +94,10 @@ def load(args):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir, trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, trust_remote_code=True, dtype=dtype).eval()
+    if getattr(args, "cpu_accel", True) and model.device.type == "cpu":
+        from ..accel import optimize_for_cpu
+
+        optimize_for_cpu(model)
     return tokenizer, model
 
 

@@ -238,7 +238,7 @@ def use_bf16(choice: str) -> bool:
     """--bf16 auto: bf16 autocast where the CPU has bf16 instructions (AVX512-BF16 or AMX)."""
     if choice != "auto":
         return choice == "on"
-    from ..modeling_spike_whale import cpu_has_mkldnn_bf16
+    from ..accel.kernels import cpu_has_mkldnn_bf16
     return cpu_has_mkldnn_bf16()
 
 

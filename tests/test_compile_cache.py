@@ -1,5 +1,7 @@
 """The compiled decode walk persists across processes (issue 12, compile cost): `compile_config` in one process stores
-the walk in torch's cache directory, and a second process with the same model runs it without tracing again."""
+the walk in torch's cache directory, and a second process with the same model runs it without tracing again. The
+stored walk is the CPU layer's (`spike_whale.accel.compile.PersistentDecodeWalk`): every model here is optimized for
+CPU (`optimize_for_cpu`) first."""
 
 from __future__ import annotations
 
@@ -15,21 +17,31 @@ import transformers
 from packaging import version
 
 from conftest import run_fresh_python, tiny_model
-from spike_whale.modeling_spike_whale import PersistentDecodeWalk
+from spike_whale.accel import compile as accel_compile
+from spike_whale.accel import optimize_for_cpu
+from spike_whale.accel.compile import PersistentDecodeWalk
+
+
+def optimized_tiny_model(**kwargs):
+    return optimize_for_cpu(tiny_model(**kwargs))
 
 GENERATE = """
-import json, torch
+import inspect, json, torch
 from torch._dynamo.utils import counters
 from transformers import CompileConfig
 from spike_whale import SpikeWhaleForCausalLM
+from spike_whale.accel import optimize_for_cpu
+from spike_whale.accel.compile import PersistentDecodeWalk
 
-model = SpikeWhaleForCausalLM.from_pretrained({folder!r}).eval()
+model = optimize_for_cpu(SpikeWhaleForCausalLM.from_pretrained({folder!r}).eval())
 ids = torch.tensor({ids!r})
 with torch.no_grad():
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, min_new_tokens=5,
                          do_sample=False, pad_token_id=0, compile_config=CompileConfig())
+walk = inspect.getclosurevars(model.model._compiled_run).nonlocals["walk"]  # the stored walk the compiled run calls
+assert isinstance(walk, PersistentDecodeWalk), type(walk)
 print(json.dumps({{"ids": out.tolist(), "traced": counters["stats"]["unique_graphs"],
-                  "stored": len(model.model._compiled_run.graphs), "folder": model.model._compiled_run.folder}}))
+                  "stored": len(walk.graphs), "folder": walk.folder}}))
 """
 
 
@@ -60,14 +72,14 @@ def test_a_second_process_decodes_from_the_stored_walk(tmp_path, monkeypatch):
 def test_the_stored_walk_is_keyed_by_the_weights_layout_not_by_how_the_model_was_made(tmp_path):
     """A model saved and loaded again finds its walk (the benchmark's second process); other shapes, dtypes, options
     or thread counts do not."""
-    model = tiny_model(seed=2)
+    model = optimized_tiny_model(seed=2)
     model.save_pretrained(tmp_path)
-    reloaded = type(model).from_pretrained(tmp_path).eval()
+    reloaded = optimize_for_cpu(type(model).from_pretrained(tmp_path).eval())
     options = {"size_asserts": False}
     key = PersistentDecodeWalk.key(model.model, options, {"dynamic": True})
     assert PersistentDecodeWalk.key(reloaded.model, options, {"dynamic": True}) == key
-    assert PersistentDecodeWalk.key(tiny_model(seed=5).model, options, {"dynamic": True}) == key  # other values
-    assert PersistentDecodeWalk.key(tiny_model(q_lora_rank=16).model, options, {"dynamic": True}) != key
+    assert PersistentDecodeWalk.key(optimized_tiny_model(seed=5).model, options, {"dynamic": True}) == key  # values
+    assert PersistentDecodeWalk.key(optimized_tiny_model(q_lora_rank=16).model, options, {"dynamic": True}) != key
     assert PersistentDecodeWalk.key(model.to(torch.float64).model, options, {"dynamic": True}) != key
     assert PersistentDecodeWalk.key(reloaded.model, {"size_asserts": True}, {"dynamic": True}) != key
     threads = torch.get_num_threads()
@@ -77,7 +89,7 @@ def test_the_stored_walk_is_keyed_by_the_weights_layout_not_by_how_the_model_was
     finally:
         torch.set_num_threads(threads)
     with torch.no_grad():
-        for linear in reloaded._column_major_linears():
+        for linear in accel_compile.column_major_linears(reloaded):
             linear.weight.data = linear.weight.data.t().contiguous().t()
     assert PersistentDecodeWalk.key(reloaded.model, options, {"dynamic": True}) != key  # strides are part of it
 
@@ -118,7 +130,7 @@ class _Payload:
 
 def _walk(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torch_cache"))
-    walk = PersistentDecodeWalk(tiny_model(num_hidden_layers=2).model, {}, {})
+    walk = PersistentDecodeWalk(optimized_tiny_model(num_hidden_layers=2).model, {}, {})
     walk.compile = _FakeCompile()
     return walk
 
@@ -179,11 +191,9 @@ def test_a_cache_folder_that_is_not_the_users_alone_is_neither_read_nor_written(
 
 def test_the_key_holds_the_transformers_version_and_the_cpu_isa(monkeypatch):
     """A walk built under one transformers release or vector ISA is not read under another."""
-    from spike_whale import modeling_spike_whale
-
-    model = tiny_model(num_hidden_layers=2)
+    model = optimized_tiny_model(num_hidden_layers=2)
     key = PersistentDecodeWalk.key(model.model, {}, {})
-    installed = modeling_spike_whale.transformers  # the module the key reads (the test session may hold another)
+    installed = accel_compile.transformers  # the module the key reads (the test session may hold another)
     monkeypatch.setattr(installed, "__version__", installed.__version__ + ".other")
     assert PersistentDecodeWalk.key(model.model, {}, {}) != key
     monkeypatch.undo()
@@ -194,14 +204,38 @@ def test_the_key_holds_the_transformers_version_and_the_cpu_isa(monkeypatch):
 
 @pytest.mark.parametrize("content", ["5", "null", "[1]", '{"cut short'])
 def test_compiled_products_json_of_another_shape_is_ignored(tmp_path, monkeypatch, content):
-    from spike_whale.modeling_spike_whale import FewRowsKernel
+    from spike_whale.accel.kernels import FewRowsKernel
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torch_cache"))
     monkeypatch.setattr(FewRowsKernel, "forced", "linear")  # no timing: only the file's reading is under test
     root = Path(PersistentDecodeWalk.root())
     root.mkdir(mode=0o700, parents=True)
     (root / "compiled_products.json").write_text(content)
-    model = tiny_model(num_hidden_layers=2)
-    model._choose_compiled_products(persistent=True)
-    assert all(getattr(o, "compiled_product", None) == "linear" for o in model._compiled_owners()
+    model = optimized_tiny_model(num_hidden_layers=2)
+    accel_compile.choose_compiled_products(model, persistent=True)
+    assert all(getattr(o, "compiled_product", None) == "linear" for o in accel_compile.compiled_owners(model)
                if o.weight.numel() >= 1 << 16)
+
+
+def test_the_key_holds_the_torch_and_triton_versions_and_the_cpu_isa(monkeypatch):
+    """A walk built under one torch release, with another triton (or with triton against without: None), or for
+    another vector ISA (`torch.backends.cpu.get_cpu_capability()`) is not read: its kernels were written for them."""
+    model = optimized_tiny_model(num_hidden_layers=2)
+    try:
+        import triton
+    except ImportError:
+        installed = None
+    else:
+        installed = triton.__version__
+    assert accel_compile.triton_version() == installed
+    key = PersistentDecodeWalk.key(model.model, {}, {})
+    changes = (
+        (torch, "__version__", str(torch.__version__) + ".other"),
+        (accel_compile, "triton_version", lambda: "0.0.other" if installed is None else None),
+        (torch.backends.cpu, "get_cpu_capability", lambda: "another ISA"),
+    )
+    for owner, name, value in changes:
+        with monkeypatch.context() as changed:
+            changed.setattr(owner, name, value)
+            assert PersistentDecodeWalk.key(model.model, {}, {}) != key, name
+    assert PersistentDecodeWalk.key(model.model, {}, {}) == key

@@ -1,6 +1,8 @@
 """The fast paths of issue 12 produce the same tokens as their references (speed is measured by
 benchmarks/bench_speed.py, never here): bf16 cached decode equals a bf16 full recompute, and an int8 weight-only
-model loads through transformers' `TorchAoConfig` and generates, its cached decode equal to its own recompute."""
+model loads through transformers' `TorchAoConfig` and generates, its cached decode equal to its own recompute. The
+CPU layer's products (`spike_whale.accel`, applied by `optimize_for_cpu`) are tested in test_accel.py; the tests here
+that take them (short chunks, int8) apply it first."""
 
 from __future__ import annotations
 
@@ -57,50 +59,6 @@ def test_bf16_cached_decode_equals_bf16_recompute():
     assert torch.equal(greedy(model, ids, True), greedy(model, ids, False))
     steps, full = stepwise_logits(model, greedy(model, ids, True), prefill=5)
     # bf16: a few roundings of the largest logit, as `spike-whale verify --dtype bf16` allows
-    assert (steps.float() - full.float()).abs().max() <= 8 * 2**-7 * full.float().abs().max()
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_decode_attention_reads_in_float32_on_cpu(dtype):
-    """On CPU a bf16/float16 decode step's softmax attention is computed from its inputs in float32 and rounded
-    once (oneDNN's bf16 batched GEMMs of these shapes were the slower kernel), with and without a mask; it matches
-    float32 SDPA over the same rounded inputs."""
-    import spike_whale.modeling_spike_whale as msw
-
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, n, s, 16, generator=g).to(dtype) for n, s in ((6, 3), (2, 37), (2, 37)))
-    mask = torch.ones(2, 1, 3, 37, dtype=torch.bool).tril(34)
-    mask[1, ..., :5] = False
-    for m in (None, mask):
-        got = msw.decode_attention(q, k, v, m)
-        assert got.dtype == dtype
-        assert torch.equal(got, msw.decode_attention(q.float(), k.float(), v.float(), m).to(dtype))
-        ref = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(3, 1),
-                                             v.float().repeat_interleave(3, 1), attn_mask=m)
-        assert (got.float() - ref).abs().max() <= 2 * torch.finfo(dtype).eps * ref.abs().max()
-
-
-@pytest.mark.parametrize("kind", ["mv", "transposed", "packed"])
-def test_bf16_decode_through_the_few_row_products_equals_bf16_recompute(monkeypatch, kind):
-    """bf16 decode steps whose products take `FEW_ROWS_KERNEL`'s W·x, (W·xᵀ)ᵀ or oneDNN's prepacked linear (forced
-    for every weight, for the test; bf16 one-row products pick them by timing) keep greedy decoding's ids and equal a
-    bf16 recompute (F.linear) within the same tolerance as F.linear's own steps. The float32 Memory-Cache products
-    take the forced product too, except the prepacked one (bf16 only)."""
-    import spike_whale.modeling_spike_whale as msw
-
-    if kind == "packed" and not msw.cpu_has_mkldnn_bf16():
-        pytest.skip("this torch has no oneDNN prepacked linear")
-
-    monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
-    monkeypatch.setattr(msw.FewRowsKernel, "forced", kind)
-    ran, product = [], msw.FewRowsKernel.product
-    monkeypatch.setattr(msw.FewRowsKernel, "product",
-                        staticmethod(lambda x, w, b, rows, k: ran.append((w.dtype, k)) or product(x, w, b, rows, k)))
-    model = bf16_twin(tiny_model(seed=4))
-    ids = prompt()
-    assert torch.equal(greedy(model, ids, True), greedy(model, ids, False))
-    steps, full = stepwise_logits(model, greedy(model, ids, True), prefill=5)
-    assert (torch.bfloat16, kind) in ran and ((torch.float32, kind) in ran) == (kind != "packed")
     assert (steps.float() - full.float()).abs().max() <= 8 * 2**-7 * full.float().abs().max()
 
 
@@ -257,376 +215,24 @@ def test_parameter_functions_kept_between_steps_follow_their_parameters():
     assert torch.allclose(Xg.grad[:, 1], torch.softmax(hc.pre_logits, 0)[1].expand_as(Xg.grad[:, 1]))
 
 
-def test_linear_forward_of_a_few_rows_equals_f_linear(monkeypatch):
-    """`linear_forward` sends 1-16 rows with a float32, bf16 or float16 weight of 64K+ elements to `FEW_ROWS_KERNEL`;
-    each of its products (x·Wᵀ, (W·xᵀ)ᵀ with one row padded to two, the batched GEMM over 2, 4 or 8 blocks of W's
-    rows, also of a W that is a row slice of a wider matrix, and W·x for one row) gives F.linear's values and
-    gradients; more rows, smaller weights and other dtypes keep F.linear; SpikeWhaleLinear keeps nn.Linear's state
-    dict."""
-    import torch.nn.functional as F
-
-    import spike_whale.modeling_spike_whale as msw
-
-    g = torch.Generator().manual_seed(0)
-    w, b = torch.randn(320, 208, generator=g, requires_grad=True), torch.randn(320, generator=g, requires_grad=True)
-    wide = torch.randn(320, 416, generator=g)[:, 8:216]  # stride 416: blocks are views of W's rows, not of its storage
-    assert msw.FewRowsKernel.candidates(w, 2) == ("linear", "transposed", "blocks2", "blocks4")  # 8: 40-row blocks
-    assert msw.FewRowsKernel.candidates(w[:100], 2) == ("linear", "transposed")  # 50-row blocks are too small to pay
-    assert msw.FewRowsKernel.candidates(w[:100], 1) == ("linear", "transposed", "mv")  # W·x: one row only
-    monkeypatch.setattr(msw.FewRowsKernel, "min_block_rows", 1)
-    kinds = msw.FewRowsKernel.candidates(w, 1)
-    assert kinds == ("linear", "transposed", "blocks2", "blocks4", "blocks8", "mv")
-    assert msw.FewRowsKernel.candidates(w[:300], 2) == ("linear", "transposed", "blocks2", "blocks4")  # 300: not 8
-    with torch.no_grad():
-        for kind in kinds[2:]:
-            rows = 1 if kind == "mv" else 3
-            x = torch.randn(rows, 208, generator=g)
-            got = msw.FewRowsKernel.product(x, wide, None, rows, kind)
-            assert (got - F.linear(x, wide)).abs().max() <= 1e-6 * got.abs().max()
-            xb, wb = x.bfloat16(), wide.bfloat16()  # low precision: float32 accumulation, one rounding, as F.linear
-            got, exact = msw.FewRowsKernel.product(xb, wb, None, rows, kind), F.linear(xb.double(), wb.double())
-            assert got.dtype == torch.bfloat16 and (got.double() - exact).abs().max() <= 2 ** -8 * exact.abs().max()
-    for kind in kinds:
-        monkeypatch.setattr(msw.FewRowsKernel, "forced", kind)
-        for shape in ((1, 208), (2, 208), (1, 2, 208), (3, 1, 208), (1, 1, 208), (1, 4, 208), (2, 1, 8, 208), (17, 208)):
-            x = torch.randn(*shape, generator=g, requires_grad=True)
-            for bias in (None, b):
-                got = msw.linear_forward(x, w, bias)
-                want = F.linear(x, w, bias)
-                assert got.shape == want.shape and got.is_contiguous()
-                r = torch.randn(want.shape, generator=g)
-                grads = torch.autograd.grad((got * r).sum(), (x, w))
-                for a, ref in zip((got, *grads), (want, *torch.autograd.grad((want * r).sum(), (x, w)))):
-                    assert (a - ref).abs().max() <= 1e-6 * ref.abs().max()
-    layer = msw.SpikeWhaleLinear(40, 48)
-    assert list(layer.state_dict()) == ["weight", "bias"]
-    routed = []
-    monkeypatch.setattr(msw, "FEW_ROWS_KERNEL", lambda x, w, b, rows: routed.append((tuple(w.shape), rows)) or x @ w.t())
-    with torch.no_grad():
-        for rows in (1, 2, 8, 16, 17):
-            msw.linear_forward(torch.randn(rows, 1, 208), w)  # up to 16 rows: the kernel that is faster here
-        msw.linear_forward(torch.randn(2, 1, 40), layer.weight)  # a small weight: F.linear
-        msw.linear_forward(torch.randn(2, 208, dtype=torch.float64), w.detach().double())  # float64: F.linear
-        msw.linear_forward(torch.randn(2, 208, dtype=torch.bfloat16), w.detach().bfloat16())
-        msw.linear_forward(torch.randn(1, 208, dtype=torch.float16), w.detach().half())
-    assert routed == [((320, 208), 1), ((320, 208), 2), ((320, 208), 8), ((320, 208), 16), ((320, 208), 2),
-                      ((320, 208), 1)]
-
-
-def test_packed_bf16_product_follows_its_weight(monkeypatch):
-    """"packed" (oneDNN's linear on a prepacked copy of a bf16 weight) is a candidate for bf16 weights only (not
-    float32, float16, an inference tensor, or with `prepack = False`); it gives F.linear's values within bf16
-    rounding with and without bias, packs each weight once and again after an in-place update or new storage; where
-    a gradient flows it is neither timed nor run (F.linear gives the gradients); when a key's trials end on
-    another product, the trials' copies are dropped; a key that took it multiplies an inference-tensor weight, or
-    any weight once `prepack` is off, by F.linear."""
-    import spike_whale.modeling_spike_whale as msw
-
-    if not msw.cpu_has_mkldnn_bf16():
-        pytest.skip("this torch has no oneDNN prepacked linear")
-    g = torch.Generator().manual_seed(3)
-    w, b = torch.randn(320, 208, generator=g).bfloat16(), torch.randn(320, generator=g).bfloat16()
-    assert msw.FewRowsKernel.candidates(w, 1)[-1] == "packed" and msw.FewRowsKernel.candidates(w, 16)[-1] == "packed"
-    assert "packed" not in msw.FewRowsKernel.candidates(w.float(), 1) + msw.FewRowsKernel.candidates(w.half(), 1)
-    with torch.inference_mode():
-        assert "packed" not in msw.FewRowsKernel.candidates(w.clone(), 1)
-    monkeypatch.setattr(msw.FewRowsKernel, "prepack", False)
-    assert "packed" not in msw.FewRowsKernel.candidates(w, 1)
-    monkeypatch.setattr(msw.FewRowsKernel, "prepack", True)
-
-    def close(got, x, w, b):
-        exact = F.linear(x.double(), w.double(), None if b is None else b.double())
-        assert got.dtype == torch.bfloat16 and got.shape == exact.shape
-        assert (got.double() - exact).abs().max() <= 2**-7 * exact.abs().max()
-
-    with torch.no_grad():
-        for shape in ((1, 208), (1, 1, 208), (3, 1, 208), (16, 208)):
-            x = torch.randn(*shape, generator=g).bfloat16()
-            for bias in (None, b):
-                close(msw.FewRowsKernel.product(x, w, bias, x.numel() // 208, "packed"), x, w, bias)
-        packed = msw.FewRowsKernel.packed_weight(w)
-        assert msw.FewRowsKernel.packed_weight(w) is packed
-        w.mul_(-2)  # in place (an optimizer step, a loaded state dict)
-        assert msw.FewRowsKernel.packed_weight(w) is not packed
-        close(msw.FewRowsKernel.product(x, w, b, 16, "packed"), x, w, b)
-        param = torch.nn.Parameter(w.clone())
-        packed = msw.FewRowsKernel.packed_weight(param)
-        param.data = torch.randn(320, 208, generator=g).bfloat16()  # new storage (`.to()`, assignment)
-        assert msw.FewRowsKernel.packed_weight(param) is not packed
-        close(msw.FewRowsKernel.product(x, param, None, 16, "packed"), x, param, None)
-
-    w.requires_grad_()
-    monkeypatch.setattr(msw.FewRowsKernel, "forced", "packed")
-    x = torch.randn(2, 208, generator=g).bfloat16().requires_grad_()
-    got, want = msw.linear_forward(x, w, b), F.linear(x, w, b)
-    assert torch.equal(got, want)
-    assert all(torch.equal(a, e) for a, e in zip(torch.autograd.grad(got.sum(), (x, w)),
-                                                  torch.autograd.grad(want.sum(), (x, w))))
-    monkeypatch.setattr(msw.FewRowsKernel, "forced", None)
-    kernel, ran = msw.FewRowsKernel(), []
-    product = kernel.product
-    monkeypatch.setattr(kernel, "product", lambda x, w, b, rows, k: ran.append(k) or product(x, w, b, rows, k))
-    for _ in range(6 * kernel.trials):  # past every other product's trials
-        kernel(x, w, None, 2)
-    assert ran and "packed" not in ran and kernel.key(w, 2) not in kernel.chosen  # trials wait for no-grad calls
-    w2 = torch.randn(320, 208, generator=g).bfloat16()
-    msw.FewRowsKernel.packed_weight(w2)
-    monkeypatch.setattr(kernel, "_fastest", lambda medians, kinds: "linear")
-    with torch.no_grad():
-        while kernel.key(w, 2) not in kernel.chosen:
-            kernel(x.detach(), w, None, 2)
-    assert "packed" in ran and w not in msw.FewRowsKernel.packed and w2 not in msw.FewRowsKernel.packed
-    kernel.chosen[kernel.key(w, 2)] = "packed"
-    with torch.inference_mode():  # a weight of the same key that counts no in-place updates: F.linear
-        inference_weight = w.detach().clone()
-        assert torch.equal(kernel(x.detach(), inference_weight, None, 2), F.linear(x.detach(), inference_weight))
-    assert ran[-1] == "linear" and inference_weight not in msw.FewRowsKernel.packed
-    monkeypatch.setattr(msw.FewRowsKernel, "prepack", False)  # switched off after the choice: F.linear, no copy
-    with torch.no_grad():
-        kernel(x.detach(), w, None, 2)
-    assert ran[-1] == "linear" and w not in msw.FewRowsKernel.packed
-
-
-def test_compiled_walk_times_the_packed_product_and_keeps_only_the_copies_it_takes(monkeypatch):
-    """`FewRowsKernel.choose` (a compiled walk's products) times "packed" for bf16 weights beside the traceable
-    products, each weight packed before the timing; a key that takes another product leaves no copy behind, one that
-    takes it keeps its weights' copies for the walk."""
-    import spike_whale.modeling_spike_whale as msw
-
-    if not msw.cpu_has_mkldnn_bf16():
-        pytest.skip("this torch has no oneDNN prepacked linear")
-    g = torch.Generator().manual_seed(4)
-    small = [torch.randn(320, 208, generator=g).bfloat16() for _ in range(2)]
-    large = [torch.randn(416, 208, generator=g).bfloat16() for _ in range(2)]
-    kernel, timed = msw.FewRowsKernel(), []
-
-    def product(x, w, b, rows, kind):  # "packed" is the fastest for the large shape only
-        timed.append((kind, w in msw.FewRowsKernel.packed))
-        msw.time.sleep(1e-4 if kind == "packed" and w.shape[0] == 416 else 3e-4)
-        return F.linear(x, w, b)
-
-    monkeypatch.setattr(kernel, "product", product)
-    monkeypatch.setattr(kernel, "compiled_reduce", lambda x, w, b, scale=None: None)  # its untimed first call compiles it
-    with torch.no_grad():
-        chosen = kernel.choose(small + large, 1)
-    assert chosen == ["linear", "linear", "packed", "packed"]
-    assert {kind for kind, _ in timed} == set(msw.FewRowsKernel.traced_candidates(small[0], 1))
-    assert all(was_packed for kind, was_packed in timed if kind == "packed")
-    assert all(w not in msw.FewRowsKernel.packed for w in small) and all(w in msw.FewRowsKernel.packed for w in large)
-
-
-def test_bf16_products_of_many_rows_run_in_float32_on_a_cpu_without_bf16_instructions(monkeypatch):
-    """Without bf16 instructions (MKL's bf16 GEMM is several times slower there), a bf16 product of 8+ rows is the
-    float32 product rounded to bf16 once, gradients included; one row, and any CPU with bf16 instructions, keep
-    F.linear in bf16."""
-    import torch.nn.functional as F
-
-    import spike_whale.modeling_spike_whale as msw
-
-    g = torch.Generator().manual_seed(2)
-    w = torch.randn(96, 40, generator=g).bfloat16().requires_grad_()
-    b = torch.randn(96, generator=g).bfloat16()
-    native, ran, linear = [False], [], F.linear
-    monkeypatch.setattr(msw, "cpu_has_native_bf16", lambda: native[0])
-    monkeypatch.setattr(F, "linear", lambda x, *a: ran.append(x.dtype) or linear(x, *a))
-    for rows, lifted in ((8, True), (33, True), (1, False)):
-        x = torch.randn(rows, 40, generator=g).bfloat16()
-        got = msw.linear_forward(x, w, b)
-        assert ran.pop() == (torch.float32 if lifted else torch.bfloat16)
-        want = linear(x.float(), w.float(), b.float()).bfloat16() if lifted else linear(x, w, b)
-        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
-        grad, = torch.autograd.grad(got.float().sum(), w)
-        assert grad.dtype == torch.bfloat16 and torch.equal(grad, x.float().sum(0).expand(96, 40).bfloat16())
-    native[0] = True
-    msw.linear_forward(torch.randn(8, 40, generator=g).bfloat16(), w, b)
-    assert ran == [torch.bfloat16]
-
-
-def test_few_rows_kernel_times_every_product_on_first_use_and_keeps_the_fastest(monkeypatch):
-    """For each (weight shape, rows, threads), the first `trials` calls of each applicable product take turns and are
-    timed; the fastest is used from then on only if its median is below `margin` × F.linear's (4 rows: 5% faster is
-    within the noise, F.linear stays); a new thread count is timed anew; deterministic algorithms take F.linear."""
-    import torch.nn.functional as F
-
-    import spike_whale.modeling_spike_whale as msw
-
-    kernel, clock, threads = msw.FewRowsKernel(), [0.0], [2]
-    cost = {  # seconds per call, by rows and product; 320 rows make blocks of 64+ rows in 2, 4 (not 8)
-        1: {"linear": 3.0, "transposed": 2.0, "blocks2": 2.5, "blocks4": 1.5, "mv": 1.8},
-        8: {"linear": 1.0, "transposed": 4.0, "blocks2": 4.0, "blocks4": 4.0},
-        4: {"linear": 2.0, "transposed": 1.9, "blocks2": 2.2, "blocks4": 2.1},
-    }
-    ran = []
-
-    def product(x, w, b, rows, kind):
-        ran.append((rows, kind))
-        clock[0] += cost[rows][kind] * (10 if ran.count((rows, kind)) == 1 else 1)  # a cold first call
-        return F.linear(x, w, b)
-
-    monkeypatch.setattr(msw, "FEW_ROWS_KERNEL", kernel)
-    monkeypatch.setattr(kernel, "product", product)
-    monkeypatch.setattr(msw.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(torch, "get_num_threads", lambda: threads[0])
-    w, kinds = torch.randn(320, 208), ["linear", "transposed", "blocks2", "blocks4"]
-    n = (len(kinds) + 1) * kernel.trials
-    with torch.no_grad():
-        for _ in range(n + 3):
-            msw.linear_forward(torch.randn(1, 208), w)
-            msw.linear_forward(torch.randn(8, 208), w)
-            msw.linear_forward(torch.randn(4, 208), w)
-        threads[0] = 1
-        msw.linear_forward(torch.randn(1, 208), w)
-        deterministic = torch.are_deterministic_algorithms_enabled()
-        torch.use_deterministic_algorithms(True)
-        try:
-            want = F.linear(x := torch.randn(1, 208), w)
-            assert torch.equal(msw.linear_forward(x, w), want)  # no timing: F.linear itself
-        finally:
-            torch.use_deterministic_algorithms(deterministic)
-    # After the trials a key that keeps F.linear calls it directly (not through `product`).
-    assert [k for r, k in ran[:-1] if r == 1] == (kinds + ["mv"]) * kernel.trials + ["blocks4"] * 3  # the fastest
-    assert [k for r, k in ran[:-1] if r == 8] == kinds * kernel.trials  # x·Wᵀ for 8
-    assert [k for r, k in ran if r == 4] == kinds * kernel.trials  # within the margin
-    f32 = torch.float32
-    assert kernel.chosen == {(320, 208, 1, 2, f32): "blocks4", (320, 208, 8, 2, f32): "linear",
-                             (320, 208, 4, 2, f32): "linear"}
-    assert kernel.medians[320, 208, 4, 2, f32] == pytest.approx(cost[4]) and ran[-1] == (1, "linear")
-
-
-def test_few_rows_kernel_chooses_for_compile_decode_by_timing_in_rounds(monkeypatch):
-    """`FewRowsKernel.choose` (what `compile_decode` asks) times a key's traceable products (not W·x; for one row the
-    float32 reduction, compiled for each shape before any timing) after one untimed F.linear per weight (a model just
-    loaded from a memory-mapped file would otherwise time its page faults: the 114M FFN products all came out
-    F.linear in such a process), in rounds of one product for all the key's
-    weights, each key at least `trials` times per product; eager decoding's own choices are left alone, and a key
-    already timed, `forced` and deterministic algorithms are answered without timing."""
-    import spike_whale.modeling_spike_whale as msw
-
-    kernel, clock, seen = msw.FewRowsKernel(), [0.0], []
-    cost = {"linear": 3.0, "transposed": 2.9, "blocks2": 2.0, "blocks4": 1.0, "mv": 0.5, "reduce": 1.5}
-
-    def product(x, w, b, rows, kind):
-        seen.append((w.data_ptr(), kind))
-        clock[0] += cost[kind]
-        return x @ w.t()
-
-    monkeypatch.setattr(kernel, "product", product)
-    monkeypatch.setattr(msw.time, "perf_counter", lambda: clock[0])
-    compiled = []
-    monkeypatch.setattr(kernel, "compiled_reduce", lambda x, w, b, scale=None: compiled.append((w.data_ptr(), clock[0])))
-    weights = [torch.randn(320, 208) for _ in range(3)]
-    warm, linear = [], torch.nn.functional.linear
-    monkeypatch.setattr(torch.nn.functional, "linear",
-                        lambda x, w, *a: warm.append((w.data_ptr(), clock[0])) or linear(x, w, *a))
-    assert kernel.choose(weights, 1) == ["blocks4"] * 3
-    assert warm == [(w.data_ptr(), 0.0) for w in weights]  # each weight read once, before any timing
-    assert compiled == warm  # and its reduction compiled
-    kinds = ["linear", "transposed", "blocks2", "blocks4", "reduce"]  # 3 rounds each: 3 weights × 3 ≥ 9 trials
-    assert seen == [(w.data_ptr(), kinds[r % 5]) for r in range(15) for w in weights]
-    assert kernel.choose(weights, 1) == ["blocks4"] * 3 and len(seen) == 45  # already timed
-    assert kernel.chosen == {} and kernel.walk_medians[(320, 208, 1, torch.get_num_threads(), torch.float32)] == {
-        k: pytest.approx(cost[k]) for k in kinds}
-    monkeypatch.setattr(kernel, "forced", "mv")
-    assert kernel.choose(weights, 1) == ["linear"] * 3  # no traced form
-    monkeypatch.setattr(kernel, "forced", "blocks8")
-    assert kernel.choose(weights, 2) == ["linear"] * 3  # 40-row blocks do not apply to 320 rows
-    monkeypatch.setattr(kernel, "forced", "reduce")
-    assert kernel.choose(weights, 2) == ["linear"] * 3  # one row only: a batch would read W once per row
-    monkeypatch.setattr(kernel, "forced", "blocks2")
-    assert kernel.choose(weights, 2) == ["blocks2"] * 3 and len(seen) == 45
-    monkeypatch.setattr(kernel, "forced", None)
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        assert kernel.choose(weights, 3) == ["linear"] * 3 and len(seen) == 45
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
-
-
-def test_few_rows_kernel_times_compiled_choices_in_walk_order(monkeypatch):
-    """With a `walk` (every weight a decode step reads, in order) the rounds run over it, the other weights read
-    untimed by F.linear between the timed ones, so each product finds its weight as cold as in a decode step (timed
-    over one shape's weights alone, or alternating products call by call, bf16 FFN weights gave F.linear a tie with
-    the product that ran the compiled step 1.12× faster). Each weight gets its own key's choice; `stored` answers
-    and keeps choices by key."""
-    import spike_whale.modeling_spike_whale as msw
-
-    kernel, clock, seen = msw.FewRowsKernel(), [0.0], []
-    cost = {(320, "linear"): 3.0, (320, "transposed"): 2.0, (320, "blocks2"): 2.9, (320, "blocks4"): 2.8,
-            (320, "reduce"): 3.5, (208, "linear"): 1.0, (208, "transposed"): 2.0, (208, "blocks2"): 2.5,
-            (208, "reduce"): 3.0}
-
-    def product(x, w, b, rows, kind):
-        seen.append((w.data_ptr(), kind))
-        clock[0] += cost[w.shape[0], kind]
-        return x @ w.t()
-
-    monkeypatch.setattr(kernel, "product", product)
-    monkeypatch.setattr(kernel, "compiled_reduce", lambda x, w, b, scale=None: None)
-    monkeypatch.setattr(msw.time, "perf_counter", lambda: clock[0])
-    up = [torch.randn(320, 208) for _ in range(2)]
-    down = [torch.randn(208, 320) for _ in range(2)]
-    other = [torch.randn(64, 208), torch.randn(208, 64, dtype=torch.bfloat16)]
-    walk = [up[0], other[0], down[0], up[1], other[1], down[1]]
-    read, linear = [], torch.nn.functional.linear
-    monkeypatch.setattr(torch.nn.functional, "linear",
-                        lambda x, w, *a: read.append(w.data_ptr()) or linear(x, w, *a))
-    stored = {}
-    assert kernel.choose([up[0], down[0], up[1], down[1]], 1, stored, walk) == [
-        "transposed", "linear", "transposed", "linear"]
-    assert read[:6] == [w.data_ptr() for w in walk]  # the untimed first reads
-    up_kinds = ["linear", "transposed", "blocks2", "blocks4", "reduce"]
-    down_kinds = ["linear", "transposed", "blocks2", "reduce"]
-    # 2 weights per key: 5 rounds per product for 9 trials; the key with 5 products sets the count, 25 rounds
-    order = ((up[0], up_kinds), (down[0], down_kinds), (up[1], up_kinds), (down[1], down_kinds))
-    assert seen == [(w.data_ptr(), kinds[r % len(kinds)]) for r in range(25) for w, kinds in order]
-    assert read.count(other[0].data_ptr()) == read.count(other[1].data_ptr()) == 1 + 25  # read every round
-    assert sorted(stored.values()) == ["linear", "transposed"] and all("timed in walk rounds" in n for n in stored)
-    fresh = msw.FewRowsKernel()
-    monkeypatch.setattr(fresh, "product", product)
-    assert fresh.choose(down, 1, stored) == ["linear", "linear"] and len(seen) == 100  # answered by `stored`
-
-
-def test_linear_forward_traces_into_one_graph_for_every_row_count():
-    """Under torch.compile every row count takes F.linear inside one graph: the thread-count check of the eager few-row
-    path must not be traced (dynamo cannot trace `torch.get_num_threads`; batch 8 under compile_config broke on it),
-    nor the row-count rules of the eager paths."""
-    import torch.nn.functional as F
-
-    from spike_whale.modeling_spike_whale import linear_forward
-
-    torch._dynamo.reset()
-    w = torch.randn(320, 208, generator=torch.Generator().manual_seed(1))
-    traced = torch.compile(linear_forward, fullgraph=True, backend="eager", dynamic=False)
-    for rows in (1, 4, 8, 16):
-        x = torch.randn(rows, 208)
-        assert torch.allclose(traced(x, w), F.linear(x, w), atol=1e-5)
-    # With a dynamic row count no eager-path rule (8+ bf16 rows, up to 16 few rows) may guard the graph: 2-40 rows, one
-    # graph (a compiled decode step at another batch size must not recompile).
-    torch._dynamo.reset()
-    graphs = []
-    traced = torch.compile(linear_forward, fullgraph=True, backend=lambda gm, _: graphs.append(gm) or gm.forward,
-                           dynamic=True)
-    for rows in (2, 5, 8, 16, 17, 40):
-        x = torch.randn(rows, 208)
-        assert torch.allclose(traced(x, w), F.linear(x, w), atol=1e-5)
-    assert len(graphs) == 1
-
-
 @pytest.mark.parametrize("kind", ["transposed", "blocks4"])
 def test_short_cached_chunks_take_the_short_chunk_kernels_and_equal_the_general_ones(monkeypatch, kind):
     """Verify-sized chunks (2-4 tokens on a cache, recording for `crop`, a padded row, segment boundaries inside a chunk
-    and not) read attention with `decode_attention`, the Memory Cache through per-token running sums and the few-row
-    products with (W·xᵀ)ᵀ or over blocks of W's rows (every weight, for the test); their logits and rolled-back states
-    equal those of the general kernels, and a full recompute."""
-    import torch.nn.functional as F
+    and not) read the Memory Cache through per-token running sums and, optimized for CPU (`optimize_for_cpu`), attention
+    through the one-query kernel and the few-row products with (W·xᵀ)ᵀ or over blocks of W's rows (every weight, for
+    the test); their logits and rolled-back states equal those of the general kernels (the plain model's SDPA and
+    products, the Memory Cache's chunk sums), and a full recompute."""
+    from collections import Counter
+
+    from transformers import AttentionInterface
 
     import spike_whale.modeling_spike_whale as msw
+    from spike_whale.accel import attention, kernels, optimize_for_cpu
 
-    monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
-    monkeypatch.setattr(msw.FewRowsKernel, "forced", kind)
-    monkeypatch.setattr(msw.FewRowsKernel, "min_block_rows", 1)
-    model = tiny_model(seed=6)
+    monkeypatch.setattr(kernels, "FEW_ROWS_MIN_WEIGHT", 0)
+    monkeypatch.setattr(kernels.FewRowsKernel, "forced", kind)
+    monkeypatch.setattr(kernels.FewRowsKernel, "min_block_rows", 1)
+    model = optimize_for_cpu(tiny_model(seed=6))
     ids = prompt(batch=2, length=2 * L + 9)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
@@ -646,64 +252,33 @@ def test_short_cached_chunks_take_the_short_chunk_kernels_and_equal_the_general_
                 t += n
         return torch.cat(logits, 1)
 
-    kernel_queries, running = [], []
-    attention, running_sums = msw.decode_attention, msw.MemoryCacheBranch._running_sums
-    monkeypatch.setattr(msw, "decode_attention", lambda q, *a: kernel_queries.append(q.shape[2]) or attention(q, *a))
+    queries, sdpa, running = [], [], []
+    running_sums = msw.MemoryCacheBranch._running_sums
+    attend, fallback = AttentionInterface._global_mapping[attention.NAME], attention.sdpa_attention_forward
+    monkeypatch.setitem(AttentionInterface._global_mapping, attention.NAME,
+                        lambda module, q, *a, **kw: queries.append(q.shape[2]) or attend(module, q, *a, **kw))
+    monkeypatch.setattr(attention, "sdpa_attention_forward",
+                        lambda module, q, *a, **kw: sdpa.append(q.shape[2]) or fallback(module, q, *a, **kw))
     monkeypatch.setattr(msw.MemoryCacheBranch, "_running_sums",
                         staticmethod(lambda *a: running.append(a[1].shape[1]) or running_sums(*a)))
+    products, product = [], kernels.FewRowsKernel.product
+    monkeypatch.setattr(kernels.FewRowsKernel, "product",
+                        staticmethod(lambda x, w, b, rows, k: products.append(k) or product(x, w, b, rows, k)))
     fast = chunked()
-    assert set(kernel_queries) == {1, *chunks} and {1, 2, 3} <= set(running)  # chunks inside one segment
+    one_query_kernel = Counter(queries) - Counter(sdpa)  # the calls the kernel did not hand to SDPA
+    assert {1, *chunks} <= set(one_query_kernel) and {1, 2, 3} <= set(running)  # chunks inside one segment
+    assert set(products) == {kind}
+    optimize_for_cpu(model, enable=False)  # SDPA, F.linear, one projection at a time
     with monkeypatch.context() as general:
-        general.setattr(msw.SpikeWhaleAttention, "few_queries", 1)
         general.setattr(msw.MemoryCacheBranch, "short_chunk", 0)
-        general.setattr(msw, "linear_forward", lambda x, w, b=None, compiled_product="linear": F.linear(x, w, b))
-        kernel_queries.clear(), running.clear()
+        queries.clear(), running.clear(), products.clear()
         slow = chunked()
-        assert set(kernel_queries) == {1} and running == []
+        assert queries == [] and running == [] and products == []
     with torch.no_grad():
         full = model(ids[:, :sum(chunks) + 7], attention_mask=mask[:, :sum(chunks) + 7], use_cache=False).logits
     real = mask[:, :full.shape[1]].bool()
     assert float((fast - slow)[real].abs().max()) <= 1e-5 * float(slow.abs().max())
     assert float((fast - full)[real].abs().max()) <= 1e-5 * float(full.abs().max())
-
-
-@pytest.mark.parametrize("kind", ["transposed", "blocks2"])
-def test_one_token_decode_through_the_few_row_kernel_equals_a_full_recompute(monkeypatch, kind):
-    """A batch-1 decode step's products run as (W·[x; 0]ᵀ)ᵀ, or as a batched GEMM over two blocks of W's rows (every
-    weight, for the test); one-token steps across Memory-Cache segment boundaries give the logits of a full recompute,
-    and greedy generate its ids."""
-    import torch.nn.functional as F
-
-    import spike_whale.modeling_spike_whale as msw
-
-    monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
-    monkeypatch.setattr(msw.FewRowsKernel, "forced", kind)
-    monkeypatch.setattr(msw.FewRowsKernel, "min_block_rows", 1)
-    model = tiny_model(seed=7)
-    ids = prompt(length=3 * L + 5)
-    op = "mm" if kind == "transposed" else "bmm"
-    shapes, plain = [], getattr(torch, op)
-    # (W·[x; 0]ᵀ: the columns of [x; 0]ᵀ), (blocks: the blocks and rows of the broadcast x, not other bmm's)
-    record = (lambda a, b: (0, b.shape[1])) if op == "mm" else (lambda a, b: a.shape[:2] if a.stride(0) == 0 else None)
-    monkeypatch.setattr(torch, op, lambda a, b: shapes.append(record(a, b)) or plain(a, b))
-    with torch.no_grad():
-        out = model(ids[:, :5], use_cache=True)
-        shapes.clear()  # the 5-token prefill takes the few-row kernel too; the decode steps are checked
-        got = [out.logits]
-        for t in range(5, ids.shape[1]):
-            got.append(model(ids[:, t:t + 1], cache=out.cache, use_cache=True).logits)
-    monkeypatch.setattr(torch, op, plain)
-    if kind == "transposed":
-        assert shapes and {n for _, n in shapes} == {2}  # one row padded to two, in every projection of every step
-    else:
-        assert shapes.count((2, 1)) > 10 * (ids.shape[1] - 5) and set(shapes) - {None} == {(2, 1)}  # 2 blocks, 1 row
-    with torch.no_grad():
-        full = model(ids, use_cache=False).logits
-    assert float((torch.cat(got, 1) - full).abs().max()) <= 1e-5 * float(full.abs().max())
-    greedy = model.generate(ids[:, :9], max_new_tokens=12, do_sample=False)
-    with monkeypatch.context() as general:
-        general.setattr(msw, "linear_forward", lambda x, w, b=None, compiled_product="linear": F.linear(x, w, b))
-        assert torch.equal(greedy, model.generate(ids[:, :9], max_new_tokens=12, do_sample=False))
 
 
 @pytest.mark.parametrize("S, left_pad", [(29, 5), (29, 0), (32, 0)])
@@ -814,7 +389,7 @@ def test_int8_quantizes_the_memory_cache_projections_unless_told_not_to(tmp_path
     from torchao.quantization import Int8WeightOnlyConfig
     from transformers import TorchAoConfig
 
-    import spike_whale.modeling_spike_whale as msw
+    from spike_whale.accel.kernels import weight_only_int8
 
     tiny_model(seed=7).save_pretrained(tmp_path)
     ids = prompt()
@@ -824,9 +399,9 @@ def test_int8_quantizes_the_memory_cache_projections_unless_told_not_to(tmp_path
         mc = model.model.layers[0].attn.mc
         for linear in (mc.qkv_proj, mc.o_proj, mc.gate_proj):
             assert linear.weight.dtype == torch.float32
-            assert msw.weight_only_int8(linear.weight) == mc_int8
+            assert weight_only_int8(linear.weight) == mc_int8
             assert (type(linear.weight) is torch.nn.Parameter) != mc_int8
-        assert msw.weight_only_int8(model.model.layers[0].ffn.gate_proj.weight)
+        assert weight_only_int8(model.model.layers[0].ffn.gate_proj.weight)
         cached = greedy(model, ids, True)
         assert torch.equal(cached, greedy(model, ids, False))
 
@@ -835,34 +410,37 @@ def test_int8_quantizes_the_memory_cache_projections_unless_told_not_to(tmp_path
 def test_int8_few_row_product_is_torchaos_product_and_decodes_exactly(tmp_path, monkeypatch):
     """Eager bf16 rows by a weight-only int8 weight: `FEW_ROWS_KERNEL`'s candidates are F.linear (torchao's own
     product) and `_weight_int8pack_mm`, which computes the same y = (x·qᵀ)·s up to bf16 rounding; forced for every
-    weight, decode keeps greedy ids and equals its int8 recompute within bf16's tolerance. Plain weights are not
-    int8, and their keys stay apart from an int8 weight's of the same shape."""
-    import spike_whale.modeling_spike_whale as msw
+    weight (`optimize_for_cpu`), decode keeps greedy ids and equals its int8 recompute within bf16's tolerance. Plain
+    weights are not int8, and their keys stay apart from an int8 weight's of the same shape."""
     from torchao.quantization import Int8WeightOnlyConfig
     from transformers import TorchAoConfig
 
+    from spike_whale.accel import kernels, optimize_for_cpu
+    from spike_whale.accel.kernels import FewRowsKernel, FewRowsLinear, weight_only_int8
+
     tiny_model(seed=7).save_pretrained(tmp_path)
-    model = SpikeWhaleForCausalLM.from_pretrained(
+    model = optimize_for_cpu(SpikeWhaleForCausalLM.from_pretrained(
         tmp_path, quantization_config=TorchAoConfig(Int8WeightOnlyConfig()), dtype=torch.bfloat16
-    ).eval()
+    ).eval())
     linear = model.model.layers[0].ffn.gate_proj
     w = linear.weight
+    assert type(linear) is FewRowsLinear
     plain = torch.randn(w.shape, dtype=torch.bfloat16)
-    assert msw.weight_only_int8(w) and not msw.weight_only_int8(plain)
-    assert msw.FewRowsKernel.candidates(w, 1) == ("linear", "int8pack")
-    assert msw.FewRowsKernel.key(w, 1) != msw.FewRowsKernel.key(plain, 1)
+    assert weight_only_int8(w) and not weight_only_int8(plain)
+    assert FewRowsKernel.candidates(w, 1) == ("linear", "int8pack")
+    assert FewRowsKernel.key(w, 1) != FewRowsKernel.key(plain, 1)
     for rows in (1, 3):
         x = torch.randn(rows, 1, w.shape[1], dtype=torch.bfloat16)
         with torch.no_grad():
             ref = F.linear(x, w).float()
-            got = msw.FewRowsKernel.product(x, w, None, rows, "int8pack")
+            got = FewRowsKernel.product(x, w, None, rows, "int8pack")
         assert got.dtype == torch.bfloat16 and got.shape == ref.shape
         assert (got.float() - ref).abs().max() <= 4 * 2**-8 * ref.abs().max()
 
-    monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
-    monkeypatch.setattr(msw.FewRowsKernel, "forced", "int8pack")
-    ran, product = [], msw.FewRowsKernel.product
-    monkeypatch.setattr(msw.FewRowsKernel, "product",
+    monkeypatch.setattr(kernels, "FEW_ROWS_MIN_WEIGHT", 0)
+    monkeypatch.setattr(FewRowsKernel, "forced", "int8pack")
+    ran, product = [], FewRowsKernel.product
+    monkeypatch.setattr(FewRowsKernel, "product",
                         staticmethod(lambda x, w, b, rows, k: ran.append(k) or product(x, w, b, rows, k)))
     x = torch.randn(1, 1, w.shape[1], dtype=torch.bfloat16, requires_grad=True)
     linear(x).float().sum().backward()  # `_weight_int8pack_mm` has no derivative: a gradient takes torchao's F.linear
@@ -878,27 +456,31 @@ def test_int8_few_row_product_is_torchaos_product_and_decodes_exactly(tmp_path, 
 @needs_torchao
 @needs_compile_config
 def test_int8_weight_only_decodes_through_compile_config(tmp_path, monkeypatch):
-    """compile_config with a torchao int8 model: compile_decode leaves the quantized weights' layout alone (re-storing
-    them column-major raised NotImplementedError for `aten.t`) and the compiled step gives the eager int8 ids. The
-    graph's guards check each quantized parameter's type but not its metadata (a Python `__tensor_flatten__` per
-    weight per call)."""
+    """compile_config with a torchao int8 model optimized for CPU: its compile_decode leaves the quantized weights'
+    layout alone (re-storing them column-major raised NotImplementedError for `aten.t`) and the compiled step gives the
+    eager int8 ids. The graph's guards (the Hub model's `compiled_decode_guards`) check each quantized parameter's type
+    but not its metadata (a Python `__tensor_flatten__` per weight per call)."""
     import spike_whale.modeling_spike_whale as msw
     from torchao.quantization import Int8WeightOnlyConfig
     from transformers import CompileConfig, TorchAoConfig
+
+    from spike_whale.accel import optimize_for_cpu
 
     kept, keep = [], msw.compiled_decode_guards
     monkeypatch.setattr(msw, "compiled_decode_guards",
                         lambda entries: [kept.append(e) or k if k else k for e, k in zip(entries, keep(entries))])
     tiny_model(seed=7).save_pretrained(tmp_path)
-    model = SpikeWhaleForCausalLM.from_pretrained(
+    model = optimize_for_cpu(SpikeWhaleForCausalLM.from_pretrained(
         tmp_path, quantization_config=TorchAoConfig(Int8WeightOnlyConfig())
-    ).eval()
+    ).eval())
+    layout = {name: (type(p), p.stride()) for name, p in model.named_parameters()}
     ids = prompt()
     eager = greedy(model, ids, True, new=6)
     with torch.no_grad():
         compiled = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
                                   do_sample=False, pad_token_id=0, compile_config=CompileConfig(backend="eager"))
     assert model.model._compiled_run is not None
+    assert {name: (type(p), p.stride()) for name, p in model.named_parameters()} == layout
     assert torch.equal(compiled, eager)
     on_weights = {e.guard_type for e in kept if "._parameters['weight']" in e.name}
     assert "TYPE_MATCH" in on_weights and kept
@@ -912,29 +494,33 @@ def test_int8_compiled_walk_multiplies_by_its_own_int8_products_without_the_patt
     ("int8pack" for rows, "int8reduce" forced here for one row), so inductor's pattern matcher stays off and its
     rewrite of the one-query attention into CPU SDPA does not happen; the reduction computes int8pack's function
     (bf16 tolerance) and the compiled step gives the eager int8 step's logits within bf16's."""
-    import spike_whale.modeling_spike_whale as msw
     from torch._inductor.utils import run_and_get_code
     from torchao.quantization import Int8WeightOnlyConfig
     from transformers import CompileConfig, TorchAoConfig
 
+    from spike_whale.accel import compile as accel_compile
+    from spike_whale.accel import kernels, optimize_for_cpu
+    from spike_whale.accel.kernels import FewRowsKernel
+
     tiny_model(seed=7).save_pretrained(tmp_path)
-    model = SpikeWhaleForCausalLM.from_pretrained(
+    model = optimize_for_cpu(SpikeWhaleForCausalLM.from_pretrained(
         tmp_path, quantization_config=TorchAoConfig(Int8WeightOnlyConfig()), dtype=torch.bfloat16
-    ).eval()
+    ).eval())
     w = model.model.layers[0].ffn.gate_proj.weight
-    assert msw.FewRowsKernel.traced_candidates(w, 1) == ("int8pack", "int8reduce")
-    assert msw.FewRowsKernel.traced_candidates(w, 1, reduce=False) == msw.FewRowsKernel.traced_candidates(w, 8) \
+    assert FewRowsKernel.traced_candidates(w, 1) == ("int8pack", "int8reduce")
+    assert FewRowsKernel.traced_candidates(w, 1, reduce=False) == FewRowsKernel.traced_candidates(w, 8) \
         == ("int8pack",)
     bias = torch.randn(w.shape[0])
     for x in (torch.randn(1, 1, w.shape[1], dtype=torch.bfloat16), torch.randn(1, w.shape[1])):  # bf16, MC float32
         with torch.no_grad():
-            ref = msw.FewRowsKernel.product(x, w, bias, 1, "int8pack").float()
-            got = msw.FewRowsKernel.product(x, w, bias, 1, "int8reduce")
+            ref = FewRowsKernel.product(x, w, bias, 1, "int8pack").float()
+            got = FewRowsKernel.product(x, w, bias, 1, "int8reduce")
         assert got.dtype == x.dtype and got.shape == ref.shape
         assert (got.float() - ref).abs().max() <= 2 * 2**-8 * ref.abs().max()
 
-    monkeypatch.setattr(msw, "FEW_ROWS_MIN_WEIGHT", 0)
-    monkeypatch.setattr(msw.FewRowsKernel, "forced", "int8reduce")
+    monkeypatch.setattr(kernels, "FEW_ROWS_MIN_WEIGHT", 0)
+    monkeypatch.setattr(accel_compile, "FEW_ROWS_MIN_WEIGHT", 0)
+    monkeypatch.setattr(FewRowsKernel, "forced", "int8reduce")
     ids = prompt()
 
     def first_step_logits(**kwargs):
@@ -947,7 +533,7 @@ def test_int8_compiled_walk_multiplies_by_its_own_int8_products_without_the_patt
     eager_ids, eager_logits = first_step_logits()
     (compiled_ids, compiled_logits), code = run_and_get_code(first_step_logits, compile_config=CompileConfig())
     code = "".join(code)
-    owners = model._compiled_owners()
+    owners = accel_compile.compiled_owners(model)
     assert owners and {(o.compiled_product, o.compiled_product_rows) for o in owners} == {("int8reduce", "int8pack")}
     assert "scaled_dot_product" not in code  # the pattern matcher was off
     assert torch.equal(compiled_ids[:, : ids.shape[1] + 1], eager_ids[:, : ids.shape[1] + 1])
@@ -976,16 +562,3 @@ def test_bench_speed_prefill_breakdown_splits_a_forward_by_module_kind(monkeypat
         assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
-def test_packed_bf16_is_offered_only_where_the_cpu_runs_it():
-    """oneDNN's prepacked bf16 linear needs AVX512 (bw/vl/dq) or AVX-NE-CONVERT: on an AVX2-only CPU its reorder
-    raises, so "packed" must be on offer only where it runs (bf16 generate crashed on such CPUs)."""
-    import spike_whale.modeling_spike_whale as msw
-
-    w = torch.randn(256, 512).bfloat16()
-    offered = "packed" in msw.FewRowsKernel.candidates(w, rows=1)
-    assert offered == (msw.FewRowsKernel.prepack and msw.cpu_has_mkldnn_bf16())
-    if offered:
-        x = torch.randn(1, 512).bfloat16()
-        assert torch.equal(msw.packed_linear(x, w, None), F.linear(x, w))
-    else:
-        assert not torch.ops.mkldnn._is_mkldnn_bf16_supported() or not msw.FewRowsKernel.prepack
