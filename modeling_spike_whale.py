@@ -446,11 +446,10 @@ class MemoryCacheBranch(KeepsFloat32):
         γ_{t,i} = softmax_{i≤s} ⟨u_t, ḡ⁽ⁱ⁾⟩,   u_t = W_u x_t + b,   ḡ⁽ⁱ⁾ = mean_{m∈i} W_k x_m (running mean for i = s)
         y_t = Σ_i γ_{t,i} φ(q_t)ᵀM⁽ⁱ⁾ / (Σ_i γ_{t,i} φ(q_t)·z⁽ⁱ⁾ + ε)        (one global normaliser)
 
-    in two forms, as linear attention is usually computed: the chunk form (`_chunk`: any length, segment boundaries
-    and padding inside) and the one-token step form (`_step`: a decode step). A forward that records the state after
+    computed in two forms, as linear attention usually is: the chunk form (`_chunk`: any length, segment boundaries
+    and padding inside) and the one-token step form (`_step`: a decode step). A forward that keeps the state after
     each of its last `ctx.record` tokens (for `crop`) runs the chunk form on the tokens before them, then steps.
-
-    computed in float32 with autocast off, from float32 weights under any load dtype (`_keep_in_fp32_modules_strict`;
+    Both in float32 with autocast off, from float32 weights under any load dtype (`_keep_in_fp32_modules_strict`;
     created float32 for `_from_config(dtype=...)`), so a low-precision model casts no weight of it per step. A
     weight-only int8 load (`TorchAoConfig`) quantizes its three projections as it does every Linear, dequantized to
     float32 (transformers' torchao route skips `_keep_in_fp32_modules` only); `modules_to_not_convert=[r".*attn\\.mc"]`
@@ -685,19 +684,18 @@ class MemoryCacheBranch(KeepsFloat32):
             run_g, run_n = run_g * keep[:, None], run_n * keep
         state = replace(state, run_M=run_M + fk[:, 0, :, :, None] * v[:, 0, :, None, :], run_z=run_z + fk[:, 0],
                         run_g=run_g + gk[:, 0], run_n=run_n + lay.valid_f[:, j])
-        cands = []
-        if lay.n_fin > 0:
-            k = lay.n_fin
-            mask = None if lay.fin_readable else (
-                torch.arange(k, device=fq.device)[None, :] < (lay.base + lay.rel[:, j])[:, None])[:, None]
-            cands.append((state.fin_M[:, :k], state.fin_z[:, :k], state.fin_g[:, :k], mask))
-        cands.append((state.run_M[:, None], state.run_z[:, None],
-                       (state.run_g / state.run_n.clamp(min=1)[..., None])[:, None], None))
-        M, z, g, masks = zip(*cands)
+        k = lay.n_fin
+        own_M, own_z, own_g, own_n = (t[:, None] for t in (state.run_M, state.run_z, state.run_g, state.run_n))
+        if k == 0:  # the own segment alone
+            own = torch.matmul(fq[..., None, :], own_M)[..., 0, :], (fq * own_z).sum(-1), own_g, own_n
+            return self._read(fq, gu, own, None), state
         mask = None
-        if masks[0] is not None:
-            mask = torch.cat([masks[0], torch.ones(B, 1, 1, dtype=torch.bool, device=fq.device)], -1)
-        return self._read(fq, gu, None, (_cat(M, 1), _cat(z, 1), _cat(g, 1), mask)), state
+        if not lay.fin_readable:
+            fin_mask = torch.arange(k, device=fq.device) < (lay.base + lay.rel[:, j])[:, None, None]
+            mask = torch.cat([fin_mask, torch.ones(B, 1, 1, dtype=torch.bool, device=fq.device)], -1)
+        cands = (torch.cat([state.fin_M[:, :k], own_M], 1), torch.cat([state.fin_z[:, :k], own_z], 1),
+                 torch.cat([state.fin_g[:, :k], own_g / own_n.clamp(min=1)[..., None]], 1), mask)
+        return self._read(fq, gu, None, cands), state
 
 
 class FrozenLinear(nn.Linear):
