@@ -771,7 +771,8 @@ def test_memory_cache_chunk_and_step_forms_match_a_per_token_reference(steps):
                 groups.append([m for m in real if int(positions[b, m]) // L == s and m <= t])
                 scores = torch.stack([(gu[b, t] * gk[b, g].mean(0)).sum() for g in groups])
                 gamma = torch.softmax(scores, 0)
-                num = sum(w * torch.einsum("hd,mhd,mhe->he", fq[b, t], fk[b, g], v[b, g]) for w, g in zip(gamma, groups))
+                num = sum(w * torch.einsum("hd,mhd,mhe->he", fq[b, t], fk[b, g], v[b, g])
+                          for w, g in zip(gamma, groups))
                 den = sum(w * torch.einsum("hd,mhd->h", fq[b, t], fk[b, g]) for w, g in zip(gamma, groups))
                 y[b, t - past] = num / (den[:, None] + mc.eps)
         want = mc._output(y.reshape(B, S, -1).float()) * valid[:, past:, None]
