@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import math
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
 import torch
@@ -32,38 +32,45 @@ logger = logging.get_logger(__name__)
 CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
 
 
-class MemoryCacheState(NamedTuple):
+def _dims(*dims: str):
+    """A `MemoryCacheState` field's per-row shape, by name of `MemoryCacheState.shapes`' sizes."""
+    return field(metadata={"dims": dims})
+
+
+@dataclass
+class MemoryCacheState:
     """Memory-Cache state of one slot: finished-segment summaries and the running sums of the current segment.
 
     fin_M[b, i] = Σ_{m∈seg i} φ(k_m) v_mᵀ, fin_z[b, i] = Σ φ(k_m), fin_g[b, i] = mean gate key of segment i
     (only i < the row's current segment is meaningful; the extra last entry is a write sink).
     run_* are the same sums over the current segment so far (run_g a sum, run_n its token count).
+    Each field's shape is declared with it: allocation, batch selection and the footprint follow the fields.
     """
 
-    fin_M: torch.Tensor  # [B, n_seg + 1, nh, hd, hd]
-    fin_z: torch.Tensor  # [B, n_seg + 1, nh, hd]
-    fin_g: torch.Tensor  # [B, n_seg + 1, gd]
-    run_M: torch.Tensor  # [B, nh, hd, hd]
-    run_z: torch.Tensor  # [B, nh, hd]
-    run_g: torch.Tensor  # [B, gd]
-    run_n: torch.Tensor  # [B]
+    fin_M: torch.Tensor = _dims("entries", "nh", "hd", "hd")
+    fin_z: torch.Tensor = _dims("entries", "nh", "hd")
+    fin_g: torch.Tensor = _dims("entries", "gd")
+    run_M: torch.Tensor = _dims("nh", "hd", "hd")
+    run_z: torch.Tensor = _dims("nh", "hd")
+    run_g: torch.Tensor = _dims("gd")
+    run_n: torch.Tensor = _dims()
+
+    @classmethod
+    def shapes(cls, n_seg: int, nh: int, hd: int, gd: int) -> dict[str, tuple[int, ...]]:
+        """Each field's shape for one batch row (float32), with `n_seg` finished-segment entries plus the sink."""
+        size = {"entries": n_seg + 1, "nh": nh, "hd": hd, "gd": gd}
+        return {name: tuple(size[d] for d in dims) for name, dims in _MC_DIMS.items()}
 
     @classmethod
     def empty(cls, batch: int, n_seg: int, nh: int, hd: int, gd: int, device) -> "MemoryCacheState":
-        f32 = dict(device=device, dtype=torch.float32)
-        return cls(
-            fin_M=torch.zeros(batch, n_seg + 1, nh, hd, hd, **f32),
-            fin_z=torch.zeros(batch, n_seg + 1, nh, hd, **f32),
-            fin_g=torch.zeros(batch, n_seg + 1, gd, **f32),
-            run_M=torch.zeros(batch, nh, hd, hd, **f32),
-            run_z=torch.zeros(batch, nh, hd, **f32),
-            run_g=torch.zeros(batch, gd, **f32),
-            run_n=torch.zeros(batch, **f32),
-        )
+        return cls(**{name: torch.zeros(batch, *shape, device=device, dtype=torch.float32)
+                      for name, shape in cls.shapes(n_seg, nh, hd, gd).items()})
 
     def map(self, fn) -> "MemoryCacheState":
-        return MemoryCacheState(*(fn(t) for t in self))
+        return type(self)(**{f.name: fn(getattr(self, f.name)) for f in fields(self)})
 
+
+_MC_DIMS = {f.name: f.metadata["dims"] for f in fields(MemoryCacheState)}  # torch.compile cannot trace fields(cls)
 
 class SlotState(NamedTuple):
     """What one loop-plan slot carries from chunk to chunk, as its block reads it: static K/V buffers
@@ -543,9 +550,8 @@ def cache_footprint(config: SpikeWhaleConfig, batch_size: int = 1, dtype: torch.
     out = {"kv": 2 * slots * B * config.num_key_value_heads * P * config.head_dim * item}
     if config.use_memory_cache:
         n_seg = math.ceil(P / config.mc_segment_len)
-        nh, hd, gd = config.mc_num_heads, config.mc_head_dim, config.mc_gate_dim
-        entry = nh * hd * hd + nh * hd + gd
-        out["memory_cache"] = slots * B * 4 * ((n_seg + 1) * entry + entry + 1)
+        shapes = MemoryCacheState.shapes(n_seg, config.mc_num_heads, config.mc_head_dim, config.mc_gate_dim)
+        out["memory_cache"] = slots * B * 4 * sum(math.prod(shape) for shape in shapes.values())
     else:
         out["memory_cache"] = 0
     out["engram"] = B * P * config.engram_compress_dim * item if config.use_engram else 0

@@ -17,7 +17,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -320,71 +320,59 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 class SegmentLayout:
     """Where each token of a chunk falls in the Memory-Cache segments; built once per forward, shared by all slots.
 
-    rel[b, t]: segment of token t relative to the row's current segment `base[b]` (0 = the one the cache is
-    filling); onehot[b, t, r] = [rel == r] for real tokens. Own-segment causal sums use `own_mask`
-    ([B, S, S]: same segment, earlier or equal, real) for short chunks, or the aligned block buffer
-    (`block_idx`) for long ones, so prefill costs O(S·segment_len), not O(S²). blocks_in_order: every token t
-    sits at buffer row t (no padding, the chunk starts a segment: a prompt's prefill), so the buffer is the chunk
-    itself, zero-padded to whole segments.
+    rel[b, t]: the segment row b is in after token t, relative to its segment before the chunk, `base[b]` (a padding
+    token keeps the row's last one). The chunk's first `split` tokens go through the chunk form, the rest through the
+    step form (`MemoryCacheBranch`). The chunk form puts token t at row idx[b, t] of an aligned block buffer
+    [B, n_rel, width, ...]: block rel[b, t], in the order of the block's real tokens (padding goes to the sink row
+    n_rel·width), so a chunk costs O(split·width) with width = min(split, segment length). idx is None where it is
+    0..split-1 (no padding, and every block but the last full: a prompt's prefill, a chunk inside one segment):
+    the buffer is then the chunk itself, zero-padded to whole blocks.
+    n_fin: the finished-segment entries a token may read (all of them under torch.compile: those not finished yet are
+    masked); fin_readable: every token of every row may read all n_fin (never assumed under torch.compile).
     """
 
-    rel: torch.Tensor
-    n_rel: int
-    seg_len: int
-    onehot: torch.Tensor
     base: torch.Tensor
-    new_segment: torch.Tensor
-    n_fin: int
-    valid: torch.Tensor
+    rel: torch.Tensor
     valid_f: torch.Tensor
     padded: bool  # some token is padding (always assumed under torch.compile: no host sync)
-    first: torch.Tensor
-    fin_mask: torch.Tensor
-    fin_readable: bool  # every row may read every finished entry (fin_mask all true; never assumed under torch.compile)
-    chunk_mask: torch.Tensor
-    own_mask: torch.Tensor | None
-    own_count: torch.Tensor | None
-    block_idx: torch.Tensor | None
-    blocks_in_order: bool
+    n_rel: int  # blocks: relative segments the chunk touches
+    n_fin: int
+    fin_readable: bool
+    split: int
+    width: int
+    idx: torch.Tensor | None
 
     @classmethod
-    def build(cls, positions, valid, base, seg_len: int, n_fin: int) -> "SegmentLayout":
-        seg = torch.div(positions, seg_len, rounding_mode="floor")
-        rel = torch.where(valid, seg - base[:, None], torch.zeros_like(seg)).clamp(min=0)
-        S = positions.shape[1]
-        if torch.compiler.is_compiling():  # no host sync: the most segments S positions after `base` can touch
+    def build(cls, positions, valid, base, seg_len: int, n_fin: int, steps: int) -> "SegmentLayout":
+        """steps: the chunk's last tokens that go through the step form."""
+        compiling = torch.compiler.is_compiling()
+        B, S = positions.shape
+        seg = torch.div(positions, seg_len, rounding_mode="floor") - base[:, None]
+        rel = torch.where(valid, seg, torch.zeros_like(seg)).clamp(min=0).cummax(1).values if S else seg
+        if compiling:  # no host sync: the most segments S positions after `base` can touch
             n_rel = (S - 1) // seg_len + 2 if S else 1
             torch._assert_async((rel < n_rel).all(), "positions do not continue the cache's Memory-Cache segment")
         else:
-            n_rel = int(rel.max()) + 1 if rel.numel() else 1
-        valid_f = valid.float()
-        onehot = F.one_hot(rel, n_rel).float() * valid_f[..., None]
-        new_segment = base + rel.amax(dim=1) if rel.shape[1] else base
-        first = (rel == 0).float() * valid_f
-        fin_mask = torch.arange(n_fin, device=positions.device)[None, :] < base[:, None]
-        chunk_mask = torch.arange(n_rel, device=positions.device)[None, None, :] < rel[..., None]
-        own_mask = own_count = block_idx = None
-        in_order = False
-        if S <= seg_len:
-            causal = torch.ones(S, S, dtype=torch.bool, device=positions.device).tril()
-            own_mask = ((rel[:, :, None] == rel[:, None, :]) & causal & valid[:, None, :]).float()
-            own_count = own_mask.sum(-1)
-        else:
-            idx = positions - base[:, None] * seg_len
-            block_idx = torch.where(valid, idx, torch.full_like(idx, n_rel * seg_len))
-            in_order = not torch.compiler.is_compiling() and bool(
-                (block_idx == torch.arange(S, device=positions.device)).all())
-        padded = torch.compiler.is_compiling() or not bool(valid.all())
-        fin_readable = not torch.compiler.is_compiling() and bool(fin_mask.all())
-        return cls(rel, n_rel, seg_len, onehot, base, new_segment, n_fin, valid, valid_f, padded, first, fin_mask,
-                   fin_readable, chunk_mask, own_mask, own_count, block_idx, in_order)
+            n_rel = int(rel[:, -1].max()) + 1 if S else 1
+        padded = compiling or not bool(valid.all())
+        fin_readable = not compiling and bool((base >= n_fin).all())
+        split = S - steps
+        width = torch.sym_min(split, seg_len)
+        idx = None
+        if split and (padded or n_rel > 1):
+            rel_c, real = rel[:, :split], valid[:, :split].long()
+            count = torch.zeros(B, n_rel, dtype=torch.long, device=rel.device).scatter_add_(1, rel_c, real)
+            start = count.cumsum(1) - count  # real tokens before each block
+            at = rel_c * width + real.cumsum(1) - 1 - start.gather(1, rel_c)
+            idx = torch.where(real.bool(), at, torch.full_like(at, n_rel * width))
+            if not compiling and not padded and bool((idx == torch.arange(split, device=idx.device)).all()):
+                idx = None
+        return cls(base, rel, valid.float(), padded, n_rel, n_fin, fin_readable, split, width, idx)
 
-    @functools.cached_property
-    def reached(self) -> torch.Tensor:
-        """[B, S]: the relative segment each row has reached after each chunk position, that of its last real token so
-        far (0 before any); `rel` itself is 0 at padding. Read only where states are recorded for `crop`, by every
-        slot: computed once."""
-        return self.rel.cummax(1).values
+    @property
+    def new_segment(self) -> torch.Tensor:
+        """[B]: each row's segment after the chunk."""
+        return self.base + self.rel[:, -1] if self.rel.shape[1] else self.base
 
     def on_device(self, device: torch.device) -> "SegmentLayout":
         """This layout with its tensors on `device` (layers of a multi-device map each get their own copy)."""
@@ -452,7 +440,10 @@ class MemoryCacheBranch(KeepsFloat32):
         γ_{t,i} = softmax_{i≤s} ⟨u_t, ḡ⁽ⁱ⁾⟩,   u_t = W_u x_t + b,   ḡ⁽ⁱ⁾ = mean_{m∈i} W_k x_m (running mean for i = s)
         y_t = Σ_i γ_{t,i} φ(q_t)ᵀM⁽ⁱ⁾ / (Σ_i γ_{t,i} φ(q_t)·z⁽ⁱ⁾ + ε)        (one global normaliser)
 
-    computed in float32 with autocast off, from float32 weights under any load dtype (`_keep_in_fp32_modules_strict`;
+    computed in two forms, as linear attention usually is: the chunk form (`_chunk`: any length, segment boundaries
+    and padding inside) and the one-token step form (`_step`: a decode step). A forward that keeps the state after
+    each of its last `ctx.record` tokens (for `crop`) runs the chunk form on the tokens before them, then steps.
+    Both in float32 with autocast off, from float32 weights under any load dtype (`_keep_in_fp32_modules_strict`;
     created float32 for `_from_config(dtype=...)`), so a low-precision model casts no weight of it per step. A
     weight-only int8 load (`TorchAoConfig`) quantizes its three projections as it does every Linear, dequantized to
     float32 (transformers' torchao route skips `_keep_in_fp32_modules` only); `modules_to_not_convert=[r".*attn\\.mc"]`
@@ -462,7 +453,6 @@ class MemoryCacheBranch(KeepsFloat32):
     """
 
     eps = 1e-6
-    short_chunk = 8  # longest chunk read through its per-token running sums (S·hd² floats per head)
     read_floats = 1 << 18  # the most floats of candidate-weighted query rows `_read` builds at once
 
     def __init__(self, config: SpikeWhaleConfig):
@@ -515,40 +505,36 @@ class MemoryCacheBranch(KeepsFloat32):
         out = _as(self.o_proj(_as(y, self.o_proj.weight.dtype)), torch.float32)
         return derived(self, "gate", lambda: torch.tanh(_as(self.mc_gate, torch.float32)), self.mc_gate) * out
 
-    @staticmethod
-    def _add_to_segment(sums: tuple | None, fk, v, gk, valid_f) -> tuple:
-        """Σ over the chunk's tokens (all in one segment) of φ(k)vᵀ, φ(k), W_k x and 1, added to `sums` (a segment's
-        running M, z, gate-key sum and token count, or None): the one running-sum update."""
-        M, z = torch.matmul(fk.permute(0, 2, 3, 1), v.transpose(1, 2)), fk.sum(1)
-        g = gk.sum(1)
-        n = valid_f.sum(1) if valid_f is not None else torch.full_like(g[:, 0], fk.shape[1])
-        if sums is None:
-            return M, z, g, n
-        return M + sums[0], z + sums[1], g + sums[2], n + sums[3]
-
-    @staticmethod
-    def _running_sums(running: tuple | None, fk, v, gk, valid_f) -> tuple:
-        """The running sums of M, z, W_k x and the token count after each token of a chunk that stays in one segment,
-        [B, S, ...]: `running` (the segment's sums before the chunk, or None) plus the chunk's tokens up to t."""
-        sums = fk[..., :, None] * v[..., None, :], fk, gk, valid_f
-        if fk.shape[1] > 1:
-            sums = tuple(t.cumsum(1) for t in sums)
-        if running is None:
-            return sums
-        return tuple(t + r[:, None] for t, r in zip(sums, running))
-
-    @staticmethod
-    def _read_own_totals(fq, M, z):
-        """φ(q_t)ᵀM_t and φ(q_t)·z_t against the running totals after each token, M [B, S, nh, hd, hd], z [B, S, nh, hd]."""
-        return torch.matmul(fq[..., None, :], M)[..., 0, :], (fq * z).sum(-1)
+    def _memory_readout(self, x, lay: SegmentLayout, state: MemoryCacheState | None, ctx: ForwardContext, proj):
+        """y [B, S, nh·hd], the state after the chunk and the states after each of its last `ctx.record` tokens (None
+        without a cache or a recording): the chunk form on the first `lay.split` tokens, the step form on the rest."""
+        B, S, _ = x.shape
+        feats = self._features(x, proj)
+        if lay.padded:  # padding adds nothing
+            fq, fk, v, gu, gk = feats
+            vf = lay.valid_f
+            feats = fq, fk * vf[..., None, None], v * vf[..., None, None], gu, gk * vf[..., None]
+        ys, steps = [], []
+        if lay.split:
+            chunk = feats if lay.split == S else tuple(t[:, : lay.split] for t in feats)
+            y, state = self._chunk(*chunk, lay, state, ctx)
+            ys.append(y)
+        if lay.split < S and state is None:
+            state = MemoryCacheState.empty(B, ctx.n_mc_segments, self.nh, self.hd, self.gd, x.device)
+        for j in range(lay.split, S):
+            y, state = self._step(j, *(feats if S == 1 else (t[:, j : j + 1] for t in feats)), lay, state)
+            ys.append(y)
+            steps.append(state)
+        y = _cat(ys, 1).reshape(B, S, self.nh * self.hd)
+        return y, state, (steps if ctx.record else None)
 
     def _read(self, fq, gu, own: tuple | None, cands: tuple | None) -> torch.Tensor:
         """y_t = Σ_i γ_{t,i} φ(q_t)ᵀM⁽ⁱ⁾ / (Σ_i γ_{t,i} φ(q_t)·z⁽ⁱ⁾ + ε), γ = softmax over the candidates' ⟨u_t, ḡ⁽ⁱ⁾⟩
         and the own segment's ⟨u_t, own_g⟩/own_n; [B, S, nh, hd].
 
         own: (φ(q_t)ᵀM_t, φ(q_t)·z_t, Σ W_k x, token count) of each token's own segment so far, or None where `cands`
-        ends with its totals (one token: `_memory_readout`). cands: (M [B, I, nh, hd, hd], z [B, I, nh, hd],
-        ḡ [B, I, gd], readable [B, S, I] or None: all) or None."""
+        ends with its totals (the step form). cands: (M [B, I, nh, hd, hd], z [B, I, nh, hd], ḡ [B, I, gd],
+        readable [B, S, I] or None: all) or None."""
         if cands is None:
             num, den = own[0], own[1][..., None]
             if gu.requires_grad:
@@ -571,8 +557,8 @@ class MemoryCacheBranch(KeepsFloat32):
         # Σ_i γ_{t,i} φ(q_t)ᵀ[M⁽ⁱ⁾ | z⁽ⁱ⁾] as one GEMM per head: the rows [γ_{t,1}φ(q_t), …, γ_{t,I}φ(q_t)] times the
         # stacked [M⁽ⁱ⁾ | z⁽ⁱ⁾], so no token builds its own mixed hd × hd memory. φ(q) goes head-major first, so those
         # rows (I times larger) are born in the GEMM's layout instead of being copied into it. A long chunk builds them
-        # `read_floats` at a time: all at once, a long prefill makes tens of MiB of them per slot,
-        # which glibc's malloc hands out as fresh pages, faulted in again by every call.
+        # `read_floats` at a time: all at once, a long prefill makes tens of MiB of them per slot, which glibc's malloc
+        # hands out as fresh pages, faulted in again by every call.
         g_cand = gamma[..., :I] if own is not None else gamma
         fq_heads = fq.transpose(1, 2).contiguous()
         Mz = torch.cat([cand_M, cand_z[..., None]], -1).transpose(1, 2).reshape(B, nh, I * hd, hd + 1)
@@ -588,187 +574,120 @@ class MemoryCacheBranch(KeepsFloat32):
             den = den + g_own[..., None] * own_den[..., None]
         return num / (den + self.eps)
 
-    def _memory_readout(self, x, lay: SegmentLayout, state: MemoryCacheState | None, ctx: ForwardContext, proj):
-        B, S, _ = x.shape
-        nh, hd = self.nh, self.hd
-        fq, fk, v, gu, gk = self._features(x, proj)
-        if lay.padded:  # padding adds nothing
-            vf = lay.valid_f
-            fk, v, gk = fk * vf[..., None, None], v * vf[..., None, None], gk * vf[..., None]
+    def _chunk(self, fq, fk, v, gu, gk, lay: SegmentLayout, state: MemoryCacheState | None, ctx: ForwardContext):
+        """The chunk form on the first n = `lay.split` tokens: y [B, n, nh, hd] and the state after them (None without
+        a cache). In the aligned block buffer [B, n_rel, W, ...] (`SegmentLayout`), in O(n·W): per block the causal
+        sums Σ_{m≤t} (φq_t·φk_m) v_m, φq_t·φk_m, W_k x_m and 1 (a triangular mask) and the totals M, z, Σ W_k x and
+        count; the cache's running sums join block 0. A token reads the cache's finished segments below `base`, the
+        chunk's blocks before its own and its own block's causal sums."""
+        B, n = fq.shape[:2]
+        R, W = lay.n_rel, lay.width
+        rel, vf = lay.rel[:, :n], lay.valid_f[:, :n]
 
-        # A short chunk inside the cache's current segment (a decode step, a verify chunk) keeps the running sums
-        # after each of its tokens: each token reads its own, the last are the segment's totals.
-        # Otherwise each chunk segment's totals, the cache's running sums carried into relative segment 0.
-        run = own = None
-        if lay.n_rel == 1 and S <= self.short_chunk:
-            run = self._running_sums(state[3:] if state is not None else None, fk, v, gk, lay.valid_f)
-            seg_M, seg_z, seg_g, seg_n = run if S == 1 else (t[:, -1:] for t in run)
-        elif lay.block_idx is not None:
-            own, seg = self._long_chunk_sums(fq, fk, v, gk, lay)
-            seg_M, seg_z, seg_g, seg_n = self._carry_into_first(seg, state)
-        elif lay.n_rel == 1:
-            running = state[3:] if state is not None else None
-            seg_M, seg_z, seg_g, seg_n = (t[:, None] for t in self._add_to_segment(running, fk, v, gk, lay.valid_f))
-        else:
-            E = lay.onehot
-            seg = (torch.einsum("bsr,bshd,bshe->brhde", E, fk, v), torch.einsum("bsr,bshd->brhd", E, fk),
-                   torch.einsum("bsr,bsg->brg", E, gk), E.sum(1))
-            seg_M, seg_z, seg_g, seg_n = self._carry_into_first(seg, state)
+        def to_blocks(t):
+            if lay.idx is None:  # no scatter: the chunk is the buffer's first n rows
+                buf = t if R * W == n else torch.cat([t, t.new_zeros(B, R * W - n, *t.shape[2:])], 1)
+            else:
+                idx = lay.idx.view(B, n, *[1] * (t.dim() - 2)).expand_as(t)
+                buf = t.new_zeros(B, R * W + 1, *t.shape[2:]).scatter_(1, idx, t)[:, : R * W]
+            return buf.reshape(B, R, W, *t.shape[2:])
 
-        # Mean gate keys of the chunk's segments, read by later ones and kept for the finished.
-        seg_gmean = seg_g / seg_n.clamp(min=1)[..., None] if lay.n_rel > 1 else None
+        def from_blocks(t):
+            flat = t.reshape(B, R * W, *t.shape[3:])
+            if lay.idx is None:
+                return flat[:, :n]
+            flat = torch.cat([flat, flat.new_zeros(B, 1, *flat.shape[2:])], 1)  # the sink row reads zeros
+            return flat.gather(1, lay.idx.view(B, n, *[1] * (flat.dim() - 2)).expand(B, n, *flat.shape[2:]))
 
-        # Finished segments a token may read: the cache's (i < base) and this chunk's earlier ones (r' < rel).
-        cands = []
+        tri = torch.ones(W, W, device=fq.device).tril()
+        fqb, fkb, vb, gkb, nb = (to_blocks(t) for t in (fq, fk, v, gk, vf[..., None]))
+        A = torch.einsum("brlhd,brmhd->brhlm", fqb, fkb).mul_(tri)  # in place: A is [B, n_rel, nh, W, W]
+        own_num = from_blocks(torch.einsum("brhlm,brmhe->brlhe", A, vb))
+        own_den = from_blocks(A.sum(-1).transpose(2, 3))
+        own_g, own_n = from_blocks(gkb.cumsum(2)), from_blocks(nb.cumsum(2)).squeeze(-1)
+        seg_M = torch.matmul(fkb.permute(0, 1, 3, 4, 2), vb.transpose(2, 3))
+        seg_z, seg_g, seg_n = fkb.sum(2), gkb.sum(2), nb.sum(2)[..., 0]
+        if state is not None:  # the cache's running segment is block 0
+            first = (rel == 0).float() * vf
+            own_num = own_num + first[..., None, None] * torch.einsum("bshd,bhde->bshe", fq, state.run_M)
+            own_den = own_den + first[..., None] * torch.einsum("bshd,bhd->bsh", fq, state.run_z)
+            own_g = own_g + first[..., None] * state.run_g[:, None]
+            own_n = own_n + first * state.run_n[:, None]
+            for total, running in ((seg_M, state.run_M), (seg_z, state.run_z), (seg_g, state.run_g),
+                                   (seg_n, state.run_n)):
+                total[:, 0] += running
+        seg_gmean = seg_g / seg_n.clamp(min=1)[..., None] if R > 1 else None
+
+        cands = []  # the cache's finished segments (i < base), then the chunk's (r < rel)
         if state is not None and lay.n_fin > 0:
-            n = lay.n_fin
-            cands.append((state.fin_M[:, :n], state.fin_z[:, :n], state.fin_g[:, :n],
-                          None if lay.fin_readable else lay.fin_mask[:, None].expand(B, S, n)))
-        if lay.n_rel > 1:
-            cands.append((seg_M, seg_z, seg_gmean, lay.chunk_mask))
-
-        # Causal running sums of each token's own segment.
-        if run is not None and S == 1 and cands:
-            # One token: its segment's totals are one more candidate of the read's GEMM, their mean gate key its ḡ
-            # (a decode step's read in ~20 fewer ops).
-            cands.append((run[0], run[1], run[2] / run[3].clamp(min=1)[..., None], None))
-            own = None
-        elif run is not None:
-            own = (*self._read_own_totals(fq, run[0], run[1]), run[2], run[3])
-        else:
-            own_num, own_den, own_g, own_n = own if own is not None else self._own_segment_sums(fq, fk, v, gk, lay)
-            if state is not None:
-                first = lay.first
-                own_num = own_num + first[..., None, None] * torch.einsum("bshd,bhde->bshe", fq, state.run_M)
-                own_den = own_den + first[..., None] * torch.einsum("bshd,bhd->bsh", fq, state.run_z)
-                own_g = own_g + first[..., None] * state.run_g[:, None]
-                own_n = own_n + first * state.run_n[:, None]
-            own = own_num, own_den, own_g, own_n
+            k = lay.n_fin
+            mask = None if lay.fin_readable else (
+                torch.arange(k, device=fq.device)[None, :] < lay.base[:, None])[:, None].expand(B, n, k)
+            cands.append((state.fin_M[:, :k], state.fin_z[:, :k], state.fin_g[:, :k], mask))
+        if R > 1:
+            cands.append((seg_M, seg_z, seg_gmean, torch.arange(R, device=fq.device)[None, None, :] < rel[..., None]))
         cand = None
         if cands:
             M, z, g, masks = zip(*cands)
             mask = None
             if any(m is not None for m in masks):  # a candidate without a mask is readable by every token
-                mask = _cat([m if m is not None else torch.ones(B, S, gi.shape[1], dtype=torch.bool, device=x.device)
+                mask = _cat([m if m is not None else torch.ones(B, n, gi.shape[1], dtype=torch.bool, device=fq.device)
                              for m, gi in zip(masks, g)], -1)
             cand = (_cat(M, 1), _cat(z, 1), _cat(g, 1), mask)
-        y = self._read(fq, gu, own, cand)
-        y = y.reshape(B, S, nh * hd)
-
+        y = self._read(fq, gu, (own_num, own_den, own_g, own_n), cand)
         if not ctx.cached:
-            return y, None, None
-        new_state = self._advance_state(state, lay, seg_M, seg_z, seg_g, seg_n, seg_gmean, ctx.n_mc_segments, x.device)
-        per_pos = self._per_position_states(new_state, state, fk, v, gk, lay, run, ctx.record) if ctx.record else None
-        return y, new_state, per_pos
-
-    @staticmethod
-    def _carry_into_first(seg: tuple, state: MemoryCacheState | None) -> tuple:
-        """The chunk segments' totals (M, z, W_k x sum, count; fresh tensors, updated in place) with the cache's running
-        sums added to relative segment 0."""
-        if state is not None:
-            for t, running in zip(seg, state[3:]):
-                t[:, 0] += running
-        return seg
-
-    @staticmethod
-    def _own_segment_sums(fq, fk, v, gk, lay: SegmentLayout):
-        """Causal sums over the token's own segment inside a chunk of at most one segment's length: Σ_{m≤t, same
-        segment} of (φq_t·φk_m) v_m, φq_t·φk_m, W_k x_m and 1 (the token count)."""
-        m = lay.own_mask
-        A = torch.einsum("bshd,bthd->bhst", fq, fk) * m[:, None]
-        num = torch.einsum("bhst,bthe->bshe", A, v)
-        return num, A.sum(-1).transpose(1, 2), m @ gk, lay.own_count
-
-    @staticmethod
-    def _long_chunk_sums(fq, fk, v, gk, lay: SegmentLayout):
-        """A long chunk's sums in the aligned block buffer [B, n_rel, L, ...] (`SegmentLayout.block_idx`), in
-        O(S·L): each token's causal own-segment sums (as `_own_segment_sums`) and each segment's totals M, z,
-        Σ W_k x and count."""
-        vf = lay.valid_f
-        B, S = vf.shape
-        L, n_buf = lay.seg_len, lay.n_rel * lay.seg_len
-
-        def index_like(t):
-            return lay.block_idx.view(B, S, *[1] * (t.dim() - 2)).expand_as(t)
-
-        def to_blocks(t):
-            if lay.blocks_in_order:  # no scatter: the chunk is the buffer's first S rows
-                buf = t if n_buf == S else torch.cat([t, t.new_zeros(B, n_buf - S, *t.shape[2:])], 1)
-            else:
-                buf = t.new_zeros(B, n_buf + 1, *t.shape[2:]).scatter_(1, index_like(t), t)[:, :n_buf]
-            return buf.reshape(B, lay.n_rel, L, *t.shape[2:])
-
-        def from_blocks(t):
-            flat = t.reshape(B, n_buf, *t.shape[3:])
-            if lay.blocks_in_order:
-                return flat[:, :S]
-            flat = torch.cat([flat, flat.new_zeros(B, 1, *flat.shape[2:])], 1)
-            idx = lay.block_idx.view(B, S, *[1] * (flat.dim() - 2)).expand(B, S, *flat.shape[2:])
-            return flat.gather(1, idx)
-
-        tri = torch.ones(L, L, device=vf.device).tril()
-        fqb, fkb, vb, gkb, nb = (to_blocks(t) for t in (fq, fk, v, gk, vf[..., None]))
-        A = torch.einsum("brlhd,brmhd->brhlm", fqb, fkb).mul_(tri)  # in place: A is [B, n_rel, nh, L, L]
-        num = torch.einsum("brhlm,brmhe->brlhe", A, vb)
-        den = A.sum(-1).transpose(2, 3)
-        own = from_blocks(num), from_blocks(den), from_blocks(gkb.cumsum(2)), from_blocks(nb.cumsum(2)).squeeze(-1)
-        seg = torch.matmul(fkb.permute(0, 1, 3, 4, 2), vb.transpose(2, 3)), fkb.sum(2), gkb.sum(2), nb.sum(2)[..., 0]
-        return own, seg
-
-    def _advance_state(self, state, lay, seg_M, seg_z, seg_g, seg_n, seg_gmean, n_segments: int, device):
-        """The state after this chunk: segments left behind become finished entries, the last one keeps running."""
-        B = seg_M.shape[0]
+            return y, None
         if state is None:
-            state = MemoryCacheState.empty(B, n_segments, self.nh, self.hd, self.gd, device)
-        if lay.n_rel == 1:
-            return MemoryCacheState(state.fin_M, state.fin_z, state.fin_g, seg_M[:, 0], seg_z[:, 0], seg_g[:, 0], seg_n[:, 0])
-        # fin_* are written in place and shared with the states recorded for rollback. That is safe because a
-        # row only ever reads entries below its current segment, and an entry is written only once its segment
-        # is finished (the running segment and padding-only rows write to the sink); a rollback to an earlier
-        # segment masks the later entries until they are finished, and rewritten, again.
-        last = lay.new_segment - lay.base
-        rows = torch.arange(B, device=device)
-        sink = state.fin_M.shape[1] - 1
-        r = torch.arange(lay.n_rel, device=device)[None, :]
-        idx = torch.where(r < last[:, None], lay.base[:, None] + r, torch.full_like(r, sink))
-        ridx = rows[:, None].expand_as(idx)
-        state.fin_M[ridx, idx] = seg_M
-        state.fin_z[ridx, idx] = seg_z
-        state.fin_g[ridx, idx] = seg_gmean
-        return MemoryCacheState(
-            state.fin_M, state.fin_z, state.fin_g,
-            seg_M[rows, last], seg_z[rows, last], seg_g[rows, last], seg_n[rows, last],
-        )
+            state = MemoryCacheState.empty(B, ctx.n_mc_segments, self.nh, self.hd, self.gd, fq.device)
+        last = rel[:, -1]
+        rows = torch.arange(B, device=fq.device)
+        running = dict(run_M=seg_M[rows, last], run_z=seg_z[rows, last], run_g=seg_g[rows, last],
+                       run_n=seg_n[rows, last])
+        if R > 1:
+            # fin_* are written in place and shared with the states recorded for rollback. That is safe because a
+            # row only ever reads entries below its current segment, and an entry is written only once its segment
+            # is finished (the running segment, blocks past it and padding-only rows write to the sink); a rollback
+            # to an earlier segment masks the later entries until they are finished, and rewritten, again.
+            r = torch.arange(R, device=fq.device)[None, :]
+            at = torch.where(r < last[:, None], lay.base[:, None] + r, torch.full_like(r, state.fin_M.shape[1] - 1))
+            at_rows = rows[:, None].expand_as(at)
+            state.fin_M[at_rows, at] = seg_M
+            state.fin_z[at_rows, at] = seg_z
+            state.fin_g[at_rows, at] = seg_gmean
+        return y, replace(state, **running)
 
-    def _per_position_states(self, new_state, state, fk, v, gk, lay, run: tuple | None, keep: int):
-        """Running state after each of the chunk's last `keep` tokens (for an exact `crop` into this chunk). run: the
-        running sums after each token when the readout kept them (`_running_sums`)."""
-        B, S = lay.valid.shape
-        lo = S - keep
-        if lo == S - 1:
-            return [new_state]
-        if run is not None:  # the state after the last token is new_state itself (its running sums are run's last)
-            return [MemoryCacheState(new_state.fin_M, new_state.fin_z, new_state.fin_g, *(t[:, j] for t in run))
-                    for j in range(lo, S - 1)] + [new_state]
-        # A padding position keeps the state after the row's last real token: its segment's sums so far.
-        reached = lay.reached[:, lo:]
-        causal = torch.ones(S - lo, S, dtype=torch.bool, device=fk.device).tril(lo)  # row j: chunk tokens <= lo + j
-        m = ((reached[:, :, None] == lay.rel[:, None, :]) & causal & lay.valid[:, None, :]).float()
-        run_M = torch.einsum("bst,bthd,bthe->bshde", m, fk, v)
-        run_z = torch.einsum("bst,bthd->bshd", m, fk)
-        run_g = m @ gk
-        run_n = m.sum(-1)
-        if state is not None:  # the cache's running sums, wherever the row is still in its first segment
-            first = (reached == 0).float()
-            run_M = run_M + first[..., None, None, None] * state.run_M[:, None]
-            run_z = run_z + first[..., None, None] * state.run_z[:, None]
-            run_g = run_g + first[..., None] * state.run_g[:, None]
-            run_n = run_n + first * state.run_n[:, None]
-        return [
-            MemoryCacheState(new_state.fin_M, new_state.fin_z, new_state.fin_g,
-                             run_M[:, j], run_z[:, j], run_g[:, j], run_n[:, j])
-            for j in range(S - lo)
-        ]
+    def _step(self, j: int, fq, fk, v, gu, gk, lay: SegmentLayout, state: MemoryCacheState):
+        """The step form on chunk token j ([B, 1, ...] features): y [B, 1, nh, hd] and the state after it. Its
+        running sums gain φ(k)vᵀ, φ(k), W_k x and 1, after becoming finished entry `base + rel` where the token starts
+        a segment; it reads the finished entries below its segment, and its running totals as one more candidate (with
+        their mean gate key as ḡ). No host sync: one graph for every decode step."""
+        B = fq.shape[0]
+        run_M, run_z, run_g, run_n = state.run_M, state.run_z, state.run_g, state.run_n
+        if lay.n_rel > 1:  # a token of the chunk starts a segment (fin_* in place: see `_chunk`)
+            before = lay.rel[:, j - 1] if j else torch.zeros_like(lay.base)
+            new = lay.rel[:, j] > before
+            at = torch.where(new, lay.base + before, torch.full_like(before, state.fin_M.shape[1] - 1))
+            rows = torch.arange(B, device=fq.device)
+            state.fin_M[rows, at] = run_M
+            state.fin_z[rows, at] = run_z
+            state.fin_g[rows, at] = run_g / run_n.clamp(min=1)[..., None]
+            keep = (~new).float()
+            run_M, run_z = run_M * keep[:, None, None, None], run_z * keep[:, None, None]
+            run_g, run_n = run_g * keep[:, None], run_n * keep
+        state = replace(state, run_M=run_M + fk[:, 0, :, :, None] * v[:, 0, :, None, :], run_z=run_z + fk[:, 0],
+                        run_g=run_g + gk[:, 0], run_n=run_n + lay.valid_f[:, j])
+        k = lay.n_fin
+        own_M, own_z, own_g, own_n = (t[:, None] for t in (state.run_M, state.run_z, state.run_g, state.run_n))
+        if k == 0:  # the own segment alone
+            own = torch.matmul(fq[..., None, :], own_M)[..., 0, :], (fq * own_z).sum(-1), own_g, own_n
+            return self._read(fq, gu, own, None), state
+        mask = None
+        if not lay.fin_readable:
+            fin_mask = torch.arange(k, device=fq.device) < (lay.base + lay.rel[:, j])[:, None, None]
+            mask = torch.cat([fin_mask, torch.ones(B, 1, 1, dtype=torch.bool, device=fq.device)], -1)
+        cands = (torch.cat([state.fin_M[:, :k], own_M], 1), torch.cat([state.fin_z[:, :k], own_z], 1),
+                 torch.cat([state.fin_g[:, :k], own_g / own_n.clamp(min=1)[..., None]], 1), mask)
+        return self._read(fq, gu, None, cands), state
 
 
 class FrozenLinear(nn.Linear):
@@ -1808,22 +1727,26 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         elif past == 0:
             is_causal = True
 
+        record = min(S, cache.get_recurrent_states_to_keep() + 1) if cache is not None and cache.record_past else 0
         segments = None
         if self.config.use_memory_cache:
             L = self.config.mc_segment_len
+            # The Memory Cache's step form takes a one-token chunk on a cache and the recorded tokens (see
+            # `MemoryCacheBranch`), the chunk form the rest.
+            steps = 0 if cache is None else (1 if S == 1 else record)
             if cache is not None and cache.mc_segment is not None:
-                # Compiled: every finished-segment entry is read, those not finished yet masked (`fin_mask`).
-                n_fin = cache.n_mc_segments if compiling else min(cache.n_mc_segments, past // L)
+                # Compiled: every finished-segment entry is read, those not finished yet masked.
+                n_fin = cache.n_mc_segments if compiling else min(cache.n_mc_segments,
+                                                                  (past + S - 1 if steps else past) // L)
                 base = cache.mc_segment.to(device)
             else:
                 base, n_fin = torch.zeros(B, dtype=torch.long, device=device), 0
-            segments = SegmentLayout.build(positions, valid, base, L, n_fin)
+            segments = SegmentLayout.build(positions, valid, base, L, n_fin, steps)
         impl = self.config._attn_implementation
         if cache is None:
             return ForwardContext(positions, valid, attn_mask, is_causal, segments, key_valid, attn_implementation=impl)
         return ForwardContext(positions, valid, attn_mask, is_causal, segments, key_valid, past=past,
-                              max_cache_len=cache.max_cache_len, n_mc_segments=cache.n_mc_segments,
-                              record=min(S, cache.get_recurrent_states_to_keep() + 1) if cache.record_past else 0,
+                              max_cache_len=cache.max_cache_len, n_mc_segments=cache.n_mc_segments, record=record,
                               attn_implementation=impl)
 
     def run_layers(self, lo: int, hi: int) -> tuple:
@@ -2022,7 +1945,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         steps = [self.norm(h) for h in steps]
         if cache is not None:
             seg = ctx.segments
-            per_pos = (seg.base[:, None] + seg.reached[:, S - ctx.record:]) if (seg is not None and ctx.record) else None
+            per_pos = (seg.base[:, None] + seg.rel[:, S - ctx.record:]) if (seg is not None and ctx.record) else None
             cache.commit(ctx.valid, engram_c, seg.new_segment if seg is not None else None, per_pos)
         moe_aux = torch.stack(aux_terms).mean() if aux_terms else None
         return SpikeWhaleModelOutput(

@@ -11,6 +11,7 @@ live ones); writes benchmarks/results/rollback.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -33,6 +34,8 @@ def _storages(obj, out: dict) -> dict:
     elif isinstance(obj, (tuple, list)):
         for item in obj:
             _storages(item, out)
+    elif dataclasses.is_dataclass(obj):
+        _storages([getattr(obj, f.name) for f in dataclasses.fields(obj)], out)
     return out
 
 

@@ -475,8 +475,8 @@ def test_a_cache_left_by_inference_mode_steps_serves_forwards_with_gradients(mod
     out = model(ids[:, 8:10], attention_mask=mask[:, :10], cache=cache, use_cache=True)
     out.logits.sum().backward()
     assert model.model.layers[0].attn.mc.qkv_proj.weight.grad.abs().sum() > 0
-    states = [t for layer in cache.layers for _, s in layer.history["mc"] for t in s] + [
-        t for layer in cache.layers for t in layer.mc]
+    states = [t for layer in cache.layers for _, s in layer.history["mc"] for t in vars(s).values()] + [
+        t for layer in cache.layers for t in vars(layer.mc).values()]
     assert not cache.holds_inference_states and not any(t.is_inference() for t in states)
     full = model(ids[:, :10], attention_mask=mask[:, :10], use_cache=False).logits
     assert float((out.logits - full[:, 8:10])[mask[:, 8:10].bool()].abs().max()) <= TOL

@@ -40,7 +40,7 @@ def execution_device(module) -> torch.device:
 
 
 def slot_tensors(slot) -> list[torch.Tensor]:
-    return [slot.keys, slot.values, *(slot.mc or ())]
+    return [slot.keys, slot.values, *(vars(slot.mc).values() if slot.mc is not None else ())]
 
 
 def decode_steps(model, ids, mask, steps: int):
@@ -140,8 +140,8 @@ def test_the_segment_layout_is_copied_once_per_forward_for_each_other_device():
 
     positions = torch.arange(20)[None].repeat(2, 1)
     valid = torch.ones(2, 20, dtype=torch.bool)
-    layout = SegmentLayout.build(positions, valid, torch.zeros(2, dtype=torch.long), 8, 0)
+    layout = SegmentLayout.build(positions, valid, torch.zeros(2, dtype=torch.long), 8, 0, 0)
     ctx = ForwardContext(positions, valid, None, True, layout)
     assert ctx.segments_on(torch.device("cpu")) is layout
     meta = ctx.segments_on(torch.device("meta"))
-    assert meta is ctx.segments_on(torch.device("meta")) and meta.rel.is_meta and meta.onehot.is_meta
+    assert meta is ctx.segments_on(torch.device("meta")) and meta.rel.is_meta and meta.base.is_meta

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from transformers import (
 )
 
 from spike_whale import SpikeWhaleCache
-from spike_whale.generation_utils import CACHE_FIELD, serving_generation_config
+from spike_whale.generation_utils import CACHE_FIELD, MemoryCacheState, serving_generation_config
 from spike_whale.tokenization_spike import CHAT_EOS_IDS, RESERVED_IDS
 
 from conftest import open_gates, run_fresh_python, tiny_model
@@ -462,12 +463,14 @@ def test_a_bounded_recording_keeps_the_last_states_only_and_crops_exactly(model,
 
 def test_a_bounded_recording_holds_a_few_states_not_one_per_prompt_token(model, monkeypatch):
     """benchmarks/bench_rollback.py's `recorded_bytes` after a 40-token prefill: the running Memory-Cache sums at the
-    last n+1 lengths in every slot with a bound n, at all 40 without one (the finished-segment sums stay shared with
-    the live state), plus each recorded length's segment index (one int64 a row; the chunk start's always)."""
+    last n+1 lengths in every slot with a bound n, at all 40 without one, but the last, which is the live state (the
+    finished-segment sums stay shared with the live state), plus each recorded length's segment index (one int64 a
+    row; the chunk start's always)."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     bench = importlib.import_module("bench_rollback")
     cfg = model.config
-    state_bytes = 4 * (cfg.mc_num_heads * cfg.mc_head_dim * (cfg.mc_head_dim + 1) + cfg.mc_gate_dim + 1)
+    shapes = MemoryCacheState.shapes(0, cfg.mc_num_heads, cfg.mc_head_dim, cfg.mc_gate_dim)
+    state_bytes = 4 * sum(math.prod(shape) for name, shape in shapes.items() if name.startswith("run_"))
     for keep, lengths in ((False, 0), (3, 4), (None, 40)):
         cache = SpikeWhaleCache(cfg)
         if keep is not False:
@@ -476,7 +479,7 @@ def test_a_bounded_recording_holds_a_few_states_not_one_per_prompt_token(model, 
             model(prompt(40, seed=16), cache=cache, use_cache=True)
         slots = sum(layer.mc is not None for layer in cache.layers)
         assert slots == cfg.num_loop_slots
-        assert bench.recorded_bytes(cache) == lengths * slots * state_bytes + 8 * (lengths + 1), keep
+        assert bench.recorded_bytes(cache) == max(lengths - 1, 0) * slots * state_bytes + 8 * (lengths + 1), keep
 
 
 # ----------------------------------------------------------------------------- context window
@@ -718,8 +721,7 @@ def test_cache_footprint_matches_a_real_cache_and_the_card():
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     real = {
         "kv": sum(nbytes(layer.keys) + nbytes(layer.values) for layer in cache.layers),
-        "memory_cache": sum(sum(nbytes(getattr(layer.mc, f)) for f in ("fin_M", "fin_z", "fin_g", "run_M", "run_z",
-                                                                        "run_g", "run_n")) for layer in cache.layers),
+        "memory_cache": sum(sum(nbytes(t) for t in vars(layer.mc).values()) for layer in cache.layers),
         "engram": nbytes(cache.engram_c),
         "bookkeeping": nbytes(cache.key_valid) + nbytes(cache.num_real) + nbytes(cache.mc_segment),
     }

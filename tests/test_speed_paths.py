@@ -154,8 +154,8 @@ def test_memory_cache_read_mixes_reads_not_memories(block_rows):
 
 def test_memory_cache_one_token_reads_its_own_segment_as_a_candidate():
     """A decode step's read: its own segment's running totals are one more candidate of the read's GEMM, with their
-    mean gate key as ḡ (`_memory_readout`, one token, finished segments to read). That is the read with the own
-    segment apart, to the float32 floor, and a candidate without a mask (None) is readable by every token."""
+    mean gate key as ḡ (`MemoryCacheBranch._step`). That is the read with the own segment apart, to the float32
+    floor, and a candidate without a mask (None) is readable by every token."""
     from conftest import tiny_config
     from spike_whale.modeling_spike_whale import MemoryCacheBranch
 
@@ -167,7 +167,7 @@ def test_memory_cache_one_token_reads_its_own_segment_as_a_candidate():
     own_M, own_z = torch.rand(B, 1, nh, hd, hd, generator=g), torch.rand(B, 1, nh, hd, generator=g) + 1
     own_n = torch.tensor([[1.0], [5.0], [200.0]])
     cand_M, cand_z = torch.rand(B, I, nh, hd, hd, generator=g), torch.rand(B, I, nh, hd, generator=g) + 1
-    own = (*mc._read_own_totals(fq, own_M, own_z), own_g, own_n)
+    own = (torch.matmul(fq[..., None, :], own_M)[..., 0, :], (fq * own_z).sum(-1), own_g, own_n)
     as_candidate = (torch.cat([cand_M, own_M], 1), torch.cat([cand_z, own_z], 1),
                     torch.cat([cand_g, own_g / own_n[..., None]], 1))
     readable = torch.tensor([[[True, True]], [[False, True]], [[False, False]]])
@@ -218,10 +218,10 @@ def test_parameter_functions_kept_between_steps_follow_their_parameters():
 @pytest.mark.parametrize("kind", ["transposed", "blocks4"])
 def test_short_cached_chunks_take_the_short_chunk_kernels_and_equal_the_general_ones(monkeypatch, kind):
     """Verify-sized chunks (2-4 tokens on a cache, recording for `crop`, a padded row, segment boundaries inside a chunk
-    and not) read the Memory Cache through per-token running sums and, optimized for CPU (`optimize_for_cpu`), attention
-    through the one-query kernel and the few-row products with (W·xᵀ)ᵀ or over blocks of W's rows (every weight, for
-    the test); their logits and rolled-back states equal those of the general kernels (the plain model's SDPA and
-    products, the Memory Cache's chunk sums), and a full recompute."""
+    and not) read the Memory Cache through its step form (every chunk token recorded) and, optimized for CPU
+    (`optimize_for_cpu`), attention through the one-query kernel and the few-row products with (W·xᵀ)ᵀ or over blocks
+    of W's rows (every weight, for the test); their logits and rolled-back states equal those of the general kernels
+    (the plain model's SDPA and products), and a full recompute."""
     from collections import Counter
 
     from transformers import AttentionInterface
@@ -252,28 +252,25 @@ def test_short_cached_chunks_take_the_short_chunk_kernels_and_equal_the_general_
                 t += n
         return torch.cat(logits, 1)
 
-    queries, sdpa, running = [], [], []
-    running_sums = msw.MemoryCacheBranch._running_sums
+    queries, sdpa, stepped = [], [], []
+    step = msw.MemoryCacheBranch._step
     attend, fallback = AttentionInterface._global_mapping[attention.NAME], attention.sdpa_attention_forward
     monkeypatch.setitem(AttentionInterface._global_mapping, attention.NAME,
                         lambda module, q, *a, **kw: queries.append(q.shape[2]) or attend(module, q, *a, **kw))
     monkeypatch.setattr(attention, "sdpa_attention_forward",
                         lambda module, q, *a, **kw: sdpa.append(q.shape[2]) or fallback(module, q, *a, **kw))
-    monkeypatch.setattr(msw.MemoryCacheBranch, "_running_sums",
-                        staticmethod(lambda *a: running.append(a[1].shape[1]) or running_sums(*a)))
+    monkeypatch.setattr(msw.MemoryCacheBranch, "_step", lambda self, j, *a: stepped.append(j) or step(self, j, *a))
     products, product = [], kernels.FewRowsKernel.product
     monkeypatch.setattr(kernels.FewRowsKernel, "product",
                         staticmethod(lambda x, w, b, rows, k: products.append(k) or product(x, w, b, rows, k)))
     fast = chunked()
     one_query_kernel = Counter(queries) - Counter(sdpa)  # the calls the kernel did not hand to SDPA
-    assert {1, *chunks} <= set(one_query_kernel) and {1, 2, 3} <= set(running)  # chunks inside one segment
+    assert {1, *chunks} <= set(one_query_kernel) and set(stepped) == set(range(max(chunks)))  # every chunk token
     assert set(products) == {kind}
     optimize_for_cpu(model, enable=False)  # SDPA, F.linear, one projection at a time
-    with monkeypatch.context() as general:
-        general.setattr(msw.MemoryCacheBranch, "short_chunk", 0)
-        queries.clear(), running.clear(), products.clear()
-        slow = chunked()
-        assert queries == [] and running == [] and products == []
+    queries.clear(), products.clear()
+    slow = chunked()
+    assert queries == [] and products == []
     with torch.no_grad():
         full = model(ids[:, :sum(chunks) + 7], attention_mask=mask[:, :sum(chunks) + 7], use_cache=False).logits
     real = mask[:, :full.shape[1]].bool()
@@ -281,47 +278,90 @@ def test_short_cached_chunks_take_the_short_chunk_kernels_and_equal_the_general_
     assert float((fast - full)[real].abs().max()) <= 1e-5 * float(full.abs().max())
 
 
-@pytest.mark.parametrize("S, left_pad", [(29, 5), (29, 0), (32, 0)])
-def test_long_chunk_sums_match_a_per_segment_reference(S, left_pad):
-    """A long chunk's Memory-Cache sums come from the aligned block buffer (no one-hot [S, segments] products): each
-    token's causal own-segment sums and each segment's totals equal float64 loops, left padding included. Without
-    padding (a prompt's prefill) the buffer is the chunk itself, zero-padded to whole segments (`blocks_in_order`)."""
-    from spike_whale.modeling_spike_whale import MemoryCacheBranch, SegmentLayout
+@pytest.mark.parametrize("steps", [0, 5, 23])
+def test_memory_cache_chunk_and_step_forms_match_a_per_token_reference(steps):
+    """The Memory Cache's chunk form (the aligned block buffer), its step form and chunk-then-steps (`steps` tokens
+    stepped, as a recording forward does) give each token the card's read, to ~1e-5 of float64 per-token sums: rows
+    continuing a cache from different segment offsets (one at a segment's end, one empty), left padding, a 23-token
+    chunk across three segments; the states after the chunk agree. Without padding a prompt's buffer is the chunk
+    itself (`idx` None); the chunk form builds nothing of [S, S] size."""
+    from torch.overrides import TorchFunctionMode
 
-    B, Lseg, nh, hd, gd = 2, 8, 2, 4, 3
-    g = torch.Generator().manual_seed(3)
-    valid = torch.ones(B, S, dtype=torch.bool)
-    valid[1, :left_pad] = False
-    positions = (valid.long().cumsum(1) - 1).clamp(min=0)
-    lay = SegmentLayout.build(positions, valid, torch.zeros(B, dtype=torch.long), Lseg, 0)
-    assert lay.block_idx is not None and lay.n_rel == 4 and lay.blocks_in_order == (left_pad == 0)
-    vf = valid.float()
-    fq, fk, v = (torch.rand(B, S, nh, hd, generator=g) for _ in range(3))
-    fk, v, gk = fk * vf[..., None, None], v * vf[..., None, None], torch.randn(B, S, gd, generator=g) * vf[..., None]
-    (num, den, og, on), (seg_M, seg_z, seg_g, seg_n) = MemoryCacheBranch._long_chunk_sums(fq, fk, v, gk, lay)
+    from conftest import tiny_config
+    from spike_whale import SpikeWhaleCache
+    from spike_whale.modeling_spike_whale import ForwardContext, MemoryCacheBranch, SegmentLayout
 
-    d = torch.float64
+    cfg = tiny_config(mc_num_heads=2, mc_head_dim=4, mc_gate_dim=3)
+    torch.manual_seed(3)
+    mc = MemoryCacheBranch(cfg)
+    with torch.no_grad():
+        for p in (mc.gate_bias, mc.feature_scale):
+            p.add_(torch.randn(p.shape) * 0.5)
+        mc.mc_gate.fill_(1.0)  # zero-init: the output would be 0
+    n_seg = SpikeWhaleCache(cfg, max_cache_len=64).n_mc_segments
+    B, past, S, H = 3, 11, 23, cfg.hidden_size
+    pad = torch.tensor([0, 3, 11])  # cached rows of 11 (segment 1, offset 3), 8 (a segment's end) and 0 tokens
+    chunk_pad = torch.tensor([0, 2, 0])
+    valid = torch.arange(past + S)[None] >= pad[:, None]
+    valid[:, past:] &= torch.arange(S)[None] >= chunk_pad[:, None]
+    positions = (valid.long().cumsum(1) - 1).clamp(min=0) * valid
+    x = torch.randn(B, past + S, H)
 
-    def close(got, want):
-        torch.testing.assert_close(got.to(d), want, rtol=1e-6, atol=1e-6)
+    def context(lo, hi, base, n_fin, record, n_steps):
+        lay = SegmentLayout.build(positions[:, lo:hi], valid[:, lo:hi], base, L, n_fin, n_steps)
+        return ForwardContext(positions[:, lo:hi], valid[:, lo:hi], None, False, lay, past=lo, max_cache_len=64,
+                              n_mc_segments=n_seg, record=record)
 
+    with torch.no_grad():
+        ctx = context(0, past, torch.zeros(B, dtype=torch.long), 0, 0, 0)
+        _, before, _ = mc(x[:, :past], ctx, None)
+        base = ctx.segments.new_segment
+
+        class Squares(TorchFunctionMode):
+            seen = []  # shapes with two dimensions of the chunk's length
+
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if isinstance(out, torch.Tensor) and list(out.shape).count(S) > 1:
+                    Squares.seen.append(tuple(out.shape))
+                return out
+
+        ctx = context(past, past + S, base, min(n_seg, (past + S - 1 if steps else past) // L), steps, steps)
+        snapshot = before.map(torch.clone)  # fin_* are written in place
+        with Squares():
+            out, after, recorded = mc(x[:, past:], ctx, before)
+        assert Squares.seen == []
+        assert recorded is None if steps == 0 else (len(recorded) == steps and recorded[-1] is after)
+        _, reference_state, _ = mc(x[:, past:], context(past, past + S, base, ctx.segments.n_fin, 0, 0),
+                                   snapshot)
+        fq, fk, v, gu, gk = (t.double() for t in mc._features(x))
+        y = torch.zeros(B, S, cfg.mc_num_heads, cfg.mc_head_dim, dtype=torch.float64)
+        for b in range(B):
+            real = [t for t in range(past + S) if valid[b, t]]
+            for t in range(past, past + S):
+                if not valid[b, t]:
+                    continue
+                s = int(positions[b, t]) // L
+                groups = [[m for m in real if int(positions[b, m]) // L == i] for i in range(s)]
+                groups.append([m for m in real if int(positions[b, m]) // L == s and m <= t])
+                scores = torch.stack([(gu[b, t] * gk[b, g].mean(0)).sum() for g in groups])
+                gamma = torch.softmax(scores, 0)
+                num = sum(w * torch.einsum("hd,mhd,mhe->he", fq[b, t], fk[b, g], v[b, g])
+                          for w, g in zip(gamma, groups))
+                den = sum(w * torch.einsum("hd,mhd->h", fq[b, t], fk[b, g]) for w, g in zip(gamma, groups))
+                y[b, t - past] = num / (den[:, None] + mc.eps)
+        want = mc._output(y.reshape(B, S, -1).float()) * valid[:, past:, None]
+    assert want.abs().max() > 0 and (out - want).abs().max() <= 1e-5 * want.abs().max()
+    assert (ctx.segments.idx is not None) == (steps < S)  # padding: the chunk part is scattered into the buffer
+    unpadded = SegmentLayout.build(positions[:1, :past], valid[:1, :past], torch.zeros(1, dtype=torch.long), L, 0, 0)
+    assert unpadded.idx is None and unpadded.n_rel == 2
+    for name in ("run_M", "run_z", "run_g", "run_n"):
+        torch.testing.assert_close(getattr(after, name), getattr(reference_state, name), rtol=1e-5, atol=1e-6)
     for b in range(B):
-        seg = positions[b] // Lseg
-        for r in range(lay.n_rel):
-            m = valid[b] & (seg == r)
-            close(seg_M[b, r], torch.einsum("shd,she->hde", fk[b, m].to(d), v[b, m].to(d)))
-            close(seg_z[b, r], fk[b, m].to(d).sum(0))
-            close(seg_g[b, r], gk[b, m].to(d).sum(0))
-            assert float(seg_n[b, r]) == float(m.sum())
-        for t in range(S):
-            if not valid[b, t]:
-                continue
-            m = valid[b] & (seg == seg[t]) & (torch.arange(S) <= t)
-            a = torch.einsum("hd,shd->sh", fq[b, t].to(d), fk[b, m].to(d))
-            close(num[b, t], torch.einsum("sh,she->he", a, v[b, m].to(d)))
-            close(den[b, t], a.sum(0))
-            close(og[b, t], gk[b, m].to(d).sum(0))
-            assert float(on[b, t]) == float(m.sum())
+        done = int(ctx.segments.new_segment[b])
+        for name in ("fin_M", "fin_z", "fin_g"):
+            torch.testing.assert_close(getattr(after, name)[b, :done], getattr(reference_state, name)[b, :done],
+                                       rtol=1e-5, atol=1e-6)
 
 
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
