@@ -730,7 +730,7 @@ class SpikeTokenizer(PreTrainedTokenizer):
 
     @property
     def greedy_regex(self) -> re.Pattern:
-        """The compiled trie regex (compiled on first use: a 16K vocab takes ~1-3 s)."""
+        """The compiled trie regex (compiled on first use: seconds for a 16K vocabulary)."""
         if self._regex is None:
             self._regex = compile_greedy_regex(self._greedy)
         return self._regex

@@ -24,7 +24,7 @@ lookaheads), so each piece is a run of greedy tokens.  WordPiece re-finds them: 
 key that is a prefix of the rest of the piece would be a longer greedy token (impossible) or a key greedy matching
 never emits (a special, a token over max_token_len), and a token that starts with the first character of such a
 key is a piece of its own.  Two tokens a piece (`PIECE_TOKENS`) is about 1.1x one token a piece with WordLevel;
-the whole text as one WordPiece word is exact too but cubic (10,000 characters took about 39 s).
+the whole text as one WordPiece word is exact too but cubic in the text length.
 
 A folder that holds only the released vocab (``spike_vocab.json``, or a custom-format ``tokenizer.json``)
 still loads: the pipeline is built from it on the fly.

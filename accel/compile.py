@@ -342,6 +342,9 @@ class PersistentDecodeWalk:
             self.stores = self.private_folder(self.folder)
             self.unread = sorted(glob.glob(os.path.join(self.folder, "*.bin"))) if self.stores else []
         # Read only as far as the first stored graph that fits (other batch sizes' wait until they are needed).
+        # A graph stored for this batch size first: each other one read is a load that fails its guards.
+        batch = f"b{args[1].shape[0]}-" if len(args) > 1 and isinstance(args[1], torch.Tensor) else ""
+        self.unread.sort(key=lambda path: not os.path.basename(path).startswith(batch))
         while self.unread:
             path = self.unread.pop(0)
             data = read_private(path)
@@ -360,7 +363,7 @@ class PersistentDecodeWalk:
         with torch._dynamo.config.patch(specialize_float=True):  # as compile_decode's in-process walk
             graph = self.compile.aot_compile((args, {}))
         if self.stores:  # written whole (a renamed temporary file), 0600
-            graph.save_compiled_function(os.path.join(self.folder, f"{uuid.uuid4().hex}.bin"))
+            graph.save_compiled_function(os.path.join(self.folder, f"{batch}{uuid.uuid4().hex}.bin"))
         self.graphs.append(graph)
         return graph.fn(*args)
 
