@@ -26,6 +26,8 @@ from spike_whale.accel.fusion import fused
 from spike_whale.accel.kernels import COMPILED_BATCH_ROWS, FEW_ROWS_MAX, FewRowsKernel, FewRowsLinear
 
 from conftest import tiny_model
+from test_decode_step import batch, decode_logits
+from test_speed_paths import greedy, prompt, stepwise_logits
 
 L = 8  # Memory-Cache segment length of the tiny config
 TOL = 1e-5
@@ -35,49 +37,6 @@ needs_compile_config = pytest.mark.skipif(
     reason="transformers < 5.24 refuses assisted decoding with a compileable cache, so compile_config does not "
     "apply to the loop-slot cache there",
 )
-
-
-def batch(seed: int = 0):
-    """Two rows, the second left-padded by 3, 4 * L positions (so decode crosses 3 segment boundaries)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(10, 500, (2, 4 * L), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    ids[1, :3] = 0
-    return ids, mask
-
-
-def decode_logits(model, ids, mask, prefill: int) -> torch.Tensor:
-    """Logits of a prefill of `prefill` positions followed by one-token steps over the rest of `ids`."""
-    with torch.no_grad():
-        out = model(ids[:, :prefill], attention_mask=mask[:, :prefill], use_cache=True)
-        cache, got = out.cache, [out.logits]
-        for t in range(prefill, ids.shape[1]):
-            got.append(model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache, use_cache=True).logits)
-    return torch.cat(got, 1)
-
-
-def prompt(batch: int = 1, length: int = 21) -> torch.Tensor:
-    ids = torch.randint(10, 200, (batch, length), generator=torch.Generator().manual_seed(length))
-    ids[:, 0] = 2
-    return ids
-
-
-def greedy(model, ids, use_cache: bool, new: int = 12) -> torch.Tensor:
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                              do_sample=False, use_cache=use_cache, pad_token_id=0)
-
-
-def stepwise_logits(model, ids: torch.Tensor, prefill: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits of a prefill then one-token cached steps over the rest of ids, logits of one full forward)."""
-    with torch.no_grad():
-        out = model(ids[:, :prefill], use_cache=True)
-        cache, steps = out.cache, [out.logits]
-        for t in range(prefill, ids.shape[1]):
-            steps.append(model(ids[:, t:t + 1], cache=cache, use_cache=True).logits)
-        full = model(ids, use_cache=False).logits
-    return torch.cat(steps, 1), full
 
 
 def bf16_twin(model):
