@@ -1391,6 +1391,29 @@ def compiled_decode_guards(entries) -> list[bool]:
 
 
 
+def check_decode_compiles(model: "SpikeWhaleModel") -> None:
+    """Raise, naming the reason, where decode steps cannot compile (`compile_blocker`)."""
+    reason = compile_blocker(model)
+    if reason is not None:
+        raise ValueError(
+            f"compile_decode() cannot compile this model's decode steps because {reason}; they run eagerly. "
+            "Generate without it."
+        )
+
+
+def compile_walk(options: dict, compile_kwargs: dict):
+    """`walk_run` through `torch.compile` with these options (`decode_compile_options`). The blocks' Python floats
+    (RMSNorm eps, ...) are constants of the model: traced as constants, they are guarded in C++ rather than by
+    per-call Python shape guards."""
+    compiled = torch.compile(walk_run, options=options, **compile_kwargs)
+
+    def compiled_run(*args):
+        with torch._dynamo.config.patch(specialize_float=True):
+            return compiled(*args)
+
+    return compiled_run
+
+
 def decode_compile_options(device: torch.device, compile_kwargs: dict) -> tuple[dict, dict]:
     """(inductor options, torch.compile kwargs) of a compiled decode walk: dynamic shapes, the guards
     `compiled_decode_guards` keeps, no per-call asserts (dynamo's guards already pin every input's size and stride),
@@ -2123,22 +2146,8 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         if not enable:
             self.model._compiled_run, self.model._compiled_for = None, None
             return
-        reason = compile_blocker(self.model)
-        if reason is not None:
-            raise ValueError(
-                f"compile_decode() cannot compile this model's decode steps because {reason}; they run eagerly. "
-                "Generate without it."
-            )
-        options, compile_kwargs = decode_compile_options(self.device, compile_kwargs)
-        compiled = torch.compile(walk_run, options=options, **compile_kwargs)
-
-        def compiled_run(*args):
-            # The blocks' Python floats (RMSNorm eps, ...) are constants of the model: traced as constants, they are
-            # guarded in C++ rather than by per-call Python shape guards.
-            with torch._dynamo.config.patch(specialize_float=True):
-                return compiled(*args)
-
-        self.model._compiled_run = compiled_run
+        check_decode_compiles(self.model)
+        self.model._compiled_run = compile_walk(*decode_compile_options(self.device, compile_kwargs))
         self.model._compiled_for = (self.model.embed_tokens.weight.dtype, self.model.embed_tokens.weight.device)
 
     def get_input_embeddings(self):

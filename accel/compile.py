@@ -61,12 +61,7 @@ def compile_decode(model, enable: bool = True, persistent: bool = True, **compil
         own(model, **compile_kwargs)
         return
     modeling = _modeling(model)
-    reason = modeling.compile_blocker(model.model)
-    if reason is not None:
-        raise ValueError(
-            f"compile_decode() cannot compile this model's decode steps because {reason}; they run eagerly. "
-            "Generate without it."
-        )
+    modeling.check_decode_compiles(model.model)
     reset_compiled_products(model)
     inductor = compile_kwargs.get("backend", "inductor") == "inductor"
     # The walk multiplies the FFN's gate and up by their own chosen products; each attention's projections as one.
@@ -96,11 +91,7 @@ def compile_decode(model, enable: bool = True, persistent: bool = True, **compil
             and not torch._inductor.config.force_disable_caches and not options.get("triton.cudagraphs")):
         walk = PersistentDecodeWalk(model.model, options, compile_kwargs)
     else:
-        compiled = torch.compile(modeling.walk_run, options=options, **compile_kwargs)
-
-        def walk(*args):
-            with torch._dynamo.config.patch(specialize_float=True):
-                return compiled(*args)
+        walk = modeling.compile_walk(options, compile_kwargs)
 
     def compiled_run(*args):
         # Weights given new storage since fusing are fused again, outside the graph.
