@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import math
 from bisect import bisect_left
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import NamedTuple
 
 import torch
@@ -44,7 +44,7 @@ class MemoryCacheState:
     fin_M[b, i] = Σ_{m∈seg i} φ(k_m) v_mᵀ, fin_z[b, i] = Σ φ(k_m), fin_g[b, i] = mean gate key of segment i
     (only i < the row's current segment is meaningful; the extra last entry is a write sink).
     run_* are the same sums over the current segment so far (run_g a sum, run_n its token count).
-    Each field's shape is declared with it: allocation, batch selection and the footprint follow the fields.
+    Each field's shape is declared with it: allocation, copies, batch selection and the footprint follow the fields.
     """
 
     fin_M: torch.Tensor = _dims("entries", "nh", "hd", "hd")
@@ -66,11 +66,28 @@ class MemoryCacheState:
         return cls(**{name: torch.zeros(batch, *shape, device=device, dtype=torch.float32)
                       for name, shape in cls.shapes(n_seg, nh, hd, gd).items()})
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in _MC_DIMS]
+
     def map(self, fn) -> "MemoryCacheState":
-        return type(self)(**{f.name: fn(getattr(self, f.name)) for f in fields(self)})
+        return type(self)(**{name: fn(getattr(self, name)) for name in _MC_DIMS})
+
+    def copy_(self, other: "MemoryCacheState") -> None:
+        """Write `other` into these buffers, which keep their addresses (CUDA graphs replay on them). The
+        finished-segment summaries the branch wrote in place are these very tensors: nothing to copy."""
+        for mine, new in zip(self.tensors(), other.tensors()):
+            if mine is not new:
+                mine.copy_(new)
+
+    def snapshot(self) -> "MemoryCacheState":
+        """This state as a rollback point that survives later in-place updates: the running sums copied, the
+        finished-segment summaries shared. An entry is written once, when its segment finishes, and a row reads only
+        entries below its own segment, so a state rolled back to never reads an entry written after it."""
+        return replace(self, **{name: getattr(self, name).clone() for name in _MC_DIMS if name.startswith("run_")})
 
 
 _MC_DIMS = {f.name: f.metadata["dims"] for f in fields(MemoryCacheState)}  # torch.compile cannot trace fields(cls)
+
 
 class SlotState(NamedTuple):
     """What one loop-plan slot carries from chunk to chunk, as its block reads it: static K/V buffers
@@ -113,10 +130,30 @@ def write_kv(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch
     return keys[:, :, :end], values[:, :, :end]
 
 
+def _mark_static(*tensors: torch.Tensor | None) -> None:
+    """Tell torch.compile these buffers keep their address from step to step, so CUDA graphs replay on them in place
+    (transformers' static cache layers do the same)."""
+    if not torch.compiler.is_compiling():
+        for t in tensors:
+            if t is not None:
+                torch._dynamo.mark_static_address(t)
+
+
+def _select_into(t: torch.Tensor, fn) -> torch.Tensor:
+    """A batch selection `fn` of buffer t: in place where the batch size stays (beam reordering keeps the static
+    addresses), a new buffer where it changes."""
+    new = fn(t)
+    if new.shape != t.shape:
+        _mark_static(new)
+        return new
+    return t.copy_(new)
+
+
 class LoopSlotLayer(CacheLayerMixin):
     """One loop-plan slot and everything it carries: static K (after QK-norm and RoPE) / V (after depth mixing), the
-    Memory-Cache state, the Elo ratings, and the rollback history of those two (`history[kind]`: [(length, state)]
-    recorded by `SpikeWhaleCache.set_slot_state`, read by `crop`)."""
+    Memory-Cache state (static buffers updated in place), the Elo ratings, and the rollback history of those two
+    (`history[kind]`: [(length, state)] recorded by `SpikeWhaleCache.set_slot_state`, read by `crop`). Its length is
+    the cache's: every slot holds the same positions."""
 
     # Blocks write these buffers in place at static shapes (see `compile_decode`).
     # Declared only from transformers 5.24: earlier 5.x refuse assisted decoding with any compileable cache layer.
@@ -126,27 +163,25 @@ class LoopSlotLayer(CacheLayerMixin):
     # The slot's recurrent (not positional) states, read and written through `SpikeWhaleCache.set_slot_state`.
     STATES = ("mc", "elo")
 
-    def __init__(self, max_cache_len: int):
+    def __init__(self, cache: "SpikeWhaleCache", max_cache_len: int):
         super().__init__()
+        self.cache = cache
         self.max_cache_len = max_cache_len
         self.mc: MemoryCacheState | None = None
         self.elo: torch.Tensor | None = None  # Elo attention: [B, heads, length] ratings of the cached keys
         self.record_past = False  # set on every slot by `SpikeWhaleCache.activate_past_recording`
         self.history: dict[str, list] = {}
-        # A tensor, as in transformers' `StaticLayer`: a compiled step advances it in place without a recompile.
-        # Eager code reads the host copy (as `StaticSlidingWindowLayer` keeps one), so a step costs no device sync.
-        self.cumulative_length = torch.zeros((), dtype=torch.long)
-        self.cumulative_length_int: int | None = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
         self.keys = key_states.new_zeros(b, h, self.max_cache_len, d)
         self.values = value_states.new_zeros(b, value_states.shape[1], self.max_cache_len, value_states.shape[-1])
-        self.cumulative_length = self.cumulative_length.to(key_states.device)
+        _mark_static(self.keys, self.values)
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        """Write the chunk at the shared write offset (`start`) and return views of everything so far."""
+        """Write a chunk at the cache's length (`start` to override) and return views of everything so far; the length
+        advances once per forward, when the cache commits the chunk (`SpikeWhaleCache.commit`)."""
         start = kwargs.get("start", self.get_seq_length())
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -156,22 +191,13 @@ class LoopSlotLayer(CacheLayerMixin):
                 f"The cache holds {self.max_cache_len} positions but this step needs {end}; create a "
                 f"SpikeWhaleCache with a larger max_cache_len (at most max_position_embeddings)."
             )
-        self.set_length(end)
         return write_kv(self.keys, self.values, key_states, value_states, start)
-
-    def set_length(self, n: int | torch.Tensor) -> None:
-        """Set the slot's length: the tensor in place and, for an int (eager), its host copy; under torch.compile
-        (a 0-d tensor) the host copy is dropped and re-read once by the next eager `get_seq_length`."""
-        self.cumulative_length.fill_(n)
-        self.cumulative_length_int = n if isinstance(n, int) else None
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        if self.cumulative_length_int is None:  # a compiled step advanced the tensor since the last host read
-            self.cumulative_length_int = int(self.cumulative_length)
-        return self.cumulative_length_int
+        return self.cache.seq_len
 
     def get_max_length(self) -> int:
         return self.max_cache_len
@@ -180,34 +206,25 @@ class LoopSlotLayer(CacheLayerMixin):
         return self.max_cache_len
 
     def reset(self) -> None:
-        length = self.cumulative_length  # transformers < 5.2x's reset rebinds it to the int 0; keep the tensor
+        """Zero the buffers in place (they keep their addresses) and forget the history."""
         super().reset()
-        self.mc = None
+        if self.mc is not None:
+            for t in self.mc.tensors():
+                t.zero_()
         self.elo = None
         self.history = {}
-        self.cumulative_length = length
-        self.set_length(0)
 
-    def _select(self, fn, kv_fn=None) -> None:
+    def _select(self, fn) -> None:
         self.history = {}  # recorded states are of the old batch
         if self.is_initialized:
-            kv_fn = kv_fn or fn
-            self.keys, self.values = kv_fn(self.keys), kv_fn(self.values)
+            self.keys, self.values = _select_into(self.keys, fn), _select_into(self.values, fn)
         if self.mc is not None:
-            self.mc = self.mc.map(fn)
+            self.mc = self.mc.map(lambda t: _select_into(t, fn))
         if self.elo is not None:
             self.elo = fn(self.elo)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        n = self.get_seq_length()
-
-        def in_place(t):  # beam search: same batch size, only the filled prefix moves (static address kept)
-            if beam_idx.shape[0] != t.shape[0]:
-                return t.index_select(0, beam_idx.to(t.device))
-            t[:, :, :n] = t[:, :, :n].index_select(0, beam_idx.to(t.device))
-            return t
-
-        self._select(lambda t: t.index_select(0, beam_idx.to(t.device)), kv_fn=in_place)
+        self._select(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._select(lambda t: t[indices.to(t.device)])
@@ -219,14 +236,16 @@ class LoopSlotLayer(CacheLayerMixin):
 class SpikeWhaleCache(Cache):
     """Cache of a SpikeWhale model: one `LoopSlotLayer` per loop-plan entry plus state shared by all slots.
 
-    Shared state (identical for every slot, so kept once): the key-validity mask (padding), each row's
-    number of real tokens, the Memory-Cache segment index of each row, and the Engram compressed vectors
-    of every cached position (the n-gram prefix of the next chunk).
+    Shared state (identical for every slot, so kept once): the length, the key-validity mask (padding), each row's
+    number of real tokens, the Memory-Cache segment index of each row, and the Engram compressed vectors of every
+    cached position (the n-gram prefix of the next chunk). Every buffer is allocated once, on the device of the first
+    tensor written to it (so an accelerate `device_map` keeps each slot's state next to its layer), and updated in
+    place with its address marked static.
 
-    Rollback: `crop(-k)` removes the last `k` positions (transformers' convention). K/V and the Engram prefix
-    are positional; the Memory-Cache (and Elo) state is not, so every forward records the per-slot state at the
-    lengths a crop may return to while `record_past` is on (see `activate_past_recording`), and at chunk starts
-    always; `crop` restores the state recorded at the new length and raises if none was recorded.
+    Rollback: `crop(-k)` removes the last `k` positions (transformers' convention). K/V and the Engram prefix are
+    positional; the Memory-Cache (and Elo) state is not, so while `record_past` is on (`activate_past_recording`)
+    every forward records the per-slot state at its start and at the lengths a crop may return to, and `crop`
+    restores the state recorded at the new length (and raises if none was recorded).
     """
 
     def __init__(self, config: SpikeWhaleConfig, max_cache_len: int | None = None):
@@ -237,7 +256,7 @@ class SpikeWhaleCache(Cache):
                 "positions past the context window are not defined for this model (widen the RoPE caches first)."
             )
         self.config = config
-        super().__init__(layers=[LoopSlotLayer(max_cache_len) for _ in range(config.num_loop_slots)])
+        super().__init__(layers=[LoopSlotLayer(self, max_cache_len) for _ in range(config.num_loop_slots)])
         self.n_mc_segments = math.ceil(max_cache_len / config.mc_segment_len)
         # Positions cached, a tensor so that a compiled decode step reads and advances it in its graph (a Python int
         # would be a constant of the graph: one recompile per step); eager code reads its host copy (`seq_len`).
@@ -252,7 +271,6 @@ class SpikeWhaleCache(Cache):
         self.min_states_to_keep = 0  # a floor under that bound (`generate` raises it for growing draft counts)
         self._history: dict[str, list] = {}  # "segment" -> [(length, each row's segment)]; slots keep their own
         self._chunk_start = 0
-        self.holds_inference_states = False  # see `leave_inference_mode`
 
     @property
     def seq_len(self) -> int:
@@ -309,6 +327,7 @@ class SpikeWhaleCache(Cache):
             self.num_real = torch.zeros(b, dtype=torch.long, device=valid.device)
             self.mc_segment = torch.zeros(b, dtype=torch.long, device=valid.device)
             self.length = self.length.to(valid.device)
+            _mark_static(self.key_valid, self.num_real, self.mc_segment, self.length)
         elif self.key_valid.shape[0] != b:
             raise ValueError(
                 f"This cache holds a batch of {self.key_valid.shape[0]} rows but the input has {b}; "
@@ -331,9 +350,8 @@ class SpikeWhaleCache(Cache):
         layer = self.layers[slot]
         if update.kv is not None:
             layer.keys, layer.values = update.kv
-            layer.cumulative_length = layer.cumulative_length.to(layer.keys.device)
+            _mark_static(*update.kv)
             layer.is_initialized = True
-        layer.set_length(end)
         for kind in LoopSlotLayer.STATES:
             value = getattr(update, kind)
             if value is not None:
@@ -342,18 +360,24 @@ class SpikeWhaleCache(Cache):
     def set_slot_state(self, slot: int, kind: str, value, end: int, per_position: list | None = None) -> None:
         """The one setter of a slot's recurrent state (see `slot_state`), after a chunk that ends at `end`;
         `per_position` are the states after the chunk's last `len(per_position)` tokens (see
-        `get_recurrent_states_to_keep`). These states are not positional (every token adds to them), so `crop` restores
-        them from the snapshots kept here: the chunk start always, those positions while recording."""
+        `get_recurrent_states_to_keep`). These states are not positional (every token adds to them), so while
+        recording `crop` restores them from the snapshots kept here: the chunk start and those positions but the last,
+        which is `value`, the live state (the next chunk's start). A Memory-Cache state is copied into the slot's
+        buffers, allocated by its first chunk."""
         layer = self.layers[slot]
-        start = self._position()
+        current = getattr(layer, kind)
         hist = layer.history.setdefault(kind, [])
         if layer.record_past:  # the slot's own flag (`record_past` of the cache is all of them)
-            hist.append((start, getattr(layer, kind)))
+            hist.append((self._position(), current.snapshot() if kind == "mc" and current is not None else current))
             first = end - len(per_position or ()) + 1
-            for j, st in enumerate(per_position or []):
-                hist.append((first + j, st))
+            hist.extend((first + j, st) for j, st in enumerate((per_position or [None])[:-1]))
         else:
-            hist[:] = [(start, getattr(layer, kind))]
+            hist.clear()
+        if kind == "mc" and current is not None:
+            current.copy_(value)
+            return
+        if kind == "mc":
+            _mark_static(*value.tensors())
         setattr(layer, kind, value)
 
     def commit(
@@ -372,40 +396,20 @@ class SpikeWhaleCache(Cache):
         if engram_c is not None:
             if self.engram_c is None:
                 self.engram_c = engram_c.new_zeros(valid.shape[0], self.max_cache_len, engram_c.shape[-1])
+                _mark_static(self.engram_c)
             self.engram_c.index_copy_(1, at.to(self.engram_c.device), engram_c.to(self.engram_c.dtype))
         if mc_segment is not None:
-            entries = [(start, self.mc_segment)]
-            if self.record_past and mc_segment_per_position is not None:  # [B, the chunk's last n tokens]
-                first = start + s - mc_segment_per_position.shape[1] + 1
-                entries += [(first + j, mc_segment_per_position[:, j]) for j in range(mc_segment_per_position.shape[1])]
-                self._history.setdefault("segment", []).extend(entries)
+            if self.record_past:
+                entries = self._history.setdefault("segment", [])
+                entries.append((start, self.mc_segment.clone()))
+                if mc_segment_per_position is not None:  # [B, the chunk's last n tokens]
+                    first = start + s - mc_segment_per_position.shape[1] + 1
+                    entries += [(first + j, mc_segment_per_position[:, j]) for j in range(mc_segment_per_position.shape[1])]
             else:
-                self._history["segment"] = entries
-            self.mc_segment = mc_segment
+                self._history.clear()
+            self.mc_segment.copy_(mc_segment)
         self._chunk_start = start
         self._set_length(start + s)
-
-    def leave_inference_mode(self) -> None:
-        """Make the slots' recurrent states (and their recorded history) normal tensors again after no-grad steps
-        left them as inference tensors (`SpikeWhaleModel._run_slots`), so that a forward outside inference mode
-        may save them for backward or update them in place. Positional buffers are never made in inference mode."""
-        if not self.holds_inference_states:
-            return
-
-        clones = {}  # by id: states and their history share tensors (fin_*), and must go on sharing the clones
-
-        def normal(state):
-            if isinstance(state, torch.Tensor):
-                if state.is_inference() and id(state) not in clones:
-                    clones[id(state)] = state.clone()
-                return clones.get(id(state), state)
-            return state.map(normal) if isinstance(state, MemoryCacheState) else state
-
-        for layer in self.layers:
-            for kind in LoopSlotLayer.STATES:
-                setattr(layer, kind, normal(getattr(layer, kind)))
-            layer.history = {kind: [(p, normal(s)) for p, s in entries] for kind, entries in layer.history.items()}
-        self.holds_inference_states = False
 
     def engram_prefix(self, n: int) -> torch.Tensor | None:
         """The last `n` cached compressed vectors (zeros before position 0), or None on an empty cache."""
@@ -415,8 +419,8 @@ class SpikeWhaleCache(Cache):
         return self.engram_c[:, at.clamp(min=0)] * (at >= 0)[None, :, None]
 
     def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
-        """Record the Memory-Cache (and Elo) state at each of the last `recurrent_states_to_keep` lengths before the end
-        of every following forward (at every length when None), so that `crop` can remove up to that many of a
+        """Record the Memory-Cache (and Elo) state at the start of every following forward and at each of its last
+        `recurrent_states_to_keep` lengths (every length when None), so that `crop` can remove up to that many of a
         forward's tokens exactly. Stays on across crops (each crop drops the states it no longer needs) until
         `deactivate_past_recording()` - transformers' semantics; transformers >= 5.25 passes the number of tokens its
         loop may crop, so an assisted prefill records a few states, not one per prompt token in every slot."""
@@ -437,11 +441,10 @@ class SpikeWhaleCache(Cache):
         return self.max_cache_len if self.recurrent_states_to_keep is None else self.recurrent_states_to_keep
 
     def deactivate_past_recording(self) -> None:
-        """Stop recording and drop the recorded states (a crop back to the last chunk start stays possible)."""
+        """Stop recording and drop the recorded states."""
         self.record_past = False
         self.recurrent_states_to_keep = None
-        chunk_start = int(self._chunk_start)
-        self._trim_history(lambda v: [(p, s) for p, s in v if p == chunk_start][-1:])
+        self._trim_history(lambda v: [])
 
     def _trim_history(self, keep) -> None:
         """Apply `keep` ([(length, state)] -> the entries to keep) to every recorded history: the segment index's and
@@ -456,10 +459,9 @@ class SpikeWhaleCache(Cache):
         `crop(0)` removes nothing. Recorded states that can no longer be needed are dropped; an active
         recording stays on (as in transformers: assisted decoding activates it once and crops every step).
 
-        K/V, padding and the Engram prefix are positional; the Memory-Cache (and Elo) state is restored from
-        the state recorded at the new length, which exists at every chunk start and, after
-        `activate_past_recording(n)`, at the last n positions of each recorded chunk (every position for n=None;
-        else `ValueError`).
+        K/V, padding and the Engram prefix are positional; the Memory-Cache (and Elo) state is restored from the state
+        recorded at the new length, which exists after `activate_past_recording(n)` at the start and the last n
+        positions of each recorded chunk (every position for n=None; else `ValueError`).
         """
         new_len = self.seq_len + max_length if max_length <= 0 else max_length
         if not 0 <= new_len <= self.seq_len:
@@ -471,27 +473,32 @@ class SpikeWhaleCache(Cache):
             if self.record_past:  # keep the states at the last chunk's start and at the current length
                 keep = (int(self._chunk_start), self.seq_len)
                 self._trim_history(lambda v: [(p, s) for p, s in v if p in keep][-2:])
-            else:  # keep what an unrecorded forward keeps: the last chunk's start
+            else:
                 self.deactivate_past_recording()
             return
         old_len = self.seq_len
         restored = {}  # look every state up before touching anything, so a failed crop leaves the cache intact
         for slot, layer in enumerate(self.layers):
             for kind in LoopSlotLayer.STATES:
-                if kind in layer.history or getattr(layer, kind) is not None:
+                if getattr(layer, kind) is not None:
                     restored[(kind, slot)] = self._recorded(layer.history.get(kind, []), new_len)
-        if "segment" in self._history:
-            restored["segment"] = self._recorded(self._history["segment"], new_len)
+        if self.mc_segment is not None and self.config.use_memory_cache:
+            restored["segment"] = self._recorded(self._history.get("segment", []), new_len)
         for slot, layer in enumerate(self.layers):
-            for kind in LoopSlotLayer.STATES:
-                if (kind, slot) in restored:
-                    setattr(layer, kind, restored[(kind, slot)])
-            layer.set_length(new_len)
+            if ("mc", slot) in restored:
+                state = restored[("mc", slot)]
+                if state is None:  # back before the first chunk: the empty state
+                    for t in layer.mc.tensors():
+                        t.zero_()
+                else:
+                    layer.mc.copy_(state)
+            if ("elo", slot) in restored:
+                layer.elo = restored[("elo", slot)]
             if layer.is_initialized:
                 layer.keys[:, :, new_len:old_len] = 0
                 layer.values[:, :, new_len:old_len] = 0
         if "segment" in restored:
-            self.mc_segment = restored["segment"]
+            self.mc_segment.copy_(restored["segment"])
         dropped = self.key_valid[:, new_len:self.seq_len]
         self.num_real -= dropped.sum(-1)
         self.key_valid[:, new_len:old_len] = False
@@ -512,10 +519,12 @@ class SpikeWhaleCache(Cache):
             "recurrent_states_to_keep at least the number of its tokens you may remove (None: all of them)."
         )
 
+    SHARED = ("key_valid", "num_real", "mc_segment", "engram_c")
+
     def _select_shared(self, fn) -> None:
-        for name in ("key_valid", "num_real", "mc_segment", "engram_c"):
+        for name in self.SHARED:
             if getattr(self, name) is not None:
-                setattr(self, name, fn(getattr(self, name)))
+                setattr(self, name, _select_into(getattr(self, name), fn))
         self._history = {}
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -531,9 +540,12 @@ class SpikeWhaleCache(Cache):
         self._select_shared(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def reset(self) -> None:
+        """Empty the cache, keeping its buffers (zeroed in place) and their batch size."""
         super().reset()
         self._set_length(0)
-        self.key_valid = self.num_real = self.mc_segment = self.engram_c = None
+        for name in self.SHARED:
+            if getattr(self, name) is not None:
+                getattr(self, name).zero_()
         self._history = {}
         self.deactivate_past_recording()
 

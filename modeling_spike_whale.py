@@ -188,6 +188,12 @@ def oversized_fields(values: dict, shapes: dict[str, tuple]) -> list[str]:
     return found
 
 
+def reads_values_free(device: torch.device) -> bool:
+    """Whether eager code may read a tensor's value on the host at no cost: on the CPU the value is there; elsewhere
+    the read waits for every queued kernel, so a decode step there reads none and assumes the worst instead."""
+    return device.type == "cpu"
+
+
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`t.to(dtype)` without the dispatch when it already has that dtype (a decode step makes thousands)."""
     return t if t.dtype == dtype else t.to(dtype)
@@ -328,7 +334,9 @@ class SegmentLayout:
     0..split-1 (no padding, and every block but the last full: a prompt's prefill, a chunk inside one segment):
     the buffer is then the chunk itself, zero-padded to whole blocks.
     n_fin: the finished-segment entries a token may read (all of them under torch.compile: those not finished yet are
-    masked); fin_readable: every token of every row may read all n_fin (never assumed under torch.compile).
+    masked); fin_readable: every token of every row may read all n_fin. A `static` layout reads no value on the host
+    (under torch.compile, and in decode steps on an accelerator): block counts are bounds, padding and unreadable
+    entries are always assumed.
     """
 
     base: torch.Tensor
@@ -343,19 +351,18 @@ class SegmentLayout:
     idx: torch.Tensor | None
 
     @classmethod
-    def build(cls, positions, valid, base, seg_len: int, n_fin: int, steps: int) -> "SegmentLayout":
+    def build(cls, positions, valid, base, seg_len: int, n_fin: int, steps: int, static: bool) -> "SegmentLayout":
         """steps: the chunk's last tokens that go through the step form."""
-        compiling = torch.compiler.is_compiling()
         B, S = positions.shape
         seg = torch.div(positions, seg_len, rounding_mode="floor") - base[:, None]
         rel = torch.where(valid, seg, torch.zeros_like(seg)).clamp(min=0).cummax(1).values if S else seg
-        if compiling:  # no host sync: the most segments S positions after `base` can touch
+        if static:  # the most segments S positions after `base` can touch
             n_rel = (S - 1) // seg_len + 2 if S else 1
             torch._assert_async((rel < n_rel).all(), "positions do not continue the cache's Memory-Cache segment")
         else:
             n_rel = int(rel[:, -1].max()) + 1 if S else 1
-        padded = compiling or not bool(valid.all())
-        fin_readable = not compiling and bool((base >= n_fin).all())
+        padded = static or not bool(valid.all())
+        fin_readable = not static and bool((base >= n_fin).all())
         split = S - steps
         width = torch.sym_min(split, seg_len)
         idx = None
@@ -365,7 +372,7 @@ class SegmentLayout:
             start = count.cumsum(1) - count  # real tokens before each block
             at = rel_c * width + real.cumsum(1) - 1 - start.gather(1, rel_c)
             idx = torch.where(real.bool(), at, torch.full_like(at, n_rel * width))
-            if not compiling and not padded and bool((idx == torch.arange(split, device=idx.device)).all()):
+            if not padded and bool((idx == torch.arange(split, device=idx.device)).all()):
                 idx = None
         return cls(base, rel, valid.float(), padded, n_rel, n_fin, fin_readable, split, width, idx)
 
@@ -405,6 +412,7 @@ class ForwardContext:
     need_weights: bool = False  # output_attentions: every slot returns its attention map
     attn_implementation: str | None = None  # config._attn_implementation, read once per forward
     keep_streams: bool = False  # output_hidden_states: every slot returns its residual streams
+    static: bool = False  # no value is read on the host (`reads_values_free`): masks and layout assume the worst
     memo: dict = field(default_factory=dict, repr=False, compare=False)  # see `rope_tables`
 
     @property
@@ -1639,13 +1647,13 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def _check_inputs(self, input_ids, inputs_embeds):
+    def _check_inputs(self, input_ids, inputs_embeds, static: bool):
         if input_ids is None and inputs_embeds is None:
             raise ValueError("Pass `input_ids`, `inputs_embeds`, or both (the ids then only route the MoE and Engram).")
         if input_ids is not None:
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}.")
-            self._check_token_ids(input_ids)
+            self._check_token_ids(input_ids, static)
         if inputs_embeds is not None:
             if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
                 raise ValueError(
@@ -1657,11 +1665,11 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                     "same [batch, seq] tokens when passed together."
                 )
 
-    def _check_token_ids(self, input_ids: torch.Tensor) -> None:
-        """Ids outside the vocabulary raise; under torch.compile the check is an in-graph assert (no host sync)."""
+    def _check_token_ids(self, input_ids: torch.Tensor, static: bool) -> None:
+        """Ids outside the vocabulary raise; without host reads (`static`) the check is a device-side assert."""
         V = self.config.vocab_size
         inside = (input_ids >= 0) & (input_ids < V)
-        if torch.compiler.is_compiling():
+        if static:
             torch._assert_async(inside.all(), "token ids outside the vocabulary")
         elif input_ids.numel() and not bool(inside.all()):
             bad = input_ids[~inside].unique()[:5].tolist()
@@ -1669,11 +1677,12 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                 f"Token ids {bad} are outside the vocabulary [0, {V}); check that the tokenizer matches this model."
             )
 
-    def _check_positions(self, positions: torch.Tensor) -> None:
-        """Positions must lie in [0, max_position_embeddings): this model raises instead of wrapping."""
+    def _check_positions(self, positions: torch.Tensor, static: bool) -> None:
+        """Positions must lie in [0, max_position_embeddings): this model raises instead of wrapping. Without host reads
+        (`static`) the check is a device-side assert."""
         limit = self.config.max_position_embeddings
         inside = (positions >= 0) & (positions < limit)
-        if torch.compiler.is_compiling():
+        if static:
             torch._assert_async(inside.all(), "positions outside [0, max_position_embeddings)")
         elif positions.numel() and not bool(inside.all()):
             if int(positions.min()) < 0:
@@ -1681,11 +1690,14 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                     f"position_ids contain {int(positions.min())}: positions must be >= 0 (a negative position would "
                     "index the RoPE caches from the end). Pass position_ids counting from 0."
                 )
-            raise ValueError(
-                f"Position {int(positions.max())} is past the context window (max_position_embeddings={limit}); "
-                "this model raises instead of wrapping. Shorten the input or widen the RoPE caches "
-                "(`spike-whale widen`)."
-            )
+            self._raise_past_context(int(positions.max()))
+
+    def _raise_past_context(self, position: int) -> None:
+        raise ValueError(
+            f"Position {position} is past the context window (max_position_embeddings="
+            f"{self.config.max_position_embeddings}); this model raises instead of wrapping. Shorten the input or widen "
+            "the RoPE caches (`spike-whale widen`)."
+        )
 
     @staticmethod
     def _check_attention_mask(attention_mask, B: int, S: int, cache: SpikeWhaleCache | None) -> None:
@@ -1704,7 +1716,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                 "sequences in one row, pass position_ids restarting at 0 for each (padding-free packing)."
             )
 
-    def _context(self, B, S, device, attention_mask, position_ids, cache) -> ForwardContext:
+    def _context(self, B, S, device, attention_mask, position_ids, cache, static: bool) -> ForwardContext:
         # Under torch.compile the cache's length is read as a tensor, so one graph serves every decode step.
         compiling = torch.compiler.is_compiling()
         past = (cache.length.to(device) if compiling else cache.seq_len) if cache is not None else 0
@@ -1717,12 +1729,16 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             num_real = cache.num_real.to(device)
         else:
             num_real = torch.zeros(B, dtype=torch.long, device=device)
-        if position_ids is None:
+        given = position_ids is not None
+        if not given:  # at most past + S - 1: checked on the host here
             position_ids = num_real[:, None] + valid.long().cumsum(-1) - 1
+            if not compiling and past + S > self.config.max_position_embeddings:
+                self._raise_past_context(past + S - 1)
         elif position_ids.dim() != 2 or position_ids.shape[1] != S or position_ids.shape[0] not in (1, B):
             raise ValueError(f"position_ids must be [batch, seq] = [{B}, {S}], got {tuple(position_ids.shape)}.")
         positions = torch.where(valid, position_ids.to(device).long(), torch.zeros_like(position_ids, device=device))
-        self._check_positions(positions)
+        if compiling or given:
+            self._check_positions(positions, static)
         if cache is not None and compiling:
             torch._assert_async(past + S <= cache.max_cache_len, "the chunk does not fit the cache; use a larger cache")
         elif cache is not None and past + S > cache.max_cache_len:
@@ -1730,7 +1746,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                 f"The cache holds {cache.max_cache_len} positions but {past + S} are needed; use a larger cache."
             )
 
-        if compiling:  # no host sync: a mask whenever one may be needed
+        if static:  # a mask whenever one may be needed
             needs_mask = cache is not None or attention_mask is not None
         else:
             needs_mask = (not bool(valid.all()) or (past > 0 and S > 1)
@@ -1764,13 +1780,14 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                 base = cache.mc_segment.to(device)
             else:
                 base, n_fin = torch.zeros(B, dtype=torch.long, device=device), 0
-            segments = SegmentLayout.build(positions, valid, base, L, n_fin, steps)
+            segments = SegmentLayout.build(positions, valid, base, L, n_fin, steps, static)
         impl = self.config._attn_implementation
         if cache is None:
-            return ForwardContext(positions, valid, attn_mask, is_causal, segments, key_valid, attn_implementation=impl)
+            return ForwardContext(positions, valid, attn_mask, is_causal, segments, key_valid, attn_implementation=impl,
+                                  static=static)
         return ForwardContext(positions, valid, attn_mask, is_causal, segments, key_valid, past=past,
                               max_cache_len=cache.max_cache_len, n_mc_segments=cache.n_mc_segments, record=record,
-                              attn_implementation=impl)
+                              attn_implementation=impl, static=static)
 
     def run_layers(self, lo: int, hi: int) -> tuple:
         """The layers of loop-plan slots lo..hi-1."""
@@ -1794,16 +1811,12 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         compiled = self._compiled_run is not None and self._decode_step_compiles(ctx, cache)
         X = X.contiguous()  # the streams start as an expanded view; one memory layout means one compiled graph
         # A no-grad chunk on a warm cache (a decode step, a verify chunk, a later prompt chunk) walks in inference
-        # mode: no version counters or view tracking on the thousands of small view ops of a step. Nothing it
-        # allocates outlives it but the slots' recurrent states, which the cache makes normal tensors again before
-        # any other forward (`SpikeWhaleCache.leave_inference_mode`); X is read outside, so every output is normal.
-        compiling = torch.compiler.is_compiling()  # first: under compile `ctx.past` is a tensor
-        inference = (not compiling and cache is not None and ctx.past > 0 and not compiled
-                     and not torch.is_grad_enabled() and hidden_states is None and attentions is None)
-        if inference:  # set first: a walk that raises halfway has stored some states already
-            cache.holds_inference_states = True
-        elif cache is not None and not compiling:
-            cache.leave_inference_mode()
+        # mode: no version counters or view tracking on the thousands of small view ops of a step. What outlives it
+        # is copied into the cache's buffers, which stay normal tensors (Elo ratings are kept as made: not then);
+        # X is read outside, so every output is normal.
+        inference = (not torch.compiler.is_compiling() and cache is not None and ctx.past > 0 and not compiled
+                     and not torch.is_grad_enabled() and hidden_states is None and attentions is None
+                     and not self.config.use_elo)
         with torch.inference_mode() if inference else contextlib.nullcontext():
             for lo, hi, loop_pass in self.loop_plan.runs:
                 states = tuple(cache.slot(s) for s in range(lo, hi)) if cache is not None else (None,) * (hi - lo)
@@ -1831,7 +1844,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         seg = ctx.segments
         if cache is None or ctx.past == 0 or ctx.positions.shape[1] != 1 or self.training:
             return False
-        if ctx.need_weights or ctx.keep_streams or (seg is not None and seg.n_rel != 1):
+        if ctx.need_weights or ctx.keep_streams or (seg is not None and seg.n_rel != 1 and not ctx.static):
             return False
         X = self.embed_tokens.weight
         if self._compiled_for != (X.dtype, X.device):
@@ -1906,7 +1919,13 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         output_hidden_states = output_hidden_states if output_hidden_states is not None else cfg.output_hidden_states
         if use_cache is None:
             use_cache = cache is not None or (cfg.use_cache and not self.training)
-        self._check_inputs(input_ids, inputs_embeds)
+        first = input_ids if input_ids is not None else inputs_embeds
+        # A decode step on an accelerator reads no value on the host (`reads_values_free`); under torch.compile
+        # nothing does.
+        static = torch.compiler.is_compiling() or (
+            first is not None and not reads_values_free(first.device) and isinstance(cache, SpikeWhaleCache)
+            and bool(use_cache) and cache.seq_len > 0)
+        self._check_inputs(input_ids, inputs_embeds, static)
         impl = cfg._attn_implementation or "sdpa"
         eager_weights = output_attentions and not (cfg.use_derf or cfg.use_elo) and (
             impl in ("sdpa", "flex_attention") or impl.startswith("flash"))
@@ -1932,7 +1951,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                         "within itself, so there is no per-row attention map to return; unpack the batch."
                     )
                 return self._forward_packed(input_ids, inputs_embeds, position_ids, starts, output_hidden_states)
-        elif position_ids is not None and S > 1 and not torch.compiler.is_compiling():
+        elif position_ids is not None and S > 1 and not static:
             starts = self.packed_sequence_starts(position_ids.to(device).expand(B, S))[:, 1:]
             if attention_mask is not None:
                 real = attention_mask[:, -S:].to(device).bool()
@@ -1947,7 +1966,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             cache = SpikeWhaleCache(cfg)
         if not use_cache:
             cache = None
-        ctx = self._context(B, S, device, attention_mask, position_ids, cache)
+        ctx = self._context(B, S, device, attention_mask, position_ids, cache, static)
         ctx.token_ids, ctx.need_weights, ctx.keep_streams = input_ids, bool(output_attentions), bool(output_hidden_states)
         if eager_weights:
             ctx.attn_implementation = "eager"

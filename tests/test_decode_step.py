@@ -307,10 +307,10 @@ def test_each_slot_owns_its_state_and_rollback_history(model):
     assert set(cache._history) == {"segment"}
     for layer, state in zip(cache.layers, before):
         assert isinstance(layer, LoopSlotLayer) and layer.is_initialized
-        assert [p for p, _ in layer.history["mc"]] == [0, 6, 7, 8, 9]  # the chunk starts, then every recorded position
+        assert [p for p, _ in layer.history["mc"]] == [6, 7, 8]  # the recorded chunk's start and each position (9: live)
         assert cache.slot(cache.layers.index(layer)).mc is layer.mc
     cache.crop(-3)
-    assert all(layer.mc is state for layer, state in zip(cache.layers, before))
+    assert all(layer.mc is state for layer, state in zip(cache.layers, before))  # restored into the same buffers
     assert all([p for p, _ in layer.history["mc"]] == [6] for layer in cache.layers)
 
 
@@ -395,22 +395,17 @@ class HostReadCounter(torch.Tensor):
 
 
 def test_eager_decoding_never_reads_the_cache_length_tensors_on_the_host(model, monkeypatch):
-    """Eager code reads the host copies of `SpikeWhaleCache.length` and each slot's `cumulative_length` (kept with the
-    tensors by every update, crop, reset and reorder), so an eager generate never syncs on them: greedy on a
+    """Eager code reads the host copy of `SpikeWhaleCache.length`, the one length of every slot (kept with the tensor
+    by every update, crop, reset and reorder), so an eager generate never syncs on it: greedy on a
     left-padded batch across three Memory-Cache segment boundaries, beam search (reorder), assisted decoding (crop
     every step, both models' caches) and a reset. The ids still equal a recompute without cache."""
-    cache_init, layer_init = SpikeWhaleCache.__init__, LoopSlotLayer.__init__
+    cache_init = SpikeWhaleCache.__init__
 
     def cache_counted(self, *args, **kwargs):
         cache_init(self, *args, **kwargs)
         self.length = self.length.as_subclass(HostReadCounter)
 
-    def layer_counted(self, *args, **kwargs):
-        layer_init(self, *args, **kwargs)
-        self.cumulative_length = self.cumulative_length.as_subclass(HostReadCounter)
-
     monkeypatch.setattr(SpikeWhaleCache, "__init__", cache_counted)
-    monkeypatch.setattr(LoopSlotLayer, "__init__", layer_counted)
     monkeypatch.setattr(HostReadCounter, "reads", [])
     ids, mask = batch(seed=11)
     ids, mask = ids[:, :L + 3], mask[:, :L + 3]
@@ -461,25 +456,100 @@ def test_no_grad_chunks_on_a_warm_cache_walk_in_inference_mode_and_return_normal
 
 
 def test_a_cache_left_by_inference_mode_steps_serves_forwards_with_gradients(model):
-    """What inference-mode steps leave in the cache (the slots' recurrent states and their rollback history) becomes
-    normal tensors before a forward with gradients saves it for backward; a crop still restores recorded states."""
+    """Inference-mode steps copy the slots' recurrent states into the cache's buffers, which stay normal tensors, so a
+    forward with gradients may follow them; a crop restores recorded states (made in inference mode) into them."""
     ids, mask = batch(seed=8)
     with torch.no_grad():
         cache = model(ids[:, :6], attention_mask=mask[:, :6], use_cache=True).cache
         cache.activate_past_recording()
         for t in range(6, 9):
             model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache, use_cache=True)
-    assert cache.holds_inference_states and cache.layers[0].mc.run_M.is_inference()
+    buffers = [t for layer in cache.layers for t in layer.mc.tensors()]
+    assert not any(t.is_inference() for t in buffers)
     cache.crop(-1)
     model.zero_grad()
     out = model(ids[:, 8:10], attention_mask=mask[:, :10], cache=cache, use_cache=True)
     out.logits.sum().backward()
     assert model.model.layers[0].attn.mc.qkv_proj.weight.grad.abs().sum() > 0
-    states = [t for layer in cache.layers for _, s in layer.history["mc"] for t in vars(s).values()] + [
-        t for layer in cache.layers for t in vars(layer.mc).values()]
-    assert not cache.holds_inference_states and not any(t.is_inference() for t in states)
+    assert all(a is b for a, b in zip((t for layer in cache.layers for t in layer.mc.tensors()), buffers))
     full = model(ids[:, :10], attention_mask=mask[:, :10], use_cache=False).logits
     assert float((out.logits - full[:, 8:10])[mask[:, 8:10].bool()].abs().max()) <= TOL
     model.zero_grad()
 
 
+
+
+class HostSyncCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that read a tensor's value on the host (on an accelerator each waits for the queued kernels)."""
+
+    SYNCS = {"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "unique"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.SYNCS:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_decode_steps_off_the_cpu_read_no_value_on_the_host_and_compute_the_same(model, monkeypatch):
+    """Where reading a value waits for the device (`reads_values_free` False: every device but the CPU), a decode step
+    builds its masks and Memory-Cache layout from device tensors and checks its inputs on the device: no op reads a
+    value on the host, in greedy steps of a left-padded batch across three segment boundaries and in MTP verify chunks
+    with rollback. The logits equal those of the CPU's host-read path. (Prefills may read values: once per call.)"""
+    ids, mask = batch(seed=21)
+    kw = dict(attention_mask=mask[:, :L + 2], max_new_tokens=3 * L, min_new_tokens=3 * L, pad_token_id=0,
+              do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        host = model.generate(ids[:, :L + 2], **kw)
+        host_mtp = model.generate(ids[:1, :L + 2], **{**kw, "attention_mask": None}, use_mtp=True)
+    monkeypatch.setattr(msw, "reads_values_free", lambda device: False)
+    counter, forward = HostSyncCounter(), msw.SpikeWhaleModel.forward
+    steps = []
+
+    def counted(self, *args, cache=None, **kwargs):
+        if cache is None or cache.get_seq_length() == 0:
+            return forward(self, *args, cache=cache, **kwargs)
+        steps.append(cache.get_seq_length())
+        with counter:
+            return forward(self, *args, cache=cache, **kwargs)
+
+    monkeypatch.setattr(msw.SpikeWhaleModel, "forward", counted)
+    with torch.no_grad():
+        device = model.generate(ids[:, :L + 2], **kw)
+        device_mtp = model.generate(ids[:1, :L + 2], **{**kw, "attention_mask": None}, use_mtp=True)
+    assert len(steps) > 3 * L and counter.reads == []
+    for a, b in ((host, device), (host_mtp, device_mtp)):
+        assert torch.equal(a.sequences, b.sequences)
+        torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), rtol=0, atol=TOL)
+
+
+def test_the_cache_keeps_one_length_and_static_buffers_updated_in_place(model):
+    """Every slot reads the cache's one length; K/V, the Memory-Cache state and the shared buffers are allocated once,
+    marked static for torch.compile (CUDA graphs replay on them), and keep their addresses through decode steps across
+    segment boundaries, a beam reorder, a recorded crop and a reset."""
+    ids, mask = batch(seed=22)
+    with torch.no_grad():
+        cache = model(ids[:, :5], attention_mask=mask[:, :5], use_cache=True).cache
+
+        def buffers():
+            out = [t for layer in cache.layers for t in (layer.keys, layer.values, *layer.mc.tensors())]
+            return out + [getattr(cache, name) for name in cache.SHARED] + [cache.length]
+
+        before = buffers()
+        assert all(getattr(t, "_dynamo_static_input_type", None) == "unguarded" for t in before)
+        pointers = [t.data_ptr() for t in before]
+        cache.activate_past_recording()
+        for t in range(5, 3 * L):
+            model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache, use_cache=True)
+        cache.crop(-2)
+        cache.reorder_cache(torch.tensor([1, 0]))
+        assert all(layer.get_seq_length() == cache.get_seq_length() == 3 * L - 2 for layer in cache.layers)
+        assert not any(hasattr(layer, "cumulative_length") for layer in cache.layers)
+        assert all(a is b for a, b in zip(buffers(), before)) and [t.data_ptr() for t in buffers()] == pointers
+        cache.reset()
+        assert [t.data_ptr() for t in buffers()] == pointers and cache.get_seq_length() == 0
+        assert not any(t.any() for t in buffers())

@@ -140,7 +140,7 @@ def test_the_segment_layout_is_copied_once_per_forward_for_each_other_device():
 
     positions = torch.arange(20)[None].repeat(2, 1)
     valid = torch.ones(2, 20, dtype=torch.bool)
-    layout = SegmentLayout.build(positions, valid, torch.zeros(2, dtype=torch.long), 8, 0, 0)
+    layout = SegmentLayout.build(positions, valid, torch.zeros(2, dtype=torch.long), 8, 0, 0, False)
     ctx = ForwardContext(positions, valid, None, True, layout)
     assert ctx.segments_on(torch.device("cpu")) is layout
     meta = ctx.segments_on(torch.device("meta"))

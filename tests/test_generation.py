@@ -391,15 +391,18 @@ def test_crop_mid_chunk_restores_state_exactly(model, remove):
 
 
 def test_crop_without_recording(model):
+    """As transformers' linear-attention layers: without `activate_past_recording` no Memory-Cache state is recorded
+    (the state is updated in place), so a crop that removes positions raises and changes nothing."""
     ids = prompt(20, seed=10)
     cache = _prefill_and_chunk(model, ids, 6, 12, record=False)
-    with pytest.raises(ValueError, match="activate_past_recording"):
-        cache.crop(-3)  # mid-chunk: the running Memory-Cache sums there were not recorded
+    for remove in (3, 12):  # mid-chunk, and back to the chunk start
+        with pytest.raises(ValueError, match="activate_past_recording"):
+            cache.crop(-remove)
     assert cache.get_seq_length() == 18  # a refused crop changes nothing
-    cache.crop(-12)  # back to the chunk start is always possible
+    cache.crop(0)
     with torch.no_grad():
-        got = model(ids[:, 6:9], cache=cache, use_cache=True).logits
-        fresh = model(ids[:, :9], use_cache=False).logits[:, 6:]
+        got = model(ids[:, 18:20], cache=cache, use_cache=True).logits
+        fresh = model(ids[:, :20], use_cache=False).logits[:, 18:]
     assert float((got - fresh).abs().max()) <= TOL
 
 
@@ -439,7 +442,7 @@ def test_a_bounded_recording_keeps_the_last_states_only_and_crops_exactly(model,
         assert cache.get_recurrent_states_to_keep() == keep
         model(ids[:, 6:18], attention_mask=mask[:, :18], cache=cache, use_cache=True)  # crosses boundaries 8 and 16
         for layer in cache.layers:
-            assert sorted({int(p) for p, _ in layer.history["mc"]}) == [0, 6, *range(18 - keep, 19)]  # chunk starts
+            assert sorted({int(p) for p, _ in layer.history["mc"]}) == [6, *range(18 - keep, 18)]  # 18: the live state
         with pytest.raises(ValueError, match="recurrent_states_to_keep at least"):
             cache.crop(-(keep + 1))  # one more than was recorded: refused, nothing changed
         assert cache.get_seq_length() == 18
@@ -451,7 +454,7 @@ def test_a_bounded_recording_keeps_the_last_states_only_and_crops_exactly(model,
         t = n + 2  # a 4-token chunk inside segment 16..23
         model(ids[:, t:t + 4], attention_mask=mask[:, :t + 4], cache=cache, use_cache=True)
         for layer in cache.layers:
-            assert {int(p) for p, _ in layer.history["mc"]} - set(range(t + 1)) == set(range(t + 4 - keep, t + 5))
+            assert {int(p) for p, _ in layer.history["mc"]} - set(range(t + 1)) == set(range(t + 4 - keep, t + 4))
         cache.crop(-keep)
         n = t + 4 - keep
         got = model(ids[:, n:n + 2], attention_mask=mask[:, :n + 2], cache=cache, use_cache=True).logits
@@ -465,7 +468,7 @@ def test_a_bounded_recording_holds_a_few_states_not_one_per_prompt_token(model, 
     """benchmarks/bench_rollback.py's `recorded_bytes` after a 40-token prefill: the running Memory-Cache sums at the
     last n+1 lengths in every slot with a bound n, at all 40 without one, but the last, which is the live state (the
     finished-segment sums stay shared with the live state), plus each recorded length's segment index (one int64 a
-    row; the chunk start's always)."""
+    row, and the chunk start's); nothing without recording."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     bench = importlib.import_module("bench_rollback")
     cfg = model.config
@@ -479,7 +482,8 @@ def test_a_bounded_recording_holds_a_few_states_not_one_per_prompt_token(model, 
             model(prompt(40, seed=16), cache=cache, use_cache=True)
         slots = sum(layer.mc is not None for layer in cache.layers)
         assert slots == cfg.num_loop_slots
-        assert bench.recorded_bytes(cache) == max(lengths - 1, 0) * slots * state_bytes + 8 * (lengths + 1), keep
+        segments = 8 * (lengths + 1) if keep is not False else 0
+        assert bench.recorded_bytes(cache) == max(lengths - 1, 0) * slots * state_bytes + segments, keep
 
 
 # ----------------------------------------------------------------------------- context window

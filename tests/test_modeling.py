@@ -105,7 +105,7 @@ def test_memory_cache_matches_card_equations(seq_len):
     with torch.no_grad():
         mc.feature_scale.uniform_(0.5, 1.5)
         u = torch.randn(2, seq_len, model.config.hidden_size)
-        ctx = model.model._context(2, seq_len, u.device, None, None, None)
+        ctx = model.model._context(2, seq_len, u.device, None, None, None, False)
         fast, _, _ = mc(u, ctx, None)  # no cache: no state before or after
         ref = _reference_memory_cache(mc, u, model.config.mc_segment_len)
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-6)

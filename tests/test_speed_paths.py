@@ -308,7 +308,7 @@ def test_memory_cache_chunk_and_step_forms_match_a_per_token_reference(steps):
     x = torch.randn(B, past + S, H)
 
     def context(lo, hi, base, n_fin, record, n_steps):
-        lay = SegmentLayout.build(positions[:, lo:hi], valid[:, lo:hi], base, L, n_fin, n_steps)
+        lay = SegmentLayout.build(positions[:, lo:hi], valid[:, lo:hi], base, L, n_fin, n_steps, False)
         return ForwardContext(positions[:, lo:hi], valid[:, lo:hi], None, False, lay, past=lo, max_cache_len=64,
                               n_mc_segments=n_seg, record=record)
 
@@ -353,7 +353,7 @@ def test_memory_cache_chunk_and_step_forms_match_a_per_token_reference(steps):
         want = mc._output(y.reshape(B, S, -1).float()) * valid[:, past:, None]
     assert want.abs().max() > 0 and (out - want).abs().max() <= 1e-5 * want.abs().max()
     assert (ctx.segments.idx is not None) == (steps < S)  # padding: the chunk part is scattered into the buffer
-    unpadded = SegmentLayout.build(positions[:1, :past], valid[:1, :past], torch.zeros(1, dtype=torch.long), L, 0, 0)
+    unpadded = SegmentLayout.build(positions[:1, :past], valid[:1, :past], torch.zeros(1, dtype=torch.long), L, 0, 0, False)
     assert unpadded.idx is None and unpadded.n_rel == 2
     for name in ("run_M", "run_z", "run_g", "run_n"):
         torch.testing.assert_close(getattr(after, name), getattr(reference_state, name), rtol=1e-5, atol=1e-6)

@@ -265,11 +265,12 @@ def test_auto_model_loads_the_backbone(tmp_path, fresh_python):
 
 def test_input_checks_do_not_break_a_compiled_graph():
     model = tiny_model()
-    checks = torch.compile(lambda ids, pos: (model.model._check_token_ids(ids), model.model._check_positions(pos)),
+    checks = torch.compile(lambda ids, pos: (model.model._check_token_ids(ids, True),
+                                            model.model._check_positions(pos, True)),
                            fullgraph=True, backend="eager")
     checks(ids_of(1, 6), torch.arange(6)[None])
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        model.model._check_token_ids(torch.tensor([[1, model.config.vocab_size]]))
+        model.model._check_token_ids(torch.tensor([[1, model.config.vocab_size]]), False)
 
 
 def test_engram_compressor_stays_frozen_after_from_pretrained(tmp_path):
