@@ -579,32 +579,30 @@ def serving_generation_config(config: SpikeWhaleConfig) -> GenerationConfig:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# generate(): the context check, opt-in prompt truncation and MTP self-speculative decoding.
-# `SpikeWhaleForCausalLM.generate` is a thin override that calls `spike_whale_generate`; everything else is
-# `GenerationMixin.generate` (greedy, sampling, beams, processors, stopping criteria, streamers, ...).
+# generate(): input and context checks, prompt truncation and token healing, MTP self-speculative decoding.
+# `SpikeWhaleForCausalLM.generate` calls `spike_whale_generate`; the rest is `GenerationMixin.generate`.
 
 
 @dataclass
 class MTPStats:
-    """Counters of one `generate(..., use_mtp=True)` call (also left on the model as `model.last_mtp_stats`)."""
+    """Counters of one `generate(..., use_mtp=True)` call, also left on the model as `model.last_mtp_stats`."""
 
-    drafted: int = 0  # draft tokens compared against the main head's greedy choice
-    accepted: int = 0  # of those, the ones the main head agreed with (emitted without their own forward)
-    verify_steps: int = 0  # multi-token verification forwards
-    rollbacks: int = 0  # verification forwards after which the cache was rolled back (a draft was rejected)
-    withheld: int = 0  # steps whose drafting the confidence gate stopped (assistant_confidence_threshold)
-    forwards: int = 0  # model forwards in total, prefill included
+    drafted: int = 0  # drafts compared with the main head's choice
+    accepted: int = 0  # drafts the main head agreed with (emitted without a forward of their own)
+    verify_steps: int = 0  # forwards that fed drafts
+    rollbacks: int = 0  # forwards whose rejected drafts were cropped from the cache
+    withheld: int = 0  # steps whose drafting the confidence gate stopped
+    forwards: int = 0  # model forwards, prefill included
 
     @property
     def acceptance_rate(self) -> float:
-        """accepted / drafted (0.0 when nothing was drafted)."""
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
 @dataclass
 class SpikeWhaleGenerateOutput(GenerateDecoderOnlyOutput):
-    """`GenerateDecoderOnlyOutput` of `generate(..., use_mtp=True, return_dict_in_generate=True)`, plus the
-    MTP draft statistics: `mtp_acceptance_rate` = `mtp_accepted_tokens` / `mtp_drafted_tokens`."""
+    """The output of `generate(..., use_mtp=True, return_dict_in_generate=True)`: transformers' own plus the MTP
+    statistics, `mtp_acceptance_rate` = `mtp_accepted_tokens` / `mtp_drafted_tokens`."""
 
     if CACHE_FIELD != "cache":  # transformers < 5.24: `out.cache` reads the field under its old name
         cache = property(lambda self: self.past_key_values)
@@ -615,8 +613,9 @@ class SpikeWhaleGenerateOutput(GenerateDecoderOnlyOutput):
 
 
 def _effective_generation_config(model, generation_config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
-    """The values `generate` will use (user kwargs > `generation_config` > `model.generation_config` > library
-    defaults), computed with public `GenerationConfig` methods only, for the checks made before any work."""
+    """The values `generate` will use (arguments > `generation_config` > `model.generation_config` > library
+    defaults), for the checks made before any work; not transformers' own merge, which fills the defaults meant for
+    an assistant model (0.4, 20) that MTP tells apart from unset."""
     eff = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
     eff.update(**model.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
     eff.update(**{k: v for k, v in kwargs.items() if hasattr(eff, k)})
@@ -628,113 +627,80 @@ def _effective_generation_config(model, generation_config: GenerationConfig | No
 
 
 def caller_length_wins(config: GenerationConfig, passed: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
-    """A length limit set by the caller wins over the model's serving default, silently, as with in-library models:
-    `max_length` given (as an argument or in the `generation_config` passed) without a `max_new_tokens` of the
-    caller's own drops the default `max_new_tokens` of `generation_config.json`. Edits and returns `config`."""
-    caller_max_length = kwargs.get("max_length") is not None or (passed is not None and passed.max_length is not None)
-    caller_max_new = kwargs.get("max_new_tokens") is not None or (passed is not None and passed.max_new_tokens is not None)
-    if caller_max_length and not caller_max_new:
+    """A caller's `max_length` (argument or passed config) without a `max_new_tokens` of its own drops the serving
+    default `max_new_tokens`, silently, as with in-library models. Edits and returns `config`."""
+    def caller(name):
+        return kwargs.get(name) is not None or (passed is not None and getattr(passed, name) is not None)
+
+    if caller("max_length") and not caller("max_new_tokens"):
         config.max_new_tokens = None
     return config
 
 
 def prepare_generation_cache(model, generation_config: GenerationConfig, model_kwargs: dict,
                              fed: int | None = None) -> bool:
-    """Build the loop-slot cache before the prefill: for `cache_implementation` "static" sized to this call's
-    sequence (`fed`, transformers' count of the positions the call feeds, plus the last token; else `max_length`,
-    which leaves out `inputs_embeds`) or to `max_cache_len` if larger, else ("dynamic" or none) to the whole context
-    window; `SpikeWhaleCache` is static either way, preallocated per slot. Returns False where transformers' own
-    preparation applies (a cache passed in, use_cache=False); other implementations raise, since no generic cache can
-    hold this model's state."""
+    """Put a `SpikeWhaleCache` (preallocated per slot) in `model_kwargs` before the prefill: "static" sized to this
+    call (`fed`, the positions transformers counts it feeding, plus one; else `max_length`) or to `max_cache_len` if
+    larger; None and "dynamic" to the context window. False where transformers' own preparation applies (a cache
+    passed in, use_cache=False); other implementations raise, as no generic cache holds this model's state."""
     impl = generation_config.cache_implementation
     if model_kwargs.get(CACHE_FIELD) is not None or generation_config.use_cache is False:
         return False
-    limit = model.config.max_position_embeddings
-    if impl is None:
-        cache = SpikeWhaleCache(model.config)
-    elif impl == "static":
-        length = fed + 1 if fed is not None else generation_config.max_length or 0
-        size = max(length, getattr(generation_config, "max_cache_len", None) or 0)
-        cache = SpikeWhaleCache(model.config, max_cache_len=min(max(size, 1), limit))
-    elif impl in ("dynamic", "dynamic_full"):  # "dynamic_full": no sliding layers, which this cache never has
-        cache = SpikeWhaleCache(model.config)
-    else:
+    if impl not in (None, "static", "dynamic", "dynamic_full"):  # "dynamic_full": no sliding layers, never had here
         raise NotImplementedError(
             f"cache_implementation={impl!r} is not available for spike_whale: its cache holds per-loop-slot K/V plus "
             "Memory-Cache and Engram state that a generic (offloaded, quantized, sliding) cache cannot carry. Use "
             "\"static\" or \"dynamic\" (both give the same preallocated SpikeWhaleCache)."
         )
-    if getattr(generation_config, "is_assistant", False):  # drafting for another model: candidates get rolled back
-        drafts = getattr(generation_config, "num_assistant_tokens", None)
-        cache.activate_past_recording(recurrent_states_to_keep=drafts)
-    model_kwargs[CACHE_FIELD] = cache
+    size = None
+    if impl == "static":
+        length = fed + 1 if fed is not None else generation_config.max_length or 0
+        size = max(length, getattr(generation_config, "max_cache_len", None) or 0, 1)
+        size = min(size, model.config.max_position_embeddings)
+    cache = model_kwargs[CACHE_FIELD] = SpikeWhaleCache(model.config, max_cache_len=size)
+    if getattr(generation_config, "is_assistant", False):  # a draft model's candidates get rolled back
+        cache.activate_past_recording(recurrent_states_to_keep=getattr(generation_config, "num_assistant_tokens", None))
     return True
-
-
-def _truncate_prompt(ids: torch.Tensor, mask: torch.Tensor | None, keep: int, bos_id: int | None):
-    """Keep the last `keep` columns of a (left-padded) prompt; a row that started with `<bos>` and lost tokens
-    gets `<bos>` back as its first kept token (the model was trained with `<bos>` on every sequence)."""
-    drop = ids.shape[1] - keep
-    new_ids = ids[:, drop:].clone()
-    new_mask = mask[:, drop:] if mask is not None else None
-    if bos_id is not None:
-        real = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
-        first = real.long().argmax(1)
-        starts_with_bos = ids.gather(1, first[:, None]).squeeze(1) == bos_id
-        lost = real[:, :drop].any(1)
-        new_ids[starts_with_bos & lost, 0] = bos_id
-    return new_ids, new_mask
 
 
 def _check_generate_inputs(ids, embeds, mask, bos_id) -> None:
     """Shapes `generate` cannot work with, refused with what to pass instead."""
-    if ids is not None:
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-            raise ValueError(
-                f"input_ids must be a [batch, seq] tensor, got {tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}."
-            )
-        if ids.shape[1] == 0 and embeds is None:
-            raise ValueError(
-                f"input_ids is empty (shape {tuple(ids.shape)}): generate needs at least one prompt token; start from "
-                f"the <bos> id ({bos_id}), e.g. input_ids=torch.tensor([[{bos_id}]])."
-            )
+    if ids is not None and (not isinstance(ids, torch.Tensor) or ids.dim() != 2):
+        got = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"input_ids must be a [batch, seq] tensor, got {got}.")
+    if ids is not None and ids.shape[1] == 0 and embeds is None:
+        raise ValueError(
+            f"input_ids is empty (shape {tuple(ids.shape)}): generate needs at least one prompt token; start from "
+            f"the <bos> id ({bos_id}), e.g. input_ids=torch.tensor([[{bos_id}]])."
+        )
     if embeds is not None and (embeds.dim() != 3 or embeds.shape[1] == 0):
         raise ValueError(f"inputs_embeds must be [batch, seq >= 1, hidden], got {tuple(embeds.shape)}.")
-    if mask is not None:
-        ref = ids if ids is not None and ids.shape[1] else embeds
-        expected = tuple(ref.shape[:2]) if ref is not None else None
-        if mask.dim() != 2 or (expected is not None and tuple(mask.shape) != expected):
-            raise ValueError(
-                f"attention_mask has shape {tuple(mask.shape)} but the prompt is {expected}: pass a 2D [batch, seq] "
-                "padding mask (1 = real token) with one entry per prompt token, e.g. the tokenizer's own mask."
-            )
+    ref = ids if ids is not None and ids.shape[1] else embeds
+    expected = tuple(ref.shape[:2]) if ref is not None else None
+    if mask is not None and (mask.dim() != 2 or (expected is not None and tuple(mask.shape) != expected)):
+        raise ValueError(
+            f"attention_mask has shape {tuple(mask.shape)} but the prompt is {expected}: pass a 2D [batch, seq] "
+            "padding mask (1 = real token) with one entry per prompt token, e.g. the tokenizer's own mask."
+        )
 
 
-# Logits processors that `generate` builds from a `GenerationConfig` field, by class name.
+# The library processors `generate` builds from a config field, and the sampling fields with their "off" values.
 _PROCESSOR_FIELDS = {
-    "RepetitionPenaltyLogitsProcessor": "repetition_penalty",
-    "SuppressTokensLogitsProcessor": "suppress_tokens",
-    "SuppressTokensAtBeginLogitsProcessor": "begin_suppress_tokens",
-    "NoRepeatNGramLogitsProcessor": "no_repeat_ngram_size",
-    "NoBadWordsLogitsProcessor": "bad_words_ids",
-    "SequenceBiasLogitsProcessor": "sequence_bias",
-    "TemperatureLogitsWarper": "temperature",
-    "TopKLogitsWarper": "top_k",
-    "TopPLogitsWarper": "top_p",
-    "MinPLogitsWarper": "min_p",
-    "TypicalLogitsWarper": "typical_p",
+    "RepetitionPenaltyLogitsProcessor": "repetition_penalty", "SuppressTokensLogitsProcessor": "suppress_tokens",
+    "SuppressTokensAtBeginLogitsProcessor": "begin_suppress_tokens", "NoBadWordsLogitsProcessor": "bad_words_ids",
+    "NoRepeatNGramLogitsProcessor": "no_repeat_ngram_size", "SequenceBiasLogitsProcessor": "sequence_bias",
+    "TemperatureLogitsWarper": "temperature", "TopKLogitsWarper": "top_k", "TopPLogitsWarper": "top_p",
+    "MinPLogitsWarper": "min_p", "TypicalLogitsWarper": "typical_p",
 }
-# Sampling-only fields and the values at which they are off (transformers' global defaults).
 _SAMPLING_NEUTRAL = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "typical_p": 1.0, "min_p": None,
                      "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
 
 
 def _as_assistant_call(generation_config: GenerationConfig, kwargs: dict) -> tuple[GenerationConfig, dict]:
-    """transformers' assisted decoding calls the draft model's `generate` with the main call's merged config plus
-    length arguments and the main call's processors; left as they are, `generate` warns four times (config plus
-    arguments, sampling flags of a greedy draft, each processor built twice). Fold the arguments into a copy of
-    the config, turn off the sampling flags a greedy draft ignores, and drop each passed library processor that the
-    config builds again with the same values: the same draft, no warnings."""
+    """transformers' assisted decoding calls the draft model with the main call's merged config, length arguments
+    and built processors, on which `generate` warns four times. Fold the arguments into a copy of the config, turn
+    off the sampling flags a greedy draft ignores and drop each library processor the config builds again: the
+    same draft, no warnings."""
     config = copy.deepcopy(generation_config)
     if not config.do_sample:
         for name, neutral in _SAMPLING_NEUTRAL.items():
@@ -751,9 +717,8 @@ def _as_assistant_call(generation_config: GenerationConfig, kwargs: dict) -> tup
 
 
 class GreedyVocabIndex:
-    """Prefix search over the tokens a greedy longest-match tokenizer may emit (`greedy_vocab`: text -> id, one
-    character per byte, so every single character is a token): the longest token a text starts with, and the
-    tokens that start with a text."""
+    """Prefix search over a greedy longest-match tokenizer's tokens (`greedy_vocab`: text -> id; every single
+    character is a token): the longest token a text starts with, and the tokens that start with a text."""
 
     def __init__(self, vocab: dict[str, int]):
         self.vocab = vocab
@@ -768,15 +733,14 @@ class GreedyVocabIndex:
         return self.sorted_ids[lo:bisect_left(self.sorted_texts, text + "\U0010ffff", lo)]
 
     def longest_prefix(self, text: str) -> int:
-        """Id of the longest token that `text` starts with (what greedy matching takes at its start)."""
+        """Id of the longest token `text` starts with: what greedy matching takes at its start."""
         return next(self.vocab[text[:n]] for n in range(min(len(text), self.max_len), 0, -1) if text[:n] in self.vocab)
 
 
 def first_unstable_token(pieces: list[str], index: GreedyVocabIndex) -> int:
     """The first piece of a greedy tokenization that more text could change: the smallest i such that a token
-    strictly extends the text from piece i onward (len(pieces) if none). Greedy matching takes the longest token
-    the text starts with, so piece i changes only if a longer token starts with all of the text from i; the
-    pieces before the first such i stay whatever follows."""
+    strictly extends the text from piece i on (len(pieces) if none). Greedy matching takes the longest token the
+    text starts with, so only such a token can replace piece i; the pieces before stay whatever follows."""
     text = "".join(pieces)
     start, first = len(text), len(pieces)
     for i in range(len(pieces) - 1, -1, -1):
@@ -790,10 +754,9 @@ def first_unstable_token(pieces: list[str], index: GreedyVocabIndex) -> int:
 
 
 class HealedTailLogitsProcessor(LogitsProcessor):
-    """Token healing's constraint on the first new tokens: while the generated text has not covered the prompt tail
-    R that healing dropped, the allowed tokens are those greedy matching could take there: the longest token that
-    what is left of R starts with (the prompt's own token), or a token that starts with all of it (one that crosses
-    the prompt's end); after that, generation is free. Stateless: each call re-reads the generated ids."""
+    """Token healing's constraint: until the new tokens have spelled the prompt tail R that healing dropped, allow
+    only what greedy matching could take there, the longest token the rest of R starts with (the prompt's own) or a
+    token that starts with all of it (one crossing the prompt's end). Stateless: each call re-reads the ids."""
 
     def __init__(self, tails: list[str], prompt_length: int, index: GreedyVocabIndex):
         self.tails = tails
@@ -815,8 +778,7 @@ class HealedTailLogitsProcessor(LogitsProcessor):
         return scores.masked_fill(~allowed, -float("inf"))
 
     def spell_tail(self, tail: str, generated: list[int]) -> tuple[str, int]:
-        """What is left of `tail` after the new tokens `generated`, and how many of them spelled it (all of it once
-        the tail is covered)."""
+        """What is left of `tail` after the tokens `generated`, and how many of them spelled it."""
         rest = tail
         for spent, token in enumerate(generated):
             if not rest:
@@ -827,22 +789,37 @@ class HealedTailLogitsProcessor(LogitsProcessor):
         return rest, len(generated)
 
 
+class MaxNewTokensAfterHealedTail(StoppingCriteria):
+    """A row is done once it has `max_new_tokens` tokens after those that spell its healed tail again: the tail is
+    prompt (transformers' `heal_tokens` does not count its healed token either)."""
+
+    def __init__(self, healing: HealedTailLogitsProcessor, max_new_tokens: int):
+        self.healing = healing
+        self.max_new_tokens = max_new_tokens
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        per_prompt = input_ids.shape[0] // len(self.healing.tails)
+        done = []
+        for row, generated in enumerate(input_ids[:, self.healing.prompt_length:].tolist()):
+            rest, spent = self.healing.spell_tail(self.healing.tails[row // per_prompt], generated)
+            done.append(not rest and len(generated) - spent >= self.max_new_tokens)
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
 def _heal_prompt(ids: torch.Tensor, mask: torch.Tensor | None, tokenizer):
-    """transformers' token healing (`token_healing=True`) for a greedy longest-match tokenizer: each prompt loses its
-    tail from the first token that more text could re-tokenize (`first_unstable_token`; never the row's first
-    token, never a special token), and the returned processor makes the first new tokens spell that tail again, so
-    the model picks the tokens that cross the prompt's end (`' wh', 'o'` can become `' who '`). The prompt's text is
-    kept exactly (no strip). Returns the shortened rows left-padded, their mask, and the processor."""
+    """Token healing (`token_healing=True`) for a greedy longest-match tokenizer: each row loses its tail from the
+    first token that more text could re-tokenize (never its first token, nor a special token or what precedes
+    one), and the returned processor makes the first new tokens spell that tail again, so they may cross the
+    prompt's end (`' wh', 'o'` can become `' who '`). Returns the rows left-padded, their mask and the processor."""
     if tokenizer is None:
         raise ValueError("token_healing=True needs the prompt's tokenizer: pass tokenizer=... to generate.")
-    greedy = getattr(tokenizer, "greedy_vocab", None)
-    if greedy is None:
+    if getattr(tokenizer, "greedy_vocab", None) is None:
         raise ValueError(
             f"token_healing=True re-spells the prompt's tail with the tokens of a greedy longest-match tokenizer "
             f"(`tokenizer.greedy_vocab`), which {type(tokenizer).__name__} does not have: pass this model's "
             "SpikeTokenizer/SpikeTokenizerFast, or token_healing=False."
         )
-    index = GreedyVocabIndex(greedy)
+    index = GreedyVocabIndex(tokenizer.greedy_vocab)
     real = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
     rows, tails = [], []
     for row, keep in zip(ids.tolist(), real.tolist()):
@@ -850,120 +827,74 @@ def _heal_prompt(ids: torch.Tensor, mask: torch.Tensor | None, tokenizer):
         start = len(tokens)
         while start > 0 and tokens[start - 1] in index.text_of:  # the text after the last special token
             start -= 1
-        start = max(start, 1)
-        cut = start + first_unstable_token([index.text_of[t] for t in tokens[start:]], index)
+        cut = max(start, 1) + first_unstable_token([index.text_of[t] for t in tokens[max(start, 1):]], index)
         rows.append(tokens[:cut])
         tails.append("".join(index.text_of[t] for t in tokens[cut:]))
     if not any(tails):
         return ids, mask, HealedTailLogitsProcessor(tails, ids.shape[-1], index)
-    width = max(len(r) for r in rows)
-    new_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=ids.dtype, device=ids.device)
-    new_mask = torch.zeros((len(rows), width), dtype=torch.long, device=ids.device)
-    for i, r in enumerate(rows):
-        if r:
-            new_ids[i, width - len(r):] = torch.tensor(r, dtype=ids.dtype)
-            new_mask[i, width - len(r):] = 1
-    return new_ids, new_mask, HealedTailLogitsProcessor(tails, width, index)
-
-
-class MaxNewTokensAfterHealedTail(StoppingCriteria):
-    """Token healing's length accounting: a row is done once it has `max_new_tokens` tokens after those that spell
-    its healed tail again, so the rebuilt tail counts as prompt (transformers' `heal_tokens` does not count its
-    healed token either). `generate`'s own limit is raised by the most tail tokens a row dropped."""
-
-    def __init__(self, healing: HealedTailLogitsProcessor, max_new_tokens: int):
-        self.healing = healing
-        self.max_new_tokens = max_new_tokens
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
-        tails = self.healing.tails
-        per_prompt = input_ids.shape[0] // len(tails)
-        done = []
-        for row, generated in enumerate(input_ids[:, self.healing.prompt_length:].tolist()):
-            rest, spent = self.healing.spell_tail(tails[row // per_prompt], generated)
-            done.append(not rest and len(generated) - spent >= self.max_new_tokens)
-        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
-
-
-def _with_fields(generation_config: GenerationConfig | None, kwargs: dict, fields: dict) -> GenerationConfig | None:
-    """Set generation fields where the call carries its settings: in `kwargs`, or in a copy of the
-    `generation_config` passed (transformers warns when a call mixes the two). Returns the config to pass on."""
-    if generation_config is None:
-        kwargs.update(fields)
-        return None
-    generation_config = copy.deepcopy(generation_config)
-    generation_config.update(**fields)
-    for name in fields:
-        kwargs.pop(name, None)
-    return generation_config
+    width = max(map(len, rows))
+    new_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(r)) + r for r in rows], dtype=ids.dtype)
+    new_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return new_ids.to(ids.device), new_mask.to(ids.device), HealedTailLogitsProcessor(tails, width, index)
 
 
 def spike_whale_generate(model, parent_generate, inputs=None, generation_config=None, **kwargs):
-    """Body of `SpikeWhaleForCausalLM.generate` (see its docstring): checks the inputs and the context window before
-    any work, applies the opt-in prompt truncation, routes `use_mtp=True` to `mtp_speculative_generate` (through the
-    public `custom_generate` hook, so logits processors and stopping criteria are the library's own), and
-    otherwise hands everything to `GenerationMixin.generate` (`parent_generate`)."""
-    if generation_config is not None and getattr(generation_config, "is_assistant", False):
+    """Body of `SpikeWhaleForCausalLM.generate`: checks the inputs and the context window before any work, heals or
+    truncates the prompt where asked, routes `use_mtp=True` to `mtp_speculative_generate` (through the public
+    `custom_generate` hook, so processors and stopping criteria are the library's own) and hands everything to
+    `GenerationMixin.generate` (`parent_generate`)."""
+    if getattr(generation_config, "is_assistant", False):
         generation_config, kwargs = _as_assistant_call(generation_config, kwargs)
     use_mtp = kwargs.pop("use_mtp", None)
     truncate = bool(kwargs.pop("truncate_to_context", False))
     draft_tokens = kwargs.pop("mtp_draft_tokens", None)
     eff = _effective_generation_config(model, generation_config, kwargs)
-    if use_mtp is None:
-        use_mtp = bool(getattr(eff, "use_mtp", None))
     if getattr(eff, "use_mtp", None):
-        # A config asking for MTP must never reach the library's own MTP path (it assumes the DeepSeek-V3
-        # layout and refuses stateful models); ours is routed through `custom_generate` below.
-        base = generation_config if generation_config is not None else model.generation_config
-        generation_config = copy.deepcopy(base)
+        # The library's own MTP path (DeepSeek-V3's layout, refusing stateful models) must never see it: ours is below.
+        generation_config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
         generation_config.use_mtp = False
+        use_mtp = True if use_mtp is None else use_mtp
 
-    # --- inputs and the context window: raise before any work (or truncate the prompt when explicitly asked) ---
-    ids = inputs if inputs is not None else kwargs.get("input_ids")
-    embeds = kwargs.get("inputs_embeds")
-    mask = kwargs.get("attention_mask")
+    ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+    embeds, mask = kwargs.get("inputs_embeds"), kwargs.get("attention_mask")
     if "cache" in kwargs and CACHE_FIELD != "cache":  # transformers < 5.24 carries the cache as past_key_values
         kwargs[CACHE_FIELD] = kwargs.pop("cache")
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    past = cache.get_seq_length() if cache is not None else 0
     _check_generate_inputs(ids, embeds, mask, model.config.bos_token_id)
-    if ids is not None and (kwargs.get("token_healing") or getattr(eff, "token_healing", False)):
-        if cache is not None and cache.get_seq_length() > 0:
-            raise ValueError(
-                f"token_healing=True re-tokenizes the end of the prompt, but the cache passed in already holds "
-                f"{cache.get_seq_length()} of its positions, which healing would change under it. Continue from the "
-                "cache with token_healing=False, or heal the whole prompt from a fresh cache (cache=None)."
-            )
-        real = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
-        budget = eff.max_new_tokens if eff.max_new_tokens is not None else eff.max_length - ids.shape[-1]
-        ids, mask, healing = _heal_prompt(ids, mask, kwargs.get("tokenizer"))
-        dropped = int((real.sum(-1) - (mask.sum(-1) if mask is not None else ids.shape[-1])).max())
-        kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), healing])
-        fields = {"token_healing": False}
-        if dropped:  # the tail spelled again is prompt: each row gets `budget` tokens after it
-            kwargs["stopping_criteria"] = StoppingCriteriaList(
-                [*(kwargs.get("stopping_criteria") or []), MaxNewTokensAfterHealedTail(healing, budget)])
-            kwargs.pop("max_length", None)
-            fields["max_new_tokens"] = eff.max_new_tokens = budget + dropped
-        generation_config = _with_fields(generation_config, kwargs, fields)
-        kwargs["attention_mask"] = mask
-        if inputs is not None:
-            inputs = ids
-        else:
-            kwargs["input_ids"] = ids
-    if ids is not None:
-        width = ids.shape[-1]
-    elif embeds is not None:
-        width = embeds.shape[1]
-    else:
-        width = 1
-    if mask is not None and mask.dim() == 2:
-        width = max(width, mask.shape[1])
+    prompt = ids if ids is not None and ids.shape[-1] else embeds if embeds is not None else mask
+    width = prompt.shape[1] if prompt is not None else 1
     new_tokens = eff.max_new_tokens if eff.max_new_tokens is not None else eff.max_length - width
+
+    if ids is not None and getattr(eff, "token_healing", False):
+        if past:
+            raise ValueError(
+                f"token_healing=True re-tokenizes the end of the prompt, but the cache passed in already holds {past} "
+                "of its positions, which healing would change under it. Continue from the cache with "
+                "token_healing=False, or heal the whole prompt from a fresh cache (cache=None)."
+            )
+        healed_ids, healed_mask, healing = _heal_prompt(ids, mask, kwargs.get("tokenizer"))
+        kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), healing])
+        fields = {"token_healing": False}  # transformers' own healing would undo ours
+        if healed_ids is not ids:  # the tail spelled again is prompt: each row gets `new_tokens` tokens after it
+            real = mask.sum(-1) if mask is not None else torch.full((ids.shape[0],), width, device=ids.device)
+            kwargs["stopping_criteria"] = StoppingCriteriaList(
+                [*(kwargs.get("stopping_criteria") or []), MaxNewTokensAfterHealedTail(healing, new_tokens)])
+            kwargs.pop("max_length", None)
+            new_tokens += int((real - healed_mask.sum(-1)).max())
+            fields["max_new_tokens"] = eff.max_new_tokens = new_tokens
+        if generation_config is None:  # settings go where the call carries them (transformers warns on a mix)
+            kwargs.update(fields)
+        else:
+            generation_config = copy.deepcopy(generation_config)
+            generation_config.update(**fields)
+            kwargs = {k: v for k, v in kwargs.items() if k not in fields}
+        ids, mask, width = healed_ids, healed_mask, healed_ids.shape[-1]
+
     limit = model.config.max_position_embeddings
     where = f"this model's context window (max_position_embeddings={limit})"
     if isinstance(cache, SpikeWhaleCache) and cache.max_cache_len < limit:
-        limit = cache.max_cache_len
-        where = f"the SpikeWhaleCache passed in (max_cache_len={limit})"
+        limit, where = cache.max_cache_len, f"the SpikeWhaleCache passed in (max_cache_len={cache.max_cache_len})"
     if new_tokens > 0 and width + new_tokens > limit:
         asked = (f"max_new_tokens={new_tokens}" if eff.max_new_tokens is not None
                  else f"max_length={eff.max_length} ({new_tokens} new tokens)")
@@ -981,180 +912,135 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
                 f"{max(limit - width, 0)} new tokens, or pass truncate_to_context=True to drop the oldest prompt "
                 "tokens (keeping <bos>)."
             )
-        keep = limit - new_tokens
         if ids is None:
             raise NotImplementedError("truncate_to_context=True truncates input_ids; it does not cut inputs_embeds.")
-        if cache is not None and cache.get_seq_length() > 0:
+        if past:
             raise ValueError(
                 "truncate_to_context=True cannot drop tokens that are already held in the cache passed in; start "
                 "from a fresh cache (cache=None) with the truncated conversation instead."
             )
-        new_ids, new_mask = _truncate_prompt(ids, mask, keep, model.config.bos_token_id)
+        # Keep the newest limit - new_tokens columns; a row that started with <bos> and lost tokens gets it back.
+        drop, bos = width + new_tokens - limit, model.config.bos_token_id
+        real = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
+        first, lost = ids.gather(1, real.long().argmax(1, keepdim=True))[:, 0], real[:, :drop].any(1)
+        ids, mask = ids[:, drop:].clone(), mask[:, drop:] if mask is not None else None
+        if bos is not None:
+            ids[lost & (first == bos), 0] = bos
         logger.warning(
-            f"truncate_to_context=True: dropped the oldest {width - keep} of {width} prompt tokens so that the "
-            f"prompt plus {new_tokens} new tokens fits {where}."
+            f"truncate_to_context=True: dropped the oldest {drop} of {width} prompt tokens so that the prompt plus "
+            f"{new_tokens} new tokens fits {where}."
         )
-        if inputs is not None:
-            inputs = new_ids
-        else:
-            kwargs["input_ids"] = new_ids
-        if new_mask is not None:
-            kwargs["attention_mask"] = new_mask
         kwargs.pop("position_ids", None)
+    if mask is not None:
+        kwargs["attention_mask"] = mask
 
-    # The model builds its cache in `forward`; chunked prefill and assisted decoding need one before the first.
-    needs_cache = (eff.prefill_chunk_size or kwargs.get("assistant_model") is not None
-                   or getattr(eff, "prompt_lookup_num_tokens", None))
-    if (needs_cache or getattr(eff, "is_assistant", False)) and eff.use_cache and cache is None \
-            and eff.cache_implementation is None:
-        kwargs[CACHE_FIELD] = SpikeWhaleCache(model.config)
-        drafting = getattr(eff, "is_assistant", False)  # drafting for another model: its candidates get rolled back
-        # transformers < 5.24 rolls the verified model's cache back without first turning recording on.
-        verifying = CACHE_FIELD != "cache" and needs_cache and not eff.prefill_chunk_size
-        if drafting:  # as transformers >= 5.25 records its assistants' caches: crops remove at most the drafts
-            drafts = getattr(eff, "num_assistant_tokens", None)
-            kwargs[CACHE_FIELD].activate_past_recording(recurrent_states_to_keep=drafts)
-        elif verifying:
-            kwargs[CACHE_FIELD].activate_past_recording()
+    # Assisted decoding crops the cache after each verification. transformers < 5.24 does so without recording it
+    # first; the "heuristic" schedules grow the drafts (by 2 per fully accepted round) past the count transformers
+    # >= 5.25 asks the cache to record, but a round drafts at most the new tokens.
     assistant = kwargs.get("assistant_model")
+    if (assistant is not None or getattr(eff, "prompt_lookup_num_tokens", None)) and eff.use_cache \
+            and cache is None and eff.cache_implementation is None:
+        cache = kwargs[CACHE_FIELD] = SpikeWhaleCache(model.config)
+        if CACHE_FIELD != "cache" and not eff.prefill_chunk_size:
+            cache.activate_past_recording()
     schedule = getattr(getattr(assistant, "generation_config", None), "num_assistant_tokens_schedule", None)
-    if schedule in ("heuristic", "heuristic_transient") and isinstance(kwargs.get(CACHE_FIELD), SpikeWhaleCache):
-        # This schedule grows the drafts (by 2 after each fully accepted round) past the count transformers >= 5.25
-        # asks the cache to record at the start; a round drafts at most the new tokens.
-        kwargs[CACHE_FIELD].min_states_to_keep = max(new_tokens, 0)
+    if schedule in ("heuristic", "heuristic_transient") and isinstance(cache, SpikeWhaleCache):
+        cache.min_states_to_keep = max(new_tokens, 0)
 
-    # --- MTP self-speculative decoding ---
     if use_mtp:
         if kwargs.get("custom_generate") is not None:
-            raise ValueError(
-                "use_mtp=True runs spike_whale's own decoding loop; it cannot be combined with custom_generate."
-            )
-        if kwargs.get("assistant_model") is not None:
+            raise ValueError("use_mtp=True runs spike_whale's own decoding loop; it cannot be combined with "
+                             "custom_generate.")
+        if assistant is not None:
             raise ValueError("use_mtp=True drafts with the model's own MTP head; do not pass an assistant_model.")
         if eff.num_beams != 1:
             raise NotImplementedError(
                 "use_mtp=True implements greedy and sampling self-speculative decoding (num_beams=1); got "
                 f"num_beams={eff.num_beams}. Drop num_beams or use_mtp."
             )
-        if not len(getattr(model, "mtp_heads", ())):
+        heads = len(getattr(model, "mtp_heads", ()))
+        if not heads:
             raise ValueError("use_mtp=True needs an MTP head, but this config has num_nextn_predict_layers=0.")
         if not eff.use_cache:
+            raise ValueError("use_mtp=True verifies drafts against the cache and rolls it back; it needs "
+                             "use_cache=True.")
+        # Read before transformers fills its defaults for a separate assistant model (0.4 and 20): unset by the
+        # caller and by generation_config.json means no gate and one draft per MTP head.
+        threshold = eff.assistant_confidence_threshold if eff.assistant_confidence_threshold is not None else 0.0
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
             raise ValueError(
-                "use_mtp=True verifies drafts against the cache and rolls it back; it needs use_cache=True."
+                f"assistant_confidence_threshold={threshold!r}: use_mtp=True drafts only when the MTP head's top "
+                "probability is above it, so it must be a number in [0, 1] (0 drafts every step, 1 never drafts)."
             )
-        kwargs["custom_generate"] = mtp_speculative_generate
-        kwargs["mtp_streamer"] = kwargs.pop("streamer", None)
-        # Read here, before transformers fills its global defaults (0.4 and 20, meant for a separate assistant model)
-        # for every call: unset by the caller and by generation_config.json means no gate and one draft per head.
-        kwargs["mtp_confidence_threshold"] = mtp_gate_threshold(eff.assistant_confidence_threshold)
-        kwargs["mtp_draft_tokens"] = mtp_draft_count(draft_tokens, eff.num_assistant_tokens, len(model.mtp_heads))
-    elif draft_tokens is not None:
-        raise ValueError("mtp_draft_tokens only applies with use_mtp=True.")
-    return parent_generate(inputs, generation_config=generation_config, **kwargs)
-
-
-def mtp_gate_threshold(value) -> float:
-    """`assistant_confidence_threshold` for MTP drafting: the caller's or generation_config.json's value, 0.0 (draft
-    every step) when neither sets it."""
-    if value is None:
-        return 0.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise ValueError(
-            f"assistant_confidence_threshold={value!r}: use_mtp=True drafts only when the MTP head's top probability "
-            "is above it, so it must be a number in [0, 1] (0 drafts every step, 1 never drafts)."
-        )
-    return float(value)
-
-
-def mtp_draft_count(draft_tokens, num_assistant_tokens, heads: int) -> int:
-    """Drafts per MTP step: `mtp_draft_tokens`, else `num_assistant_tokens` (the caller's or generation_config.json's),
-    else one per MTP head; drafts beyond the heads chain the first head (`mtp_speculative_generate`)."""
-    for name, value in (("mtp_draft_tokens", draft_tokens), ("num_assistant_tokens", num_assistant_tokens)):
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        name, count = next(((n, v) for n, v in (("mtp_draft_tokens", draft_tokens),
+                                                ("num_assistant_tokens", eff.num_assistant_tokens)) if v is not None),
+                           ("", heads))
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(
-                f"{name}={value!r}: use_mtp=True drafts that many tokens per step (MTP head k drafts the k-th, the "
+                f"{name}={count!r}: use_mtp=True drafts that many tokens per step (MTP head k drafts the k-th, the "
                 f"first head chained drafts those past this model's {heads} MTP head(s)), so it must be an int >= 1."
             )
-        return value
-    return heads
+        kwargs.update(custom_generate=mtp_speculative_generate, mtp_streamer=kwargs.pop("streamer", None),
+                      mtp_confidence_threshold=float(threshold), mtp_draft_tokens=count)
+    elif draft_tokens is not None:
+        raise ValueError("mtp_draft_tokens only applies with use_mtp=True.")
+    return parent_generate(ids, generation_config=generation_config, **kwargs)
 
 
-def mtp_speculative_generate(
-    model,
-    input_ids: torch.LongTensor,
-    logits_processor,
-    stopping_criteria,
-    generation_config: GenerationConfig,
-    mtp_streamer=None,
-    mtp_draft_tokens: int | None = None,
-    mtp_confidence_threshold: float = 0.0,
-    **model_kwargs,
-):
-    """Greedy or sampling decoding with MTP self-speculation: greedy ids are those of plain greedy decoding, sampled
-    ids follow plain sampling's distribution (speculative sampling's accept/reject rule, below).
+def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria,
+                             generation_config: GenerationConfig, mtp_streamer=None, mtp_draft_tokens: int = 1,
+                             mtp_confidence_threshold: float = 0.0, **model_kwargs):
+    """Greedy or sampling decoding with MTP self-speculation (`generate(use_mtp=True)`, as `custom_generate`):
+    greedy ids are plain greedy decoding's, sampled ids follow plain sampling's distribution.
 
-    Each step feeds the pending token plus K drafts through one multi-token forward; the main head's greedy
-    choices are emitted one at a time through the library's logits processors and stopping criteria, as in
-    `GenerationMixin._sample`, until the first disagreement; the rejected drafts are then removed from the cache
-    (`activate_past_recording` + `crop`), which restores the Memory-Cache state exactly. Rows of a batch advance in
-    lockstep (a step keeps the drafts every unfinished row accepted). Called by `GenerationMixin.generate` through
-    `custom_generate` (after all of its input preparation).
+    A step feeds the pending token and K drafts through one forward. The main head's choices are emitted one at a
+    time through the library's processors and stopping criteria, as in `GenerationMixin._sample`, while they equal
+    the drafts (in every unfinished row: rows advance in lockstep); the rejected drafts are then cropped from the
+    cache (`activate_past_recording` + `crop`), which restores the Memory-Cache state exactly.
 
-    Drafts: MTP head k, applied to the final normed hidden state h of the place that chose the pending token,
-    drafts the token k+1 places past the pending one; drafts beyond the model's heads chain head 1 on the final
-    norm of the previous draft's state, y_{k+1} = head_1(norm(y_k)) (y_k stands in for the hidden state of the place
-    before its token). The next step drafts from the place of the last emitted token; a verify step's main logits
-    and the draft logits of each of its places come from one `lm_head` product.
+    Drafts: MTP head k on the final hidden state h of the place that chose the pending token drafts the token k
+    places past it; past the heads, head 1 chains on the previous draft's state, y_{k+1} = head_1(norm(y_k)). One
+    `lm_head` product gives a step's main logits and the drafts from each of its places. A greedy draft is the
+    argmax after the square root of the repetition penalty: the heads, trained on the model's own processed greedy
+    text, have learnt part of the penalty.
 
-    With `do_sample=True` each draft is sampled from its processed distribution q, and the main head's processed
-    distribution p at that place accepts it with probability min(1, p(d)/q(d)); a rejected draft is replaced by
-    a sample of norm(max(0, p - q)) and ends the step; after the last draft, a token is sampled from p. Each
-    emitted token is then distributed as plain sampling's (Leviathan et al. 2023, Chen et al. 2023).
+    Sampling (speculative sampling, Leviathan et al. 2023): a draft d is drawn from its processed distribution q and
+    kept with probability min(1, p(d)/q(d)) under the main head's processed p, else replaced by a draw from
+    norm(max(0, p - q)); after the last draft a token is drawn from p.
 
-    Confidence gate (`assistant_confidence_threshold`, resolved by `spike_whale_generate`): drafting stops at the
-    first draft whose confidence - the top probability of the distribution it is taken from - is not above the
-    threshold in every unfinished row; a step without drafts is a plain one-token step. The gate depends on the
-    context only, so greedy ids and the sampling distribution are unchanged.
-    """
-    streamer = mtp_streamer
-    do_sample = bool(generation_config.do_sample)
-    heads, norm = model.mtp_heads, model.model.norm
-    K = int(mtp_draft_tokens or len(heads))
-    threshold = mtp_confidence_threshold
-    cache = model_kwargs.get(CACHE_FIELD)
-    if cache is not None and not isinstance(cache, SpikeWhaleCache):
-        if isinstance(cache, Cache) and cache.get_seq_length() == 0:
-            cache = None
-        else:
-            raise TypeError(f"spike_whale needs a SpikeWhaleCache, got {type(cache).__name__}.")
-    if cache is None:
-        cache = SpikeWhaleCache(model.config)
-    attention_mask = model_kwargs.get("attention_mask")
-
-    output_scores = generation_config.output_scores
-    output_logits = generation_config.output_logits
+    Confidence gate (`assistant_confidence_threshold`): drafting stops at the first draft whose distribution's top
+    probability is not above the threshold in every unfinished row. It reads the context only, so the ids (greedy)
+    and the distribution (sampling) do not change."""
+    streamer, K, threshold = mtp_streamer, mtp_draft_tokens, mtp_confidence_threshold
+    heads, norm, do_sample = model.mtp_heads, model.model.norm, bool(generation_config.do_sample)
     return_dict = generation_config.return_dict_in_generate
-    scores = () if (return_dict and output_scores) else None
-    raw_logits = () if (return_dict and output_logits) else None
-    has_eos_stopping_criteria = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
-    pad = getattr(generation_config, "_pad_token_tensor", None)
-    if pad is None:
-        eos = generation_config.eos_token_id
-        pad_id = generation_config.pad_token_id if generation_config.pad_token_id is not None else (
-            (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0)
-        pad = torch.tensor(pad_id)
-    pad = pad.to(input_ids.device)
-    B = input_ids.shape[0]
-    unfinished = torch.ones(B, dtype=torch.long, device=input_ids.device)
+    scores = () if return_dict and generation_config.output_scores else None
+    raw_logits = () if return_dict and generation_config.output_logits else None
+    pad = generation_config._pad_token_tensor if any(hasattr(c, "eos_token_id") for c in stopping_criteria) else None
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
     stats = MTPStats()
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    def emit(next_logits: torch.Tensor, pick=None) -> torch.Tensor:
-        """One step of `_sample`: process, pick (argmax, or `pick(processed scores)`), pad finished rows, append,
-        stream, check stopping."""
+    def greedy(next_scores):
+        return next_scores.argmax(-1)
+
+    def sample(next_scores):
+        return torch.multinomial(torch.softmax(next_scores, dim=-1), num_samples=1).squeeze(1)
+
+    def speculative(drafted, q):
+        """Keep `drafted` with probability min(1, p/q), else draw from norm(max(0, p - q))."""
+        def pick(next_scores):
+            p = torch.softmax(next_scores, dim=-1)
+            p_d, q_d = p.gather(1, drafted[:, None]).squeeze(1), q.gather(1, drafted[:, None]).squeeze(1)
+            keep = torch.rand(p_d.shape, device=p.device) * q_d < p_d
+            residual = (p - q).clamp_min(0)
+            residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+            return torch.where(keep, drafted, torch.multinomial(residual, num_samples=1).squeeze(1))
+        return pick
+
+    def emit(next_logits, pick):
+        """One step of `_sample`: process, pick, pad finished rows, append, stream, check stopping."""
         nonlocal input_ids, unfinished, scores, raw_logits
         next_logits = next_logits.to(copy=True, dtype=torch.float32, device=input_ids.device)
         next_scores = logits_processor(input_ids, next_logits)
@@ -1162,8 +1048,8 @@ def mtp_speculative_generate(
             scores += (next_scores,)
         if raw_logits is not None:
             raw_logits += (next_logits,)
-        tok = pick(next_scores) if pick is not None else torch.argmax(next_scores, dim=-1)
-        if has_eos_stopping_criteria:
+        tok = pick(next_scores)
+        if pad is not None:
             tok = tok * unfinished + pad * (1 - unfinished)
         input_ids = torch.cat([input_ids, tok[:, None]], dim=-1)
         if streamer is not None:
@@ -1171,83 +1057,44 @@ def mtp_speculative_generate(
         unfinished = unfinished & ~stopping_criteria(input_ids, scores)
         return tok
 
-    # Sampled drafts see the library's own (stateless) processors - temperature, top-k, repetition penalty, ... - so
-    # that q is close to the processed p; user-supplied processors are only run on the emitted tokens, exactly as
-    # in plain decoding (they may keep state or have side effects).
-    draft_processor = LogitsProcessorList(
-        [p for p in logits_processor if type(p).__module__.startswith("transformers.generation.")]
-    )
-
-    def sample(next_scores: torch.Tensor) -> torch.Tensor:
-        return torch.multinomial(torch.softmax(next_scores, dim=-1), num_samples=1).squeeze(1)
-
-    def draft_states(h: torch.Tensor) -> torch.Tensor:
-        """[B, S, K, H] from the final hidden states h [B, S, H] of S places: head k's output for the k-th draft, head 1
-        chained on the final norm of the previous state past the model's heads; `lm_head` turns them into drafts."""
+    def logits_and_drafts(h):
+        """Main logits [B, S, V] at the places of h [B, S, H] and the draft logits [B, S, K, V] from each place."""
         states = [heads[i](h) for i in range(min(K, len(heads)))]
         while len(states) < K:
             states.append(heads[0](norm(states[-1])))
-        return torch.stack(states, 2)
+        both = model.lm_head(torch.cat([h, torch.stack(states, 2).flatten(1, 2)], 1))
+        return both[:, :h.shape[1]], both[:, h.shape[1]:].unflatten(1, (h.shape[1], K))
 
-    def logits_and_draft_logits(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The main logits [B, S, V] at each place of h [B, S, H] and the draft logits [B, S, K, V] from each place, in
-        one `lm_head` product: wherever the step's emitted tokens end, its next drafts are at hand, and a step reads
-        the `lm_head` weight once (on the demo model 4 rows cost less than 3 rows plus a 1-row product after a
-        rejection)."""
-        S = h.shape[1]
-        both = model.lm_head(torch.cat([h, draft_states(h).flatten(1, 2)], 1))
-        return both[:, :S], both[:, S:].unflatten(1, (S, K))
+    # Sampled drafts see the library's own (stateless) processors, so that q is close to the processed p; a caller's
+    # processors run on emitted tokens only, as in plain decoding (they may keep state).
+    if do_sample:
+        draft_processor = [p for p in logits_processor if type(p).__module__.startswith("transformers.generation.")]
+    else:
+        draft_processor = [copy.copy(p) for p in logits_processor if isinstance(p, RepetitionPenaltyLogitsProcessor)]
+        for p in draft_processor:
+            p.penalty = p.penalty ** 0.5
+    draft_processor = LogitsProcessorList(draft_processor)
 
-    # A greedy draft is the head's argmax after the square root of the repetition penalty: a head trained on the
-    # model's own processed greedy text (train_default's MTP self-distillation) has learnt part of the penalty's
-    # effect. On the demo model's held-out greedy text (penalty 1.3) its drafts agree 0.563 raw, 0.590 with
-    # penalty**0.5 and 0.461 with the full penalty.
-    draft_penalty = None
-    for p in logits_processor:
-        if isinstance(p, RepetitionPenaltyLogitsProcessor) and not do_sample:
-            draft_penalty = copy.copy(p)
-            draft_penalty.penalty = p.penalty ** 0.5
-
-    def draft(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Up to k drafts [B, k'] from the draft logits [B, K, V] of the place that chose the pending token (fewer
-        where the confidence gate stops), and (sampling) the distribution [B, V] each was drawn from."""
+    def draft(draft_logits, k):
+        """Up to k drafts [B, k'] from the draft logits [B, K, V] (fewer where the gate stops) and (sampling) the
+        distribution [B, V] each was drawn from."""
         ctx, out, dists = input_ids, [], []
         for i in range(k):
-            draft_logits_i = draft_logits[:, i].float()
-            if draft_penalty is not None:
-                draft_logits_i = draft_penalty(ctx, draft_logits_i)
-            dist = None
-            if do_sample or threshold > 0:  # without a gate a greedy draft needs no distribution and no host check
-                dist = torch.softmax(draft_processor(ctx, draft_logits_i) if do_sample else draft_logits_i, dim=-1)
+            next_scores = draft_processor(ctx, draft_logits[:, i].float())
+            dist = torch.softmax(next_scores, dim=-1) if do_sample or threshold > 0 else None
             if threshold > 0 and not bool(((dist.amax(-1) > threshold) | (unfinished == 0)).all()):
                 stats.withheld += 1
                 break
-            if do_sample:
-                dists.append(dist)
-                d = torch.multinomial(dist, num_samples=1).squeeze(1)
-            else:
-                d = torch.argmax(draft_logits_i, dim=-1)
-            if has_eos_stopping_criteria:
+            d = torch.multinomial(dist, num_samples=1).squeeze(1) if do_sample else next_scores.argmax(-1)
+            if pad is not None:
                 d = d * unfinished + pad * (1 - unfinished)
             out.append(d)
+            dists.append(dist)
             ctx = torch.cat([ctx, d[:, None]], dim=-1)
-        return (torch.stack(out, 1) if out else input_ids.new_zeros(B, 0)), dists
+        return (torch.stack(out, 1) if out else input_ids[:, :0]), dists
 
-    def accept_or_resample(drafted: torch.Tensor, q: torch.Tensor, accepted: list):
-        """Speculative sampling's rule for one draft per row: keep it with probability min(1, p/q), else draw from
-        norm(max(0, p - q)); appends to `accepted` whether every row kept its draft."""
-        def pick(next_scores: torch.Tensor) -> torch.Tensor:
-            p = torch.softmax(next_scores, dim=-1)
-            p_d, q_d = p.gather(1, drafted[:, None]).squeeze(1), q.gather(1, drafted[:, None]).squeeze(1)
-            keep = torch.rand(p_d.shape, device=p.device) * q_d < p_d
-            residual = (p - q).clamp_min(0)
-            residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-            tok = torch.where(keep, drafted, torch.multinomial(residual, num_samples=1).squeeze(1))
-            accepted.append(bool((keep | (unfinished == 0)).all()))
-            return tok
-        return pick
-
-    past = cache.get_seq_length()
+    cache = model_kwargs.get(CACHE_FIELD)
+    past = cache.get_seq_length() if cache is not None else 0
     embeds = model_kwargs.get("inputs_embeds")
     prompt = {"inputs_embeds": embeds[:, past:]} if embeds is not None else {"input_ids": input_ids[:, past:]}
     if next(iter(prompt.values())).shape[1] == 0:
@@ -1255,56 +1102,45 @@ def mtp_speculative_generate(
             f"The cache already holds {past} positions, as many as the prompt; to continue a conversation pass the "
             "full ids (previous turns + the new tokens) together with the returned cache."
         )
-    no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)  # `logits_and_draft_logits` makes them
-    out = model(**prompt, attention_mask=attention_mask, cache=cache, use_cache=True, logits_to_keep=no_logits)
+    no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)  # `logits_and_drafts` makes them
+    out = model(**prompt, attention_mask=model_kwargs.get("attention_mask"), cache=cache, use_cache=True,
+                logits_to_keep=no_logits)
+    cache = getattr(out, CACHE_FIELD)
     stats.forwards += 1
-    logits, draft_logits = logits_and_draft_logits(out.last_hidden_state[:, -1:])
-    draft_logits = draft_logits[:, 0]
-    tok = emit(logits[:, 0], sample if do_sample else None)
-    max_length = generation_config.max_length
-    # After the prefill; a verification chunk is the pending token and up to K drafts, of which a crop removes <= K.
+    logits, draft_logits = logits_and_drafts(out.last_hidden_state[:, -1:])
+    tok, draft_logits = emit(logits[:, 0], sample if do_sample else greedy), draft_logits[:, 0]
+    # A verification chunk is the pending token and up to K drafts, of which a crop removes at most K.
     cache.activate_past_recording(recurrent_states_to_keep=K)
     try:
         while unfinished.max() > 0:
             cur = input_ids.shape[1]  # the cache holds cur - 1 positions; `tok` (the last id) is pending
-            k = max(0, min(K, max_length - cur - 1, cache.max_cache_len - cur))
-            drafts, dists = draft(draft_logits, k)
+            drafts, dists = draft(draft_logits, max(0, min(K, generation_config.max_length - cur - 1,
+                                                           cache.max_cache_len - cur)))
             k = drafts.shape[1]
-            out = model(input_ids=torch.cat([tok[:, None], drafts], dim=1), cache=cache, use_cache=True,
+            out = model(input_ids=torch.cat([tok[:, None], drafts], 1), cache=cache, use_cache=True,
                         logits_to_keep=no_logits)
-            logits, draft_logits = logits_and_draft_logits(out.last_hidden_state)
-            stats.forwards += 1
-            stats.verify_steps += int(k > 0)
-            emitted, rejected = 0, False
-            for j in range(k + 1):  # the main head's choice after each fed token, until a draft is rejected
-                accepted = []
-                if not do_sample:
-                    pick = None
-                elif j < k:
-                    pick = accept_or_resample(drafts[:, j], dists[j], accepted)
-                else:
-                    pick = sample
+            logits, draft_logits = logits_and_drafts(out.last_hidden_state)
+            stats.forwards, stats.verify_steps = stats.forwards + 1, stats.verify_steps + int(k > 0)
+            for j in range(k + 1):  # the main head's choice after each fed token, while it equals the draft
+                pick = (speculative(drafts[:, j], dists[j]) if j < k else sample) if do_sample else greedy
                 tok = emit(logits[:, j], pick)
-                emitted += 1
-                if unfinished.max() == 0 or j == k:
+                if j == k or unfinished.max() == 0:
                     break
                 stats.drafted += 1
-                if not (accepted[0] if do_sample else bool(((tok == drafts[:, j]) | (unfinished == 0)).all())):
-                    rejected = True
+                if not bool(((tok == drafts[:, j]) | (unfinished == 0)).all()):
+                    stats.rollbacks += 1
                     break
                 stats.accepted += 1
-            cache.crop(-(k + 1 - emitted))  # drop the rejected drafts (crop(0) just trims the recorded states)
-            stats.rollbacks += int(rejected)
-            draft_logits = draft_logits[:, emitted - 1]  # the next drafts come from the place of the last emitted token
+            cache.crop(j - k)  # drop the drafts after the last emitted token (crop(0) only trims the records)
+            draft_logits = draft_logits[:, j]  # the next drafts come from the place of the last emitted token
     finally:
         cache.deactivate_past_recording()
     if streamer is not None:
         streamer.end()
     model.last_mtp_stats = stats
-    if return_dict:
-        return SpikeWhaleGenerateOutput(
-            sequences=input_ids, scores=scores, logits=raw_logits, **{CACHE_FIELD: cache},
-            mtp_acceptance_rate=stats.acceptance_rate, mtp_drafted_tokens=stats.drafted,
-            mtp_accepted_tokens=stats.accepted,
-        )
-    return input_ids
+    if not return_dict:
+        return input_ids
+    return SpikeWhaleGenerateOutput(
+        sequences=input_ids, scores=scores, logits=raw_logits, **{CACHE_FIELD: cache},
+        mtp_acceptance_rate=stats.acceptance_rate, mtp_drafted_tokens=stats.drafted, mtp_accepted_tokens=stats.accepted,
+    )
