@@ -564,23 +564,15 @@ def cache_footprint(config: SpikeWhaleConfig, batch_size: int = 1, dtype: torch.
 def serving_generation_config(config: SpikeWhaleConfig) -> GenerationConfig:
     """The card's serving defaults: temperature 0.7, top_k 40, repetition penalty 1.3, up to 160 new tokens,
     stopping on `<eos>` or `<|im_end|>`, with the 111 reserved ids never generated."""
-    eos = [i for i in CHAT_EOS_IDS if i < config.vocab_size]
     return GenerationConfig(
-        do_sample=True,
-        temperature=0.7,
-        top_k=40,
-        repetition_penalty=1.3,
-        max_new_tokens=160,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=eos,
+        do_sample=True, temperature=0.7, top_k=40, repetition_penalty=1.3, max_new_tokens=160,
+        bos_token_id=config.bos_token_id, eos_token_id=[i for i in CHAT_EOS_IDS if i < config.vocab_size],
         pad_token_id=config.pad_token_id,
         suppress_tokens=[i for i in RESERVED_IDS if i < config.vocab_size],
     )
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# generate(): input and context checks, prompt truncation and token healing, MTP self-speculative decoding.
-# `SpikeWhaleForCausalLM.generate` calls `spike_whale_generate`; the rest is `GenerationMixin.generate`.
+# generate(): `SpikeWhaleForCausalLM.generate` calls `spike_whale_generate`; the rest is `GenerationMixin.generate`.
 
 
 @dataclass
@@ -601,8 +593,7 @@ class MTPStats:
 
 @dataclass
 class SpikeWhaleGenerateOutput(GenerateDecoderOnlyOutput):
-    """The output of `generate(..., use_mtp=True, return_dict_in_generate=True)`: transformers' own plus the MTP
-    statistics, `mtp_acceptance_rate` = `mtp_accepted_tokens` / `mtp_drafted_tokens`."""
+    """`generate(..., use_mtp=True, return_dict_in_generate=True)`: transformers' output plus `MTPStats`' rate."""
 
     if CACHE_FIELD != "cache":  # transformers < 5.24: `out.cache` reads the field under its old name
         cache = property(lambda self: self.past_key_values)
@@ -613,9 +604,8 @@ class SpikeWhaleGenerateOutput(GenerateDecoderOnlyOutput):
 
 
 def _effective_generation_config(model, generation_config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
-    """The values `generate` will use (arguments > `generation_config` > `model.generation_config` > library
-    defaults), for the checks made before any work; not transformers' own merge, which fills the defaults meant for
-    an assistant model (0.4, 20) that MTP tells apart from unset."""
+    """The values `generate` will use, for the checks made before any work; not transformers' own merge, which fills
+    the defaults meant for an assistant model (0.4, 20) that MTP tells apart from unset."""
     eff = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
     eff.update(**model.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
     eff.update(**{k: v for k, v in kwargs.items() if hasattr(eff, k)})
@@ -639,25 +629,20 @@ def caller_length_wins(config: GenerationConfig, passed: GenerationConfig | None
 
 def prepare_generation_cache(model, generation_config: GenerationConfig, model_kwargs: dict,
                              fed: int | None = None) -> bool:
-    """Put a `SpikeWhaleCache` (preallocated per slot) in `model_kwargs` before the prefill: "static" sized to this
-    call (`fed`, the positions transformers counts it feeding, plus one; else `max_length`) or to `max_cache_len` if
-    larger; None and "dynamic" to the context window. False where transformers' own preparation applies (a cache
-    passed in, use_cache=False); other implementations raise, as no generic cache holds this model's state."""
+    """Put a `SpikeWhaleCache` in `model_kwargs` before the prefill: "static" sized to this call (`fed`, the positions
+    transformers counts it feeding, + 1; else `max_length`) or `max_cache_len` if larger, else to the context window.
+    False where transformers' own preparation applies (a cache passed in, use_cache=False)."""
     impl = generation_config.cache_implementation
     if model_kwargs.get(CACHE_FIELD) is not None or generation_config.use_cache is False:
         return False
     if impl not in (None, "static", "dynamic", "dynamic_full"):  # "dynamic_full": no sliding layers, never had here
         raise NotImplementedError(
-            f"cache_implementation={impl!r} is not available for spike_whale: its cache holds per-loop-slot K/V plus "
-            "Memory-Cache and Engram state that a generic (offloaded, quantized, sliding) cache cannot carry. Use "
-            "\"static\" or \"dynamic\" (both give the same preallocated SpikeWhaleCache)."
-        )
-    size = None
-    if impl == "static":
-        length = fed + 1 if fed is not None else generation_config.max_length or 0
-        size = max(length, getattr(generation_config, "max_cache_len", None) or 0, 1)
-        size = min(size, model.config.max_position_embeddings)
-    cache = model_kwargs[CACHE_FIELD] = SpikeWhaleCache(model.config, max_cache_len=size)
+            f"cache_implementation={impl!r} is not available for spike_whale: no generic (offloaded, quantized, "
+            "sliding) cache holds its per-loop-slot K/V and Memory-Cache and Engram state. Use \"static\" or \"dynamic\".")
+    length = fed + 1 if fed is not None else generation_config.max_length or 0
+    size = max(length, getattr(generation_config, "max_cache_len", None) or 0, 1) if impl == "static" else None
+    cache = model_kwargs[CACHE_FIELD] = SpikeWhaleCache(
+        model.config, max_cache_len=min(size, model.config.max_position_embeddings) if size else None)
     if getattr(generation_config, "is_assistant", False):  # a draft model's candidates get rolled back
         cache.activate_past_recording(recurrent_states_to_keep=getattr(generation_config, "num_assistant_tokens", None))
     return True
@@ -697,10 +682,9 @@ _SAMPLING_NEUTRAL = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "typical_p":
 
 
 def _as_assistant_call(generation_config: GenerationConfig, kwargs: dict) -> tuple[GenerationConfig, dict]:
-    """transformers' assisted decoding calls the draft model with the main call's merged config, length arguments
-    and built processors, on which `generate` warns four times. Fold the arguments into a copy of the config, turn
-    off the sampling flags a greedy draft ignores and drop each library processor the config builds again: the
-    same draft, no warnings."""
+    """transformers' assisted decoding calls a draft model with the main call's merged config, length arguments and
+    built processors (four warnings): fold the arguments into the config, turn off the sampling flags a greedy draft
+    ignores and drop the library processors the config builds again. The same draft, no warnings."""
     config = copy.deepcopy(generation_config)
     if not config.do_sample:
         for name, neutral in _SAMPLING_NEUTRAL.items():
@@ -717,8 +701,8 @@ def _as_assistant_call(generation_config: GenerationConfig, kwargs: dict) -> tup
 
 
 class GreedyVocabIndex:
-    """Prefix search over a greedy longest-match tokenizer's tokens (`greedy_vocab`: text -> id; every single
-    character is a token): the longest token a text starts with, and the tokens that start with a text."""
+    """Prefix search over a greedy longest-match tokenizer's tokens (`greedy_vocab`: text -> id, every character a
+    token)."""
 
     def __init__(self, vocab: dict[str, int]):
         self.vocab = vocab
@@ -738,14 +722,11 @@ class GreedyVocabIndex:
 
 
 def first_unstable_token(pieces: list[str], index: GreedyVocabIndex) -> int:
-    """The first piece of a greedy tokenization that more text could change: the smallest i such that a token
-    strictly extends the text from piece i on (len(pieces) if none). Greedy matching takes the longest token the
-    text starts with, so only such a token can replace piece i; the pieces before stay whatever follows."""
-    text = "".join(pieces)
-    start, first = len(text), len(pieces)
+    """The first piece of a greedy tokenization that more text could change: the smallest i such that a token strictly
+    extends the text from piece i on (greedy matching takes the longest token), len(pieces) if none."""
+    first, rest = len(pieces), ""
     for i in range(len(pieces) - 1, -1, -1):
-        start -= len(pieces[i])
-        rest = text[start:]
+        rest = pieces[i] + rest
         if len(rest) >= index.max_len:
             break
         if len(index.extending(rest)) > (rest in index.vocab):
@@ -754,9 +735,8 @@ def first_unstable_token(pieces: list[str], index: GreedyVocabIndex) -> int:
 
 
 class HealedTailLogitsProcessor(LogitsProcessor):
-    """Token healing's constraint: until the new tokens have spelled the prompt tail R that healing dropped, allow
-    only what greedy matching could take there, the longest token the rest of R starts with (the prompt's own) or a
-    token that starts with all of it (one crossing the prompt's end). Stateless: each call re-reads the ids."""
+    """Until the new tokens have spelled the tail R that healing dropped, allow only what greedy matching could take:
+    the longest token the rest of R starts with, or one that starts with all of it (crossing the prompt's end)."""
 
     def __init__(self, tails: list[str], prompt_length: int, index: GreedyVocabIndex):
         self.tails = tails
@@ -765,52 +745,49 @@ class HealedTailLogitsProcessor(LogitsProcessor):
         self.longest = max(map(len, tails), default=0)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        new = input_ids[:, self.prompt_length:]
-        if new.shape[1] >= self.longest:  # every token spells at least one character of the tail
+        if input_ids.shape[1] - self.prompt_length >= self.longest:  # each token spells a character of the tail
             return scores
-        per_prompt = input_ids.shape[0] // len(self.tails)  # beams and return sequences repeat each prompt
         allowed = torch.ones_like(scores, dtype=torch.bool)
-        for row, generated in enumerate(new.tolist()):
-            rest, _ = self.spell_tail(self.tails[row // per_prompt], generated)
+        for row, (rest, _) in enumerate(self.spelled(input_ids)):
             if rest:
                 allowed[row] = False
                 allowed[row, [self.index.longest_prefix(rest), *self.index.extending(rest)]] = True
         return scores.masked_fill(~allowed, -float("inf"))
 
-    def spell_tail(self, tail: str, generated: list[int]) -> tuple[str, int]:
-        """What is left of `tail` after the tokens `generated`, and how many of them spelled it."""
-        rest = tail
-        for spent, token in enumerate(generated):
-            if not rest:
-                return rest, spent
-            text = self.index.text_of.get(token)
-            # A token off the tail (a finished row's padding) ends the constraint as covering the tail does.
-            rest = rest[len(text):] if text is not None and rest.startswith(text) else ""
-        return rest, len(generated)
+    def spelled(self, input_ids: torch.LongTensor) -> list[tuple[str, int]]:
+        """Per row: what is left of its prompt's tail after the new tokens, and how many of them spelled it."""
+        per_prompt = input_ids.shape[0] // len(self.tails)  # beams and return sequences repeat each prompt
+        out = []
+        for row, generated in enumerate(input_ids[:, self.prompt_length:].tolist()):
+            rest, spent = self.tails[row // per_prompt], len(generated)
+            for i, token in enumerate(generated):
+                if not rest:
+                    spent = i
+                    break
+                text = self.index.text_of.get(token)
+                # A token off the tail (a finished row's padding) ends the constraint as covering the tail does.
+                rest = rest[len(text):] if text is not None and rest.startswith(text) else ""
+            out.append((rest, spent))
+        return out
 
 
 class MaxNewTokensAfterHealedTail(StoppingCriteria):
-    """A row is done once it has `max_new_tokens` tokens after those that spell its healed tail again: the tail is
-    prompt (transformers' `heal_tokens` does not count its healed token either)."""
+    """A row is done with `max_new_tokens` tokens after those that spell its healed tail again: the tail is prompt."""
 
     def __init__(self, healing: HealedTailLogitsProcessor, max_new_tokens: int):
         self.healing = healing
         self.max_new_tokens = max_new_tokens
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
-        per_prompt = input_ids.shape[0] // len(self.healing.tails)
-        done = []
-        for row, generated in enumerate(input_ids[:, self.healing.prompt_length:].tolist()):
-            rest, spent = self.healing.spell_tail(self.healing.tails[row // per_prompt], generated)
-            done.append(not rest and len(generated) - spent >= self.max_new_tokens)
+        new = input_ids.shape[1] - self.healing.prompt_length
+        done = [not rest and new - spent >= self.max_new_tokens for rest, spent in self.healing.spelled(input_ids)]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
 def _heal_prompt(ids: torch.Tensor, mask: torch.Tensor | None, tokenizer):
-    """Token healing (`token_healing=True`) for a greedy longest-match tokenizer: each row loses its tail from the
-    first token that more text could re-tokenize (never its first token, nor a special token or what precedes
-    one), and the returned processor makes the first new tokens spell that tail again, so they may cross the
-    prompt's end (`' wh', 'o'` can become `' who '`). Returns the rows left-padded, their mask and the processor."""
+    """`token_healing=True`: each row loses its tail from the first token more text could re-tokenize (never its first
+    token, nor a special token or what precedes one); the processor returned with the left-padded rows and their mask
+    makes the first new tokens spell it again, so they may cross the prompt's end (`' wh', 'o'` -> `' who '`)."""
     if tokenizer is None:
         raise ValueError("token_healing=True needs the prompt's tokenizer: pass tokenizer=... to generate.")
     if getattr(tokenizer, "greedy_vocab", None) is None:
@@ -825,9 +802,9 @@ def _heal_prompt(ids: torch.Tensor, mask: torch.Tensor | None, tokenizer):
     for row, keep in zip(ids.tolist(), real.tolist()):
         tokens = [t for t, k in zip(row, keep) if k]
         start = len(tokens)
-        while start > 0 and tokens[start - 1] in index.text_of:  # the text after the last special token
+        while start > 1 and tokens[start - 1] in index.text_of:  # the text after the last special token
             start -= 1
-        cut = max(start, 1) + first_unstable_token([index.text_of[t] for t in tokens[max(start, 1):]], index)
+        cut = start + first_unstable_token([index.text_of[t] for t in tokens[start:]], index)
         rows.append(tokens[:cut])
         tails.append("".join(index.text_of[t] for t in tokens[cut:]))
     if not any(tails):
@@ -839,10 +816,8 @@ def _heal_prompt(ids: torch.Tensor, mask: torch.Tensor | None, tokenizer):
 
 
 def spike_whale_generate(model, parent_generate, inputs=None, generation_config=None, **kwargs):
-    """Body of `SpikeWhaleForCausalLM.generate`: checks the inputs and the context window before any work, heals or
-    truncates the prompt where asked, routes `use_mtp=True` to `mtp_speculative_generate` (through the public
-    `custom_generate` hook, so processors and stopping criteria are the library's own) and hands everything to
-    `GenerationMixin.generate` (`parent_generate`)."""
+    """`SpikeWhaleForCausalLM.generate`: checks the inputs and the context window before any work, heals or truncates
+    the prompt where asked, routes `use_mtp=True` through `custom_generate`; `parent_generate` does the rest."""
     if getattr(generation_config, "is_assistant", False):
         generation_config, kwargs = _as_assistant_call(generation_config, kwargs)
     use_mtp = kwargs.pop("use_mtp", None)
@@ -870,8 +845,8 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
         if past:
             raise ValueError(
                 f"token_healing=True re-tokenizes the end of the prompt, but the cache passed in already holds {past} "
-                "of its positions, which healing would change under it. Continue from the cache with "
-                "token_healing=False, or heal the whole prompt from a fresh cache (cache=None)."
+                "of its positions. Continue from the cache with token_healing=False, or heal the whole prompt from a "
+                "fresh cache (cache=None)."
             )
         healed_ids, healed_mask, healing = _heal_prompt(ids, mask, kwargs.get("tokenizer"))
         kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), healing])
@@ -901,24 +876,20 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
         if new_tokens >= limit:
             raise ValueError(
                 f"{asked} alone does not fit {where}: even a one-token prompt would need {new_tokens + 1} positions. "
-                f"Ask for at most {limit - 1} new tokens (the prompt and the new tokens together must fit in {limit} "
-                "positions)."
+                f"Ask for at most {limit - 1} new tokens."
             )
         if not truncate:
             raise ValueError(
-                f"The prompt is {width} tokens and {asked}, so generation would need {width + new_tokens} "
-                f"positions, more than {where}; spike_whale raises instead of wrapping positions or silently "
-                f"dropping context. Shorten the prompt to at most {limit - new_tokens} tokens, ask for at most "
-                f"{max(limit - width, 0)} new tokens, or pass truncate_to_context=True to drop the oldest prompt "
-                "tokens (keeping <bos>)."
+                f"The prompt is {width} tokens and {asked}: {width + new_tokens} positions, more than {where} "
+                f"(spike_whale never wraps positions or silently drops context). Shorten the prompt to at most "
+                f"{limit - new_tokens} tokens, ask for at most {max(limit - width, 0)} new tokens, or pass "
+                "truncate_to_context=True to drop the oldest prompt tokens (keeping <bos>)."
             )
         if ids is None:
-            raise NotImplementedError("truncate_to_context=True truncates input_ids; it does not cut inputs_embeds.")
+            raise NotImplementedError("truncate_to_context=True drops the oldest input_ids; it does not cut inputs_embeds.")
         if past:
-            raise ValueError(
-                "truncate_to_context=True cannot drop tokens that are already held in the cache passed in; start "
-                "from a fresh cache (cache=None) with the truncated conversation instead."
-            )
+            raise ValueError("truncate_to_context=True cannot drop tokens the cache passed in already holds; start from a "
+                             "fresh cache (cache=None) with the truncated conversation instead.")
         # Keep the newest limit - new_tokens columns; a row that started with <bos> and lost tokens gets it back.
         drop, bos = width + new_tokens - limit, model.config.bos_token_id
         real = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
@@ -926,17 +897,15 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
         ids, mask = ids[:, drop:].clone(), mask[:, drop:] if mask is not None else None
         if bos is not None:
             ids[lost & (first == bos), 0] = bos
-        logger.warning(
-            f"truncate_to_context=True: dropped the oldest {drop} of {width} prompt tokens so that the prompt plus "
-            f"{new_tokens} new tokens fits {where}."
-        )
+        logger.warning(f"truncate_to_context=True: dropped the oldest {drop} of {width} prompt tokens so that the "
+                       f"prompt plus {new_tokens} new tokens fits {where}.")
         kwargs.pop("position_ids", None)
     if mask is not None:
         kwargs["attention_mask"] = mask
 
-    # Assisted decoding crops the cache after each verification. transformers < 5.24 does so without recording it
-    # first; the "heuristic" schedules grow the drafts (by 2 per fully accepted round) past the count transformers
-    # >= 5.25 asks the cache to record, but a round drafts at most the new tokens.
+    # Assisted decoding crops the cache after each verification: transformers < 5.24 without recording it first,
+    # >= 5.25 recording as many tokens as the first round drafts, which "heuristic" schedules outgrow (by 2 per fully
+    # accepted round); a round drafts at most the new tokens.
     assistant = kwargs.get("assistant_model")
     if (assistant is not None or getattr(eff, "prompt_lookup_num_tokens", None)) and eff.use_cache \
             and cache is None and eff.cache_implementation is None:
@@ -948,38 +917,32 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
         cache.min_states_to_keep = max(new_tokens, 0)
 
     if use_mtp:
-        if kwargs.get("custom_generate") is not None:
-            raise ValueError("use_mtp=True runs spike_whale's own decoding loop; it cannot be combined with "
-                             "custom_generate.")
-        if assistant is not None:
-            raise ValueError("use_mtp=True drafts with the model's own MTP head; do not pass an assistant_model.")
-        if eff.num_beams != 1:
-            raise NotImplementedError(
-                "use_mtp=True implements greedy and sampling self-speculative decoding (num_beams=1); got "
-                f"num_beams={eff.num_beams}. Drop num_beams or use_mtp."
-            )
-        heads = len(getattr(model, "mtp_heads", ()))
-        if not heads:
-            raise ValueError("use_mtp=True needs an MTP head, but this config has num_nextn_predict_layers=0.")
-        if not eff.use_cache:
-            raise ValueError("use_mtp=True verifies drafts against the cache and rolls it back; it needs "
-                             "use_cache=True.")
         # Read before transformers fills its defaults for a separate assistant model (0.4 and 20): unset by the
         # caller and by generation_config.json means no gate and one draft per MTP head.
-        threshold = eff.assistant_confidence_threshold if eff.assistant_confidence_threshold is not None else 0.0
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
-            raise ValueError(
-                f"assistant_confidence_threshold={threshold!r}: use_mtp=True drafts only when the MTP head's top "
-                "probability is above it, so it must be a number in [0, 1] (0 drafts every step, 1 never drafts)."
-            )
+        heads, threshold = len(getattr(model, "mtp_heads", ())), eff.assistant_confidence_threshold
+        threshold = 0.0 if threshold is None else threshold
         name, count = next(((n, v) for n, v in (("mtp_draft_tokens", draft_tokens),
                                                 ("num_assistant_tokens", eff.num_assistant_tokens)) if v is not None),
                            ("", heads))
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(
-                f"{name}={count!r}: use_mtp=True drafts that many tokens per step (MTP head k drafts the k-th, the "
-                f"first head chained drafts those past this model's {heads} MTP head(s)), so it must be an int >= 1."
-            )
+        for refused, error, message in (
+            (kwargs.get("custom_generate") is not None, ValueError,
+             "use_mtp=True runs spike_whale's own decoding loop; it cannot be combined with custom_generate."),
+            (assistant is not None, ValueError,
+             "use_mtp=True drafts with the model's own MTP head; do not pass an assistant_model."),
+            (eff.num_beams != 1, NotImplementedError, "use_mtp=True implements greedy and sampling self-speculative "
+             f"decoding (num_beams=1); got num_beams={eff.num_beams}. Drop num_beams or use_mtp."),
+            (not heads, ValueError, "use_mtp=True needs an MTP head, but this config has num_nextn_predict_layers=0."),
+            (not eff.use_cache, ValueError,
+             "use_mtp=True verifies drafts against the cache and rolls it back; it needs use_cache=True."),
+            (isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1,
+             ValueError, f"assistant_confidence_threshold={threshold!r}: use_mtp=True drafts only when the MTP head's "
+             "top probability is above it, so it must be a number in [0, 1] (0 drafts every step, 1 never drafts)."),
+            (isinstance(count, bool) or not isinstance(count, int) or count < 1, ValueError,
+             f"{name}={count!r}: use_mtp=True drafts that many tokens per step (MTP head k drafts the k-th, the first "
+             f"head chained drafts those past this model's {heads} MTP head(s)), so it must be an int >= 1."),
+        ):
+            if refused:
+                raise error(message)
         kwargs.update(custom_generate=mtp_speculative_generate, mtp_streamer=kwargs.pop("streamer", None),
                       mtp_confidence_threshold=float(threshold), mtp_draft_tokens=count)
     elif draft_tokens is not None:
@@ -990,27 +953,17 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
 def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria,
                              generation_config: GenerationConfig, mtp_streamer=None, mtp_draft_tokens: int = 1,
                              mtp_confidence_threshold: float = 0.0, **model_kwargs):
-    """Greedy or sampling decoding with MTP self-speculation (`generate(use_mtp=True)`, as `custom_generate`):
-    greedy ids are plain greedy decoding's, sampled ids follow plain sampling's distribution.
+    """`generate(use_mtp=True)` (a `custom_generate`): greedy ids are plain greedy decoding's, sampled ids follow
+    plain sampling's distribution. A step feeds the pending token and K drafts through one forward; the main head's
+    choices are emitted one at a time as in `GenerationMixin._sample` while they equal the drafts in every unfinished
+    row, and the rest is cropped from the recording cache, which restores the Memory-Cache state exactly.
 
-    A step feeds the pending token and K drafts through one forward. The main head's choices are emitted one at a
-    time through the library's processors and stopping criteria, as in `GenerationMixin._sample`, while they equal
-    the drafts (in every unfinished row: rows advance in lockstep); the rejected drafts are then cropped from the
-    cache (`activate_past_recording` + `crop`), which restores the Memory-Cache state exactly.
-
-    Drafts: MTP head k on the final hidden state h of the place that chose the pending token drafts the token k
-    places past it; past the heads, head 1 chains on the previous draft's state, y_{k+1} = head_1(norm(y_k)). One
-    `lm_head` product gives a step's main logits and the drafts from each of its places. A greedy draft is the
-    argmax after the square root of the repetition penalty: the heads, trained on the model's own processed greedy
-    text, have learnt part of the penalty.
-
-    Sampling (speculative sampling, Leviathan et al. 2023): a draft d is drawn from its processed distribution q and
-    kept with probability min(1, p(d)/q(d)) under the main head's processed p, else replaced by a draw from
-    norm(max(0, p - q)); after the last draft a token is drawn from p.
-
-    Confidence gate (`assistant_confidence_threshold`): drafting stops at the first draft whose distribution's top
-    probability is not above the threshold in every unfinished row. It reads the context only, so the ids (greedy)
-    and the distribution (sampling) do not change."""
+    MTP head k on the final hidden state h that chose the pending token drafts the token k places past it; past the
+    heads, y_{k+1} = head_1(norm(y_k)). A greedy draft is the argmax after the square root of the repetition penalty
+    (the heads learnt part of it from the model's own processed text). Sampling keeps a draft d drawn from q with
+    probability min(1, p(d)/q(d)), else draws from norm(max(0, p - q)) (speculative sampling). The gate
+    (`assistant_confidence_threshold`) stops drafting where a draft's top probability is not above it in every
+    unfinished row; it reads the context only, so ids and distributions stay those of plain decoding."""
     streamer, K, threshold = mtp_streamer, mtp_draft_tokens, mtp_confidence_threshold
     heads, norm, do_sample = model.mtp_heads, model.model.norm, bool(generation_config.do_sample)
     return_dict = generation_config.return_dict_in_generate
@@ -1022,24 +975,20 @@ def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processo
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    def greedy(next_scores):
-        return next_scores.argmax(-1)
+    def pick(next_scores, drafted=None, q=None):
+        """Greedy: argmax. Sampling: a draw from p, or `drafted` kept with probability min(1, p/q), else redrawn."""
+        if not do_sample:
+            return next_scores.argmax(-1)
+        p = torch.softmax(next_scores, dim=-1)
+        if drafted is None:
+            return torch.multinomial(p, num_samples=1).squeeze(1)
+        p_d, q_d = p.gather(1, drafted[:, None]).squeeze(1), q.gather(1, drafted[:, None]).squeeze(1)
+        keep = torch.rand(p_d.shape, device=p.device) * q_d < p_d
+        residual = (p - q).clamp_min(0)
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+        return torch.where(keep, drafted, torch.multinomial(residual, num_samples=1).squeeze(1))
 
-    def sample(next_scores):
-        return torch.multinomial(torch.softmax(next_scores, dim=-1), num_samples=1).squeeze(1)
-
-    def speculative(drafted, q):
-        """Keep `drafted` with probability min(1, p/q), else draw from norm(max(0, p - q))."""
-        def pick(next_scores):
-            p = torch.softmax(next_scores, dim=-1)
-            p_d, q_d = p.gather(1, drafted[:, None]).squeeze(1), q.gather(1, drafted[:, None]).squeeze(1)
-            keep = torch.rand(p_d.shape, device=p.device) * q_d < p_d
-            residual = (p - q).clamp_min(0)
-            residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-            return torch.where(keep, drafted, torch.multinomial(residual, num_samples=1).squeeze(1))
-        return pick
-
-    def emit(next_logits, pick):
+    def emit(next_logits, drafted=None, q=None):
         """One step of `_sample`: process, pick, pad finished rows, append, stream, check stopping."""
         nonlocal input_ids, unfinished, scores, raw_logits
         next_logits = next_logits.to(copy=True, dtype=torch.float32, device=input_ids.device)
@@ -1048,7 +997,7 @@ def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processo
             scores += (next_scores,)
         if raw_logits is not None:
             raw_logits += (next_logits,)
-        tok = pick(next_scores)
+        tok = pick(next_scores, drafted, q)
         if pad is not None:
             tok = tok * unfinished + pad * (1 - unfinished)
         input_ids = torch.cat([input_ids, tok[:, None]], dim=-1)
@@ -1076,8 +1025,7 @@ def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processo
     draft_processor = LogitsProcessorList(draft_processor)
 
     def draft(draft_logits, k):
-        """Up to k drafts [B, k'] from the draft logits [B, K, V] (fewer where the gate stops) and (sampling) the
-        distribution [B, V] each was drawn from."""
+        """Up to k drafts [B, k'] from draft logits [B, K, V] (fewer where the gate stops) and their distributions."""
         ctx, out, dists = input_ids, [], []
         for i in range(k):
             next_scores = draft_processor(ctx, draft_logits[:, i].float())
@@ -1103,27 +1051,18 @@ def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processo
             "full ids (previous turns + the new tokens) together with the returned cache."
         )
     no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)  # `logits_and_drafts` makes them
-    out = model(**prompt, attention_mask=model_kwargs.get("attention_mask"), cache=cache, use_cache=True,
-                logits_to_keep=no_logits)
-    cache = getattr(out, CACHE_FIELD)
-    stats.forwards += 1
-    logits, draft_logits = logits_and_drafts(out.last_hidden_state[:, -1:])
-    tok, draft_logits = emit(logits[:, 0], sample if do_sample else greedy), draft_logits[:, 0]
-    # A verification chunk is the pending token and up to K drafts, of which a crop removes at most K.
-    cache.activate_past_recording(recurrent_states_to_keep=K)
+    feed, drafts, dists = {**prompt, "attention_mask": model_kwargs.get("attention_mask")}, input_ids[:, :0], []
     try:
-        while unfinished.max() > 0:
-            cur = input_ids.shape[1]  # the cache holds cur - 1 positions; `tok` (the last id) is pending
-            drafts, dists = draft(draft_logits, max(0, min(K, generation_config.max_length - cur - 1,
-                                                           cache.max_cache_len - cur)))
+        while True:  # the prefill, then steps of the pending token and its drafts
+            out = model(**feed, cache=cache, use_cache=True, logits_to_keep=no_logits)
+            if not stats.forwards:  # after the prefill: a step's crop removes at most its K drafts
+                cache = getattr(out, CACHE_FIELD)
+                cache.activate_past_recording(recurrent_states_to_keep=K)
             k = drafts.shape[1]
-            out = model(input_ids=torch.cat([tok[:, None], drafts], 1), cache=cache, use_cache=True,
-                        logits_to_keep=no_logits)
-            logits, draft_logits = logits_and_drafts(out.last_hidden_state)
             stats.forwards, stats.verify_steps = stats.forwards + 1, stats.verify_steps + int(k > 0)
+            logits, draft_logits = logits_and_drafts(out.last_hidden_state[:, -(k + 1):])
             for j in range(k + 1):  # the main head's choice after each fed token, while it equals the draft
-                pick = (speculative(drafts[:, j], dists[j]) if j < k else sample) if do_sample else greedy
-                tok = emit(logits[:, j], pick)
+                tok = emit(logits[:, j], *((drafts[:, j], dists[j]) if j < k else ()))
                 if j == k or unfinished.max() == 0:
                     break
                 stats.drafted += 1
@@ -1132,9 +1071,15 @@ def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processo
                     break
                 stats.accepted += 1
             cache.crop(j - k)  # drop the drafts after the last emitted token (crop(0) only trims the records)
-            draft_logits = draft_logits[:, j]  # the next drafts come from the place of the last emitted token
+            if unfinished.max() == 0:
+                break
+            cur = input_ids.shape[1]  # the cache holds cur - 1 positions; `tok` (the last id) is pending
+            k = max(0, min(K, generation_config.max_length - cur - 1, cache.max_cache_len - cur))
+            drafts, dists = draft(draft_logits[:, j], k)  # from the place of the last emitted token
+            feed = {"input_ids": torch.cat([tok[:, None], drafts], 1)}
     finally:
-        cache.deactivate_past_recording()
+        if stats.forwards:
+            cache.deactivate_past_recording()
     if streamer is not None:
         streamer.end()
     model.last_mtp_stats = stats
