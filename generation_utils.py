@@ -612,17 +612,16 @@ def _effective_generation_config(model, generation_config: GenerationConfig | No
     caller_length_wins(eff, generation_config, kwargs)
     for name, default in (("max_length", 20), ("do_sample", False), ("num_beams", 1), ("use_cache", True)):
         if getattr(eff, name, None) is None:
-            setattr(eff, name, default)
+            setattr(eff, name, default)  # not `update`, which validates (and warns) before generate does
     return eff
 
 
 def caller_length_wins(config: GenerationConfig, passed: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
     """A caller's `max_length` (argument or passed config) without a `max_new_tokens` of its own drops the serving
     default `max_new_tokens`, silently, as with in-library models. Edits and returns `config`."""
-    def caller(name):
-        return kwargs.get(name) is not None or (passed is not None and getattr(passed, name) is not None)
-
-    if caller("max_length") and not caller("max_new_tokens"):
+    caller = {n: kwargs.get(n) is not None or getattr(passed, n, None) is not None
+              for n in ("max_length", "max_new_tokens")}
+    if caller["max_length"] and not caller["max_new_tokens"]:
         config.max_new_tokens = None
     return config
 
@@ -638,7 +637,7 @@ def prepare_generation_cache(model, generation_config: GenerationConfig, model_k
     if impl not in (None, "static", "dynamic", "dynamic_full"):  # "dynamic_full": no sliding layers, never had here
         raise NotImplementedError(
             f"cache_implementation={impl!r} is not available for spike_whale: no generic (offloaded, quantized, "
-            "sliding) cache holds its per-loop-slot K/V and Memory-Cache and Engram state. Use \"static\" or \"dynamic\".")
+            "sliding) cache holds its per-loop-slot K/V, Memory-Cache and Engram state. Use \"static\" or \"dynamic\".")
     length = fed + 1 if fed is not None else generation_config.max_length or 0
     size = max(length, getattr(generation_config, "max_cache_len", None) or 0, 1) if impl == "static" else None
     cache = model_kwargs[CACHE_FIELD] = SpikeWhaleCache(
@@ -654,19 +653,15 @@ def _check_generate_inputs(ids, embeds, mask, bos_id) -> None:
         got = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
         raise ValueError(f"input_ids must be a [batch, seq] tensor, got {got}.")
     if ids is not None and ids.shape[1] == 0 and embeds is None:
-        raise ValueError(
-            f"input_ids is empty (shape {tuple(ids.shape)}): generate needs at least one prompt token; start from "
-            f"the <bos> id ({bos_id}), e.g. input_ids=torch.tensor([[{bos_id}]])."
-        )
+        raise ValueError(f"input_ids is empty (shape {tuple(ids.shape)}): generate needs at least one prompt token; "
+                         f"start from the <bos> id, e.g. input_ids=torch.tensor([[{bos_id}]]).")
     if embeds is not None and (embeds.dim() != 3 or embeds.shape[1] == 0):
         raise ValueError(f"inputs_embeds must be [batch, seq >= 1, hidden], got {tuple(embeds.shape)}.")
     ref = ids if ids is not None and ids.shape[1] else embeds
     expected = tuple(ref.shape[:2]) if ref is not None else None
     if mask is not None and (mask.dim() != 2 or (expected is not None and tuple(mask.shape) != expected)):
-        raise ValueError(
-            f"attention_mask has shape {tuple(mask.shape)} but the prompt is {expected}: pass a 2D [batch, seq] "
-            "padding mask (1 = real token) with one entry per prompt token, e.g. the tokenizer's own mask."
-        )
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but the prompt is {expected}: pass a 2D "
+                         "[batch, seq] padding mask (1 = real token), one entry per prompt token (a tokenizer's mask).")
 
 
 # The library processors `generate` builds from a config field, and the sampling fields with their "off" values.
@@ -687,9 +682,7 @@ def _as_assistant_call(generation_config: GenerationConfig, kwargs: dict) -> tup
     ignores and drop the library processors the config builds again. The same draft, no warnings."""
     config = copy.deepcopy(generation_config)
     if not config.do_sample:
-        for name, neutral in _SAMPLING_NEUTRAL.items():
-            if hasattr(config, name):
-                setattr(config, name, neutral)
+        config.update(**_SAMPLING_NEUTRAL)  # fields this transformers lacks are left out
     kwargs = config.update(**kwargs)
     if kwargs.get("logits_processor") is not None:
         kwargs["logits_processor"] = LogitsProcessorList(
@@ -701,8 +694,7 @@ def _as_assistant_call(generation_config: GenerationConfig, kwargs: dict) -> tup
 
 
 class GreedyVocabIndex:
-    """Prefix search over a greedy longest-match tokenizer's tokens (`greedy_vocab`: text -> id, every character a
-    token)."""
+    """Prefix search over the tokens of a greedy longest-match tokenizer (`greedy_vocab`: text -> id)."""
 
     def __init__(self, vocab: dict[str, int]):
         self.vocab = vocab
@@ -739,9 +731,7 @@ class HealedTailLogitsProcessor(LogitsProcessor):
     the longest token the rest of R starts with, or one that starts with all of it (crossing the prompt's end)."""
 
     def __init__(self, tails: list[str], prompt_length: int, index: GreedyVocabIndex):
-        self.tails = tails
-        self.prompt_length = prompt_length
-        self.index = index
+        self.tails, self.prompt_length, self.index = tails, prompt_length, index
         self.longest = max(map(len, tails), default=0)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
@@ -775,8 +765,7 @@ class MaxNewTokensAfterHealedTail(StoppingCriteria):
     """A row is done with `max_new_tokens` tokens after those that spell its healed tail again: the tail is prompt."""
 
     def __init__(self, healing: HealedTailLogitsProcessor, max_new_tokens: int):
-        self.healing = healing
-        self.max_new_tokens = max_new_tokens
+        self.healing, self.max_new_tokens = healing, max_new_tokens
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
         new = input_ids.shape[1] - self.healing.prompt_length
@@ -826,7 +815,7 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
     eff = _effective_generation_config(model, generation_config, kwargs)
     if getattr(eff, "use_mtp", None):
         # The library's own MTP path (DeepSeek-V3's layout, refusing stateful models) must never see it: ours is below.
-        generation_config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+        generation_config = copy.deepcopy(model.generation_config if generation_config is None else generation_config)
         generation_config.use_mtp = False
         use_mtp = True if use_mtp is None else use_mtp
 
@@ -886,9 +875,9 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
                 "truncate_to_context=True to drop the oldest prompt tokens (keeping <bos>)."
             )
         if ids is None:
-            raise NotImplementedError("truncate_to_context=True drops the oldest input_ids; it does not cut inputs_embeds.")
+            raise NotImplementedError("truncate_to_context=True drops the oldest input_ids, not inputs_embeds.")
         if past:
-            raise ValueError("truncate_to_context=True cannot drop tokens the cache passed in already holds; start from a "
+            raise ValueError("truncate_to_context=True cannot drop tokens that the cache passed in holds; start from a "
                              "fresh cache (cache=None) with the truncated conversation instead.")
         # Keep the newest limit - new_tokens columns; a row that started with <bos> and lost tokens gets it back.
         drop, bos = width + new_tokens - limit, model.config.bos_token_id
@@ -903,9 +892,8 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
     if mask is not None:
         kwargs["attention_mask"] = mask
 
-    # Assisted decoding crops the cache after each verification: transformers < 5.24 without recording it first,
-    # >= 5.25 recording as many tokens as the first round drafts, which "heuristic" schedules outgrow (by 2 per fully
-    # accepted round); a round drafts at most the new tokens.
+    # Assisted decoding crops the cache after each verification: transformers < 5.24 without recording first, >= 5.25
+    # recording the first round's draft count, which "heuristic" schedules outgrow; a round drafts at most new_tokens.
     assistant = kwargs.get("assistant_model")
     if (assistant is not None or getattr(eff, "prompt_lookup_num_tokens", None)) and eff.use_cache \
             and cache is None and eff.cache_implementation is None:
@@ -934,6 +922,8 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
             (not heads, ValueError, "use_mtp=True needs an MTP head, but this config has num_nextn_predict_layers=0."),
             (not eff.use_cache, ValueError,
              "use_mtp=True verifies drafts against the cache and rolls it back; it needs use_cache=True."),
+            (past >= width, ValueError, f"The cache already holds {past} positions, as many as the prompt; to continue "
+             "a conversation pass the full ids (previous turns + the new tokens) together with the returned cache."),
             (isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1,
              ValueError, f"assistant_confidence_threshold={threshold!r}: use_mtp=True drafts only when the MTP head's "
              "top probability is above it, so it must be a number in [0, 1] (0 drafts every step, 1 never drafts)."),
@@ -975,6 +965,9 @@ def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processo
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
+    def padded(tok):  # finished rows get the pad token, as in `_sample`
+        return tok if pad is None else tok * unfinished + pad * (1 - unfinished)
+
     def pick(next_scores, drafted=None, q=None):
         """Greedy: argmax. Sampling: a draw from p, or `drafted` kept with probability min(1, p/q), else redrawn."""
         if not do_sample:
@@ -997,9 +990,7 @@ def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processo
             scores += (next_scores,)
         if raw_logits is not None:
             raw_logits += (next_logits,)
-        tok = pick(next_scores, drafted, q)
-        if pad is not None:
-            tok = tok * unfinished + pad * (1 - unfinished)
+        tok = padded(pick(next_scores, drafted, q))
         input_ids = torch.cat([input_ids, tok[:, None]], dim=-1)
         if streamer is not None:
             streamer.put(tok.cpu())
@@ -1033,23 +1024,15 @@ def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processo
             if threshold > 0 and not bool(((dist.amax(-1) > threshold) | (unfinished == 0)).all()):
                 stats.withheld += 1
                 break
-            d = torch.multinomial(dist, num_samples=1).squeeze(1) if do_sample else next_scores.argmax(-1)
-            if pad is not None:
-                d = d * unfinished + pad * (1 - unfinished)
+            d = padded(torch.multinomial(dist, num_samples=1).squeeze(1) if do_sample else next_scores.argmax(-1))
             out.append(d)
             dists.append(dist)
             ctx = torch.cat([ctx, d[:, None]], dim=-1)
         return (torch.stack(out, 1) if out else input_ids[:, :0]), dists
 
-    cache = model_kwargs.get(CACHE_FIELD)
+    cache, embeds = model_kwargs.get(CACHE_FIELD), model_kwargs.get("inputs_embeds")
     past = cache.get_seq_length() if cache is not None else 0
-    embeds = model_kwargs.get("inputs_embeds")
     prompt = {"inputs_embeds": embeds[:, past:]} if embeds is not None else {"input_ids": input_ids[:, past:]}
-    if next(iter(prompt.values())).shape[1] == 0:
-        raise ValueError(
-            f"The cache already holds {past} positions, as many as the prompt; to continue a conversation pass the "
-            "full ids (previous turns + the new tokens) together with the returned cache."
-        )
     no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)  # `logits_and_drafts` makes them
     feed, drafts, dists = {**prompt, "attention_mask": model_kwargs.get("attention_mask")}, input_ids[:, :0], []
     try:
