@@ -566,10 +566,9 @@ def serving_generation_config(config: SpikeWhaleConfig) -> GenerationConfig:
     stopping on `<eos>` or `<|im_end|>`, with the 111 reserved ids never generated."""
     return GenerationConfig(
         do_sample=True, temperature=0.7, top_k=40, repetition_penalty=1.3, max_new_tokens=160,
-        bos_token_id=config.bos_token_id, eos_token_id=[i for i in CHAT_EOS_IDS if i < config.vocab_size],
-        pad_token_id=config.pad_token_id,
-        suppress_tokens=[i for i in RESERVED_IDS if i < config.vocab_size],
-    )
+        bos_token_id=config.bos_token_id, pad_token_id=config.pad_token_id,
+        eos_token_id=[i for i in CHAT_EOS_IDS if i < config.vocab_size],
+        suppress_tokens=[i for i in RESERVED_IDS if i < config.vocab_size])
 
 
 # generate(): `SpikeWhaleForCausalLM.generate` calls `spike_whale_generate`; the rest is `GenerationMixin.generate`.
@@ -647,8 +646,8 @@ def prepare_generation_cache(model, generation_config: GenerationConfig, model_k
     return True
 
 
-def _check_generate_inputs(ids, embeds, mask, bos_id) -> None:
-    """Shapes `generate` cannot work with, refused with what to pass instead."""
+def _prompt_width(ids, embeds, mask, bos_id) -> int:
+    """The prompt's width, once the shapes `generate` cannot work with are refused with what to pass instead."""
     if ids is not None and (not isinstance(ids, torch.Tensor) or ids.dim() != 2):
         got = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
         raise ValueError(f"input_ids must be a [batch, seq] tensor, got {got}.")
@@ -662,6 +661,7 @@ def _check_generate_inputs(ids, embeds, mask, bos_id) -> None:
     if mask is not None and (mask.dim() != 2 or (expected is not None and tuple(mask.shape) != expected)):
         raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but the prompt is {expected}: pass a 2D "
                          "[batch, seq] padding mask (1 = real token), one entry per prompt token (a tokenizer's mask).")
+    return expected[1] if expected is not None else mask.shape[1] if mask is not None else 1
 
 
 # The library processors `generate` builds from a config field, and the sampling fields with their "off" values.
@@ -697,11 +697,10 @@ class GreedyVocabIndex:
     """Prefix search over the tokens of a greedy longest-match tokenizer (`greedy_vocab`: text -> id)."""
 
     def __init__(self, vocab: dict[str, int]):
-        self.vocab = vocab
+        self.vocab, self.max_len = vocab, max(map(len, vocab))
         self.text_of = {i: t for t, i in vocab.items()}
         self.sorted_texts = sorted(vocab)
         self.sorted_ids = [vocab[t] for t in self.sorted_texts]
-        self.max_len = max(map(len, vocab))
 
     def extending(self, text: str) -> list[int]:
         """Ids of the tokens that start with `text` (itself included)."""
@@ -809,9 +808,8 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
     the prompt where asked, routes `use_mtp=True` through `custom_generate`; `parent_generate` does the rest."""
     if getattr(generation_config, "is_assistant", False):
         generation_config, kwargs = _as_assistant_call(generation_config, kwargs)
-    use_mtp = kwargs.pop("use_mtp", None)
-    truncate = bool(kwargs.pop("truncate_to_context", False))
-    draft_tokens = kwargs.pop("mtp_draft_tokens", None)
+    own = ("use_mtp", "truncate_to_context", "mtp_draft_tokens")  # arguments transformers does not know
+    use_mtp, truncate, draft_tokens = (kwargs.pop(name, None) for name in own)
     eff = _effective_generation_config(model, generation_config, kwargs)
     if getattr(eff, "use_mtp", None):
         # The library's own MTP path (DeepSeek-V3's layout, refusing stateful models) must never see it: ours is below.
@@ -825,27 +823,21 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
         kwargs[CACHE_FIELD] = kwargs.pop("cache")
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     past = cache.get_seq_length() if cache is not None else 0
-    _check_generate_inputs(ids, embeds, mask, model.config.bos_token_id)
-    prompt = ids if ids is not None and ids.shape[-1] else embeds if embeds is not None else mask
-    width = prompt.shape[1] if prompt is not None else 1
+    width = _prompt_width(ids, embeds, mask, model.config.bos_token_id)
     new_tokens = eff.max_new_tokens if eff.max_new_tokens is not None else eff.max_length - width
 
     if ids is not None and getattr(eff, "token_healing", False):
         if past:
-            raise ValueError(
-                f"token_healing=True re-tokenizes the end of the prompt, but the cache passed in already holds {past} "
-                "of its positions. Continue from the cache with token_healing=False, or heal the whole prompt from a "
-                "fresh cache (cache=None)."
-            )
+            raise ValueError(f"token_healing=True re-tokenizes the prompt's end, but the cache passed in holds {past} "
+                             "of its positions: continue with token_healing=False, or heal from a fresh cache.")
         healed_ids, healed_mask, healing = _heal_prompt(ids, mask, kwargs.get("tokenizer"))
         kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), healing])
         fields = {"token_healing": False}  # transformers' own healing would undo ours
         if healed_ids is not ids:  # the tail spelled again is prompt: each row gets `new_tokens` tokens after it
-            real = mask.sum(-1) if mask is not None else torch.full((ids.shape[0],), width, device=ids.device)
             kwargs["stopping_criteria"] = StoppingCriteriaList(
                 [*(kwargs.get("stopping_criteria") or []), MaxNewTokensAfterHealedTail(healing, new_tokens)])
             kwargs.pop("max_length", None)
-            new_tokens += int((real - healed_mask.sum(-1)).max())
+            new_tokens += int(((mask.sum(-1) if mask is not None else width) - healed_mask.sum(-1)).max())
             fields["max_new_tokens"] = eff.max_new_tokens = new_tokens
         if generation_config is None:  # settings go where the call carries them (transformers warns on a mix)
             kwargs.update(fields)
@@ -863,10 +855,8 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
         asked = (f"max_new_tokens={new_tokens}" if eff.max_new_tokens is not None
                  else f"max_length={eff.max_length} ({new_tokens} new tokens)")
         if new_tokens >= limit:
-            raise ValueError(
-                f"{asked} alone does not fit {where}: even a one-token prompt would need {new_tokens + 1} positions. "
-                f"Ask for at most {limit - 1} new tokens."
-            )
+            raise ValueError(f"{asked} alone does not fit {where}: even a one-token prompt would need "
+                             f"{new_tokens + 1} positions. Ask for at most {limit - 1} new tokens.")
         if not truncate:
             raise ValueError(
                 f"The prompt is {width} tokens and {asked}: {width + new_tokens} positions, more than {where} "
@@ -909,9 +899,9 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
         # caller and by generation_config.json means no gate and one draft per MTP head.
         heads, threshold = len(getattr(model, "mtp_heads", ())), eff.assistant_confidence_threshold
         threshold = 0.0 if threshold is None else threshold
-        name, count = next(((n, v) for n, v in (("mtp_draft_tokens", draft_tokens),
-                                                ("num_assistant_tokens", eff.num_assistant_tokens)) if v is not None),
-                           ("", heads))
+        name = "mtp_draft_tokens" if draft_tokens is not None else "num_assistant_tokens"
+        count = draft_tokens if draft_tokens is not None else eff.num_assistant_tokens
+        count = heads if count is None else count
         for refused, error, message in (
             (kwargs.get("custom_generate") is not None, ValueError,
              "use_mtp=True runs spike_whale's own decoding loop; it cannot be combined with custom_generate."),
@@ -943,17 +933,15 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
 def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria,
                              generation_config: GenerationConfig, mtp_streamer=None, mtp_draft_tokens: int = 1,
                              mtp_confidence_threshold: float = 0.0, **model_kwargs):
-    """`generate(use_mtp=True)` (a `custom_generate`): greedy ids are plain greedy decoding's, sampled ids follow
-    plain sampling's distribution. A step feeds the pending token and K drafts through one forward; the main head's
-    choices are emitted one at a time as in `GenerationMixin._sample` while they equal the drafts in every unfinished
-    row, and the rest is cropped from the recording cache, which restores the Memory-Cache state exactly.
+    """`generate(use_mtp=True)` (a `custom_generate`) with plain decoding's greedy ids or sampling law. A step feeds the
+    pending token and K drafts through one forward; the main head's choices are emitted as in `_sample` while they
+    equal the drafts in every unfinished row; the rest is cropped from the recording cache (exact Memory-Cache state).
 
-    MTP head k on the final hidden state h that chose the pending token drafts the token k places past it; past the
-    heads, y_{k+1} = head_1(norm(y_k)). A greedy draft is the argmax after the square root of the repetition penalty
-    (the heads learnt part of it from the model's own processed text). Sampling keeps a draft d drawn from q with
-    probability min(1, p(d)/q(d)), else draws from norm(max(0, p - q)) (speculative sampling). The gate
-    (`assistant_confidence_threshold`) stops drafting where a draft's top probability is not above it in every
-    unfinished row; it reads the context only, so ids and distributions stay those of plain decoding."""
+    MTP head k on the final hidden state that chose the pending token drafts the token k places past it; past the
+    heads, y_{k+1} = head_1(norm(y_k)). Greedy drafts take the square root of the repetition penalty (the heads learnt
+    part of it from the model's processed text). Sampling keeps a draft d ~ q with probability min(1, p(d)/q(d)), else
+    draws from norm(max(0, p - q)). The gate (`assistant_confidence_threshold`) stops drafting where a draft's top
+    probability is not above it in every unfinished row: it reads the context only, so the output law is unchanged."""
     streamer, K, threshold = mtp_streamer, mtp_draft_tokens, mtp_confidence_threshold
     heads, norm, do_sample = model.mtp_heads, model.model.norm, bool(generation_config.do_sample)
     return_dict = generation_config.return_dict_in_generate
@@ -1007,13 +995,11 @@ def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processo
 
     # Sampled drafts see the library's own (stateless) processors, so that q is close to the processed p; a caller's
     # processors run on emitted tokens only, as in plain decoding (they may keep state).
-    if do_sample:
-        draft_processor = [p for p in logits_processor if type(p).__module__.startswith("transformers.generation.")]
-    else:
-        draft_processor = [copy.copy(p) for p in logits_processor if isinstance(p, RepetitionPenaltyLogitsProcessor)]
-        for p in draft_processor:
-            p.penalty = p.penalty ** 0.5
-    draft_processor = LogitsProcessorList(draft_processor)
+    library = [p for p in logits_processor if type(p).__module__.startswith("transformers.generation.")]
+    penalties = [copy.copy(p) for p in logits_processor if isinstance(p, RepetitionPenaltyLogitsProcessor)]
+    for p in penalties:
+        p.penalty **= 0.5
+    draft_processor = LogitsProcessorList(library if do_sample else penalties)
 
     def draft(draft_logits, k):
         """Up to k drafts [B, k'] from draft logits [B, K, V] (fewer where the gate stops) and their distributions."""
@@ -1068,7 +1054,6 @@ def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processo
     model.last_mtp_stats = stats
     if not return_dict:
         return input_ids
-    return SpikeWhaleGenerateOutput(
-        sequences=input_ids, scores=scores, logits=raw_logits, **{CACHE_FIELD: cache},
-        mtp_acceptance_rate=stats.acceptance_rate, mtp_drafted_tokens=stats.drafted, mtp_accepted_tokens=stats.accepted,
-    )
+    return SpikeWhaleGenerateOutput(sequences=input_ids, scores=scores, logits=raw_logits, **{CACHE_FIELD: cache},
+                                    mtp_acceptance_rate=stats.acceptance_rate, mtp_drafted_tokens=stats.drafted,
+                                    mtp_accepted_tokens=stats.accepted)
