@@ -576,47 +576,35 @@ def cache_footprint(config: SpikeWhaleConfig, batch_size: int = 1, dtype: torch.
 def serving_generation_config(config: SpikeWhaleConfig) -> GenerationConfig:
     """The card's serving defaults: temperature 0.7, top_k 40, repetition penalty 1.3, up to 160 new tokens,
     stopping on `<eos>` or `<|im_end|>`, with the 111 reserved ids never generated."""
-    eos = [i for i in CHAT_EOS_IDS if i < config.vocab_size]
     return GenerationConfig(
-        do_sample=True,
-        temperature=0.7,
-        top_k=40,
-        repetition_penalty=1.3,
-        max_new_tokens=160,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=eos,
-        pad_token_id=config.pad_token_id,
-        suppress_tokens=[i for i in RESERVED_IDS if i < config.vocab_size],
-    )
+        do_sample=True, temperature=0.7, top_k=40, repetition_penalty=1.3, max_new_tokens=160,
+        bos_token_id=config.bos_token_id, pad_token_id=config.pad_token_id,
+        eos_token_id=[i for i in CHAT_EOS_IDS if i < config.vocab_size],
+        suppress_tokens=[i for i in RESERVED_IDS if i < config.vocab_size])
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# generate(): the context check, opt-in prompt truncation and MTP self-speculative decoding.
-# `SpikeWhaleForCausalLM.generate` is a thin override that calls `spike_whale_generate`; everything else is
-# `GenerationMixin.generate` (greedy, sampling, beams, processors, stopping criteria, streamers, ...).
+# generate(): `SpikeWhaleForCausalLM.generate` calls `spike_whale_generate`; the rest is `GenerationMixin.generate`.
 
 
 @dataclass
 class MTPStats:
-    """Counters of one `generate(..., use_mtp=True)` call (also left on the model as `model.last_mtp_stats`)."""
+    """Counters of one `generate(..., use_mtp=True)` call, also left on the model as `model.last_mtp_stats`."""
 
-    drafted: int = 0  # draft tokens compared against the main head's greedy choice
-    accepted: int = 0  # of those, the ones the main head agreed with (emitted without their own forward)
-    verify_steps: int = 0  # multi-token verification forwards
-    rollbacks: int = 0  # verification forwards after which the cache was rolled back (a draft was rejected)
-    withheld: int = 0  # steps whose drafting the confidence gate stopped (assistant_confidence_threshold)
-    forwards: int = 0  # model forwards in total, prefill included
+    drafted: int = 0  # drafts compared with the main head's choice
+    accepted: int = 0  # drafts the main head agreed with (emitted without a forward of their own)
+    verify_steps: int = 0  # forwards that fed drafts
+    rollbacks: int = 0  # forwards whose rejected drafts were cropped from the cache
+    withheld: int = 0  # steps whose drafting the confidence gate stopped
+    forwards: int = 0  # model forwards, prefill included
 
     @property
     def acceptance_rate(self) -> float:
-        """accepted / drafted (0.0 when nothing was drafted)."""
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
 @dataclass
 class SpikeWhaleGenerateOutput(GenerateDecoderOnlyOutput):
-    """`GenerateDecoderOnlyOutput` of `generate(..., use_mtp=True, return_dict_in_generate=True)`, plus the
-    MTP draft statistics: `mtp_acceptance_rate` = `mtp_accepted_tokens` / `mtp_drafted_tokens`."""
+    """`generate(..., use_mtp=True, return_dict_in_generate=True)`: transformers' output plus `MTPStats`' rate."""
 
     if CACHE_FIELD != "cache":  # transformers < 5.24: `out.cache` reads the field under its old name
         cache = property(lambda self: self.past_key_values)
@@ -627,131 +615,86 @@ class SpikeWhaleGenerateOutput(GenerateDecoderOnlyOutput):
 
 
 def _effective_generation_config(model, generation_config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
-    """The values `generate` will use (user kwargs > `generation_config` > `model.generation_config` > library
-    defaults), computed with public `GenerationConfig` methods only, for the checks made before any work."""
+    """The values `generate` will use, for the checks made before any work; not transformers' own merge, which fills
+    the defaults meant for an assistant model (0.4, 20) that MTP tells apart from unset."""
     eff = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
     eff.update(**model.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
     eff.update(**{k: v for k, v in kwargs.items() if hasattr(eff, k)})
     caller_length_wins(eff, generation_config, kwargs)
     for name, default in (("max_length", 20), ("do_sample", False), ("num_beams", 1), ("use_cache", True)):
         if getattr(eff, name, None) is None:
-            setattr(eff, name, default)
+            setattr(eff, name, default)  # not `update`, which validates (and warns) before generate does
     return eff
 
 
 def caller_length_wins(config: GenerationConfig, passed: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
-    """A length limit set by the caller wins over the model's serving default, silently, as with in-library models:
-    `max_length` given (as an argument or in the `generation_config` passed) without a `max_new_tokens` of the
-    caller's own drops the default `max_new_tokens` of `generation_config.json`. Edits and returns `config`."""
-    caller_max_length = kwargs.get("max_length") is not None or (passed is not None and passed.max_length is not None)
-    caller_max_new = kwargs.get("max_new_tokens") is not None or (passed is not None and passed.max_new_tokens is not None)
-    if caller_max_length and not caller_max_new:
+    """A caller's `max_length` (argument or passed config) without a `max_new_tokens` of its own drops the serving
+    default `max_new_tokens`, silently, as with in-library models. Edits and returns `config`."""
+    caller = {n: kwargs.get(n) is not None or getattr(passed, n, None) is not None
+              for n in ("max_length", "max_new_tokens")}
+    if caller["max_length"] and not caller["max_new_tokens"]:
         config.max_new_tokens = None
     return config
 
 
 def prepare_generation_cache(model, generation_config: GenerationConfig, model_kwargs: dict,
                              fed: int | None = None) -> bool:
-    """Build the loop-slot cache before the prefill: for `cache_implementation` "static" sized to this call's
-    sequence (`fed`, transformers' count of the positions the call feeds, plus the last token; else `max_length`,
-    which leaves out `inputs_embeds`) or to `max_cache_len` if larger, else ("dynamic" or none) to the whole context
-    window; `SpikeWhaleCache` is static either way, preallocated per slot. Returns False where transformers' own
-    preparation applies (a cache passed in, use_cache=False); other implementations raise, since no generic cache can
-    hold this model's state."""
+    """Put a `SpikeWhaleCache` in `model_kwargs` before the prefill: "static" sized to this call (`fed`, the positions
+    transformers counts it feeding, + 1; else `max_length`) or `max_cache_len` if larger, else to the context window.
+    False where transformers' own preparation applies (a cache passed in, use_cache=False)."""
     impl = generation_config.cache_implementation
     if model_kwargs.get(CACHE_FIELD) is not None or generation_config.use_cache is False:
         return False
-    limit = model.config.max_position_embeddings
-    if impl is None:
-        cache = SpikeWhaleCache(model.config)
-    elif impl == "static":
-        length = fed + 1 if fed is not None else generation_config.max_length or 0
-        size = max(length, getattr(generation_config, "max_cache_len", None) or 0)
-        cache = SpikeWhaleCache(model.config, max_cache_len=min(max(size, 1), limit))
-    elif impl in ("dynamic", "dynamic_full"):  # "dynamic_full": no sliding layers, which this cache never has
-        cache = SpikeWhaleCache(model.config)
-    else:
+    if impl not in (None, "static", "dynamic", "dynamic_full"):  # "dynamic_full": no sliding layers, never had here
         raise NotImplementedError(
-            f"cache_implementation={impl!r} is not available for spike_whale: its cache holds per-loop-slot K/V plus "
-            "Memory-Cache and Engram state that a generic (offloaded, quantized, sliding) cache cannot carry. Use "
-            "\"static\" or \"dynamic\" (both give the same preallocated SpikeWhaleCache)."
-        )
-    if getattr(generation_config, "is_assistant", False):  # drafting for another model: candidates get rolled back
-        drafts = getattr(generation_config, "num_assistant_tokens", None)
-        cache.activate_past_recording(recurrent_states_to_keep=drafts)
-    model_kwargs[CACHE_FIELD] = cache
+            f"cache_implementation={impl!r} is not available for spike_whale: no generic (offloaded, quantized, "
+            "sliding) cache holds its per-loop-slot K/V, Memory-Cache and Engram state. Use \"static\" or \"dynamic\".")
+    length = fed + 1 if fed is not None else generation_config.max_length or 0
+    size = max(length, getattr(generation_config, "max_cache_len", None) or 0, 1) if impl == "static" else None
+    cache = model_kwargs[CACHE_FIELD] = SpikeWhaleCache(
+        model.config, max_cache_len=min(size, model.config.max_position_embeddings) if size else None)
+    if getattr(generation_config, "is_assistant", False):  # a draft model's candidates get rolled back
+        cache.activate_past_recording(recurrent_states_to_keep=getattr(generation_config, "num_assistant_tokens", None))
     return True
 
 
-def _truncate_prompt(ids: torch.Tensor, mask: torch.Tensor | None, keep: int, bos_id: int | None):
-    """Keep the last `keep` columns of a (left-padded) prompt; a row that started with `<bos>` and lost tokens
-    gets `<bos>` back as its first kept token (the model was trained with `<bos>` on every sequence)."""
-    drop = ids.shape[1] - keep
-    new_ids = ids[:, drop:].clone()
-    new_mask = mask[:, drop:] if mask is not None else None
-    if bos_id is not None:
-        real = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
-        first = real.long().argmax(1)
-        starts_with_bos = ids.gather(1, first[:, None]).squeeze(1) == bos_id
-        lost = real[:, :drop].any(1)
-        new_ids[starts_with_bos & lost, 0] = bos_id
-    return new_ids, new_mask
-
-
-def _check_generate_inputs(ids, embeds, mask, bos_id) -> None:
-    """Shapes `generate` cannot work with, refused with what to pass instead."""
-    if ids is not None:
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-            raise ValueError(
-                f"input_ids must be a [batch, seq] tensor, got {tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}."
-            )
-        if ids.shape[1] == 0 and embeds is None:
-            raise ValueError(
-                f"input_ids is empty (shape {tuple(ids.shape)}): generate needs at least one prompt token; start from "
-                f"the <bos> id ({bos_id}), e.g. input_ids=torch.tensor([[{bos_id}]])."
-            )
+def _prompt_width(ids, embeds, mask, bos_id) -> int:
+    """The prompt's width, once the shapes `generate` cannot work with are refused with what to pass instead."""
+    if ids is not None and (not isinstance(ids, torch.Tensor) or ids.dim() != 2):
+        got = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"input_ids must be a [batch, seq] tensor, got {got}.")
+    if ids is not None and ids.shape[1] == 0 and embeds is None:
+        raise ValueError(f"input_ids is empty (shape {tuple(ids.shape)}): generate needs at least one prompt token; "
+                         f"start from the <bos> id, e.g. input_ids=torch.tensor([[{bos_id}]]).")
     if embeds is not None and (embeds.dim() != 3 or embeds.shape[1] == 0):
         raise ValueError(f"inputs_embeds must be [batch, seq >= 1, hidden], got {tuple(embeds.shape)}.")
-    if mask is not None:
-        ref = ids if ids is not None and ids.shape[1] else embeds
-        expected = tuple(ref.shape[:2]) if ref is not None else None
-        if mask.dim() != 2 or (expected is not None and tuple(mask.shape) != expected):
-            raise ValueError(
-                f"attention_mask has shape {tuple(mask.shape)} but the prompt is {expected}: pass a 2D [batch, seq] "
-                "padding mask (1 = real token) with one entry per prompt token, e.g. the tokenizer's own mask."
-            )
+    ref = ids if ids is not None and ids.shape[1] else embeds
+    expected = tuple(ref.shape[:2]) if ref is not None else None
+    if mask is not None and (mask.dim() != 2 or (expected is not None and tuple(mask.shape) != expected)):
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but the prompt is {expected}: pass a 2D "
+                         "[batch, seq] padding mask (1 = real token), one entry per prompt token (a tokenizer's mask).")
+    return expected[1] if expected is not None else mask.shape[1] if mask is not None else 1
 
 
-# Logits processors that `generate` builds from a `GenerationConfig` field, by class name.
+# The library processors `generate` builds from a config field, and the sampling fields with their "off" values.
 _PROCESSOR_FIELDS = {
-    "RepetitionPenaltyLogitsProcessor": "repetition_penalty",
-    "SuppressTokensLogitsProcessor": "suppress_tokens",
-    "SuppressTokensAtBeginLogitsProcessor": "begin_suppress_tokens",
-    "NoRepeatNGramLogitsProcessor": "no_repeat_ngram_size",
-    "NoBadWordsLogitsProcessor": "bad_words_ids",
-    "SequenceBiasLogitsProcessor": "sequence_bias",
-    "TemperatureLogitsWarper": "temperature",
-    "TopKLogitsWarper": "top_k",
-    "TopPLogitsWarper": "top_p",
-    "MinPLogitsWarper": "min_p",
-    "TypicalLogitsWarper": "typical_p",
+    "RepetitionPenaltyLogitsProcessor": "repetition_penalty", "SuppressTokensLogitsProcessor": "suppress_tokens",
+    "SuppressTokensAtBeginLogitsProcessor": "begin_suppress_tokens", "NoBadWordsLogitsProcessor": "bad_words_ids",
+    "NoRepeatNGramLogitsProcessor": "no_repeat_ngram_size", "SequenceBiasLogitsProcessor": "sequence_bias",
+    "TemperatureLogitsWarper": "temperature", "TopKLogitsWarper": "top_k", "TopPLogitsWarper": "top_p",
+    "MinPLogitsWarper": "min_p", "TypicalLogitsWarper": "typical_p",
 }
-# Sampling-only fields and the values at which they are off (transformers' global defaults).
 _SAMPLING_NEUTRAL = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "typical_p": 1.0, "min_p": None,
                      "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
 
 
 def _as_assistant_call(generation_config: GenerationConfig, kwargs: dict) -> tuple[GenerationConfig, dict]:
-    """transformers' assisted decoding calls the draft model's `generate` with the main call's merged config plus
-    length arguments and the main call's processors; left as they are, `generate` warns four times (config plus
-    arguments, sampling flags of a greedy draft, each processor built twice). Fold the arguments into a copy of
-    the config, turn off the sampling flags a greedy draft ignores, and drop each passed library processor that the
-    config builds again with the same values: the same draft, no warnings."""
+    """transformers' assisted decoding calls a draft model with the main call's merged config, length arguments and
+    built processors (four warnings): fold the arguments into the config, turn off the sampling flags a greedy draft
+    ignores and drop the library processors the config builds again. The same draft, no warnings."""
     config = copy.deepcopy(generation_config)
     if not config.do_sample:
-        for name, neutral in _SAMPLING_NEUTRAL.items():
-            if hasattr(config, name):
-                setattr(config, name, neutral)
+        config.update(**_SAMPLING_NEUTRAL)  # fields this transformers lacks are left out
     kwargs = config.update(**kwargs)
     if kwargs.get("logits_processor") is not None:
         kwargs["logits_processor"] = LogitsProcessorList(
@@ -763,16 +706,13 @@ def _as_assistant_call(generation_config: GenerationConfig, kwargs: dict) -> tup
 
 
 class GreedyVocabIndex:
-    """Prefix search over the tokens a greedy longest-match tokenizer may emit (`greedy_vocab`: text -> id, one
-    character per byte, so every single character is a token): the longest token a text starts with, and the
-    tokens that start with a text."""
+    """Prefix search over the tokens of a greedy longest-match tokenizer (`greedy_vocab`: text -> id)."""
 
     def __init__(self, vocab: dict[str, int]):
-        self.vocab = vocab
+        self.vocab, self.max_len = vocab, max(map(len, vocab))
         self.text_of = {i: t for t, i in vocab.items()}
         self.sorted_texts = sorted(vocab)
         self.sorted_ids = [vocab[t] for t in self.sorted_texts]
-        self.max_len = max(map(len, vocab))
 
     def extending(self, text: str) -> list[int]:
         """Ids of the tokens that start with `text` (itself included)."""
@@ -780,20 +720,16 @@ class GreedyVocabIndex:
         return self.sorted_ids[lo:bisect_left(self.sorted_texts, text + "\U0010ffff", lo)]
 
     def longest_prefix(self, text: str) -> int:
-        """Id of the longest token that `text` starts with (what greedy matching takes at its start)."""
+        """Id of the longest token `text` starts with: what greedy matching takes at its start."""
         return next(self.vocab[text[:n]] for n in range(min(len(text), self.max_len), 0, -1) if text[:n] in self.vocab)
 
 
 def first_unstable_token(pieces: list[str], index: GreedyVocabIndex) -> int:
-    """The first piece of a greedy tokenization that more text could change: the smallest i such that a token
-    strictly extends the text from piece i onward (len(pieces) if none). Greedy matching takes the longest token
-    the text starts with, so piece i changes only if a longer token starts with all of the text from i; the
-    pieces before the first such i stay whatever follows."""
-    text = "".join(pieces)
-    start, first = len(text), len(pieces)
+    """The first piece of a greedy tokenization that more text could change: the smallest i such that a token strictly
+    extends the text from piece i on (greedy matching takes the longest token), len(pieces) if none."""
+    first, rest = len(pieces), ""
     for i in range(len(pieces) - 1, -1, -1):
-        start -= len(pieces[i])
-        rest = text[start:]
+        rest = pieces[i] + rest
         if len(rest) >= index.max_len:
             break
         if len(index.extending(rest)) > (rest in index.vocab):
@@ -802,371 +738,251 @@ def first_unstable_token(pieces: list[str], index: GreedyVocabIndex) -> int:
 
 
 class HealedTailLogitsProcessor(LogitsProcessor):
-    """Token healing's constraint on the first new tokens: while the generated text has not covered the prompt tail
-    R that healing dropped, the allowed tokens are those greedy matching could take there: the longest token that
-    what is left of R starts with (the prompt's own token), or a token that starts with all of it (one that crosses
-    the prompt's end); after that, generation is free. Stateless: each call re-reads the generated ids."""
+    """Until the new tokens have spelled the tail R that healing dropped, allow only what greedy matching could take:
+    the longest token the rest of R starts with, or one that starts with all of it (crossing the prompt's end)."""
 
     def __init__(self, tails: list[str], prompt_length: int, index: GreedyVocabIndex):
-        self.tails = tails
-        self.prompt_length = prompt_length
-        self.index = index
+        self.tails, self.prompt_length, self.index = tails, prompt_length, index
         self.longest = max(map(len, tails), default=0)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        new = input_ids[:, self.prompt_length:]
-        if new.shape[1] >= self.longest:  # every token spells at least one character of the tail
+        if input_ids.shape[1] - self.prompt_length >= self.longest:  # each token spells a character of the tail
             return scores
-        per_prompt = input_ids.shape[0] // len(self.tails)  # beams and return sequences repeat each prompt
         allowed = torch.ones_like(scores, dtype=torch.bool)
-        for row, generated in enumerate(new.tolist()):
-            rest, _ = self.spell_tail(self.tails[row // per_prompt], generated)
+        for row, (rest, _) in enumerate(self.spelled(input_ids)):
             if rest:
                 allowed[row] = False
                 allowed[row, [self.index.longest_prefix(rest), *self.index.extending(rest)]] = True
         return scores.masked_fill(~allowed, -float("inf"))
 
-    def spell_tail(self, tail: str, generated: list[int]) -> tuple[str, int]:
-        """What is left of `tail` after the new tokens `generated`, and how many of them spelled it (all of it once
-        the tail is covered)."""
-        rest = tail
-        for spent, token in enumerate(generated):
-            if not rest:
-                return rest, spent
-            text = self.index.text_of.get(token)
-            # A token off the tail (a finished row's padding) ends the constraint as covering the tail does.
-            rest = rest[len(text):] if text is not None and rest.startswith(text) else ""
-        return rest, len(generated)
+    def spelled(self, input_ids: torch.LongTensor) -> list[tuple[str, int]]:
+        """Per row: what is left of its prompt's tail after the new tokens, and how many of them spelled it."""
+        per_prompt = input_ids.shape[0] // len(self.tails)  # beams and return sequences repeat each prompt
+        out = []
+        for row, generated in enumerate(input_ids[:, self.prompt_length:].tolist()):
+            rest, spent = self.tails[row // per_prompt], len(generated)
+            for i, token in enumerate(generated):
+                if not rest:
+                    spent = i
+                    break
+                text = self.index.text_of.get(token)
+                # A token off the tail (a finished row's padding) ends the constraint as covering the tail does.
+                rest = rest[len(text):] if text is not None and rest.startswith(text) else ""
+            out.append((rest, spent))
+        return out
+
+
+class MaxNewTokensAfterHealedTail(StoppingCriteria):
+    """A row is done with `max_new_tokens` tokens after those that spell its healed tail again: the tail is prompt."""
+
+    def __init__(self, healing: HealedTailLogitsProcessor, max_new_tokens: int):
+        self.healing, self.max_new_tokens = healing, max_new_tokens
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        new = input_ids.shape[1] - self.healing.prompt_length
+        done = [not rest and new - spent >= self.max_new_tokens for rest, spent in self.healing.spelled(input_ids)]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
 def _heal_prompt(ids: torch.Tensor, mask: torch.Tensor | None, tokenizer):
-    """transformers' token healing (`token_healing=True`) for a greedy longest-match tokenizer: each prompt loses its
-    tail from the first token that more text could re-tokenize (`first_unstable_token`; never the row's first
-    token, never a special token), and the returned processor makes the first new tokens spell that tail again, so
-    the model picks the tokens that cross the prompt's end (`' wh', 'o'` can become `' who '`). The prompt's text is
-    kept exactly (no strip). Returns the shortened rows left-padded, their mask, and the processor."""
+    """`token_healing=True`: each row loses its tail from the first token more text could re-tokenize (never its first
+    token, nor a special token or what precedes one); the processor returned with the left-padded rows and their mask
+    makes the first new tokens spell it again, so they may cross the prompt's end (`' wh', 'o'` -> `' who '`)."""
     if tokenizer is None:
         raise ValueError("token_healing=True needs the prompt's tokenizer: pass tokenizer=... to generate.")
-    greedy = getattr(tokenizer, "greedy_vocab", None)
-    if greedy is None:
+    if getattr(tokenizer, "greedy_vocab", None) is None:
         raise ValueError(
             f"token_healing=True re-spells the prompt's tail with the tokens of a greedy longest-match tokenizer "
             f"(`tokenizer.greedy_vocab`), which {type(tokenizer).__name__} does not have: pass this model's "
             "SpikeTokenizer/SpikeTokenizerFast, or token_healing=False."
         )
-    index = GreedyVocabIndex(greedy)
+    index = GreedyVocabIndex(tokenizer.greedy_vocab)
     real = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
     rows, tails = [], []
     for row, keep in zip(ids.tolist(), real.tolist()):
         tokens = [t for t, k in zip(row, keep) if k]
         start = len(tokens)
-        while start > 0 and tokens[start - 1] in index.text_of:  # the text after the last special token
+        while start > 1 and tokens[start - 1] in index.text_of:  # the text after the last special token
             start -= 1
-        start = max(start, 1)
         cut = start + first_unstable_token([index.text_of[t] for t in tokens[start:]], index)
         rows.append(tokens[:cut])
         tails.append("".join(index.text_of[t] for t in tokens[cut:]))
     if not any(tails):
         return ids, mask, HealedTailLogitsProcessor(tails, ids.shape[-1], index)
-    width = max(len(r) for r in rows)
-    new_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=ids.dtype, device=ids.device)
-    new_mask = torch.zeros((len(rows), width), dtype=torch.long, device=ids.device)
-    for i, r in enumerate(rows):
-        if r:
-            new_ids[i, width - len(r):] = torch.tensor(r, dtype=ids.dtype)
-            new_mask[i, width - len(r):] = 1
-    return new_ids, new_mask, HealedTailLogitsProcessor(tails, width, index)
-
-
-class MaxNewTokensAfterHealedTail(StoppingCriteria):
-    """Token healing's length accounting: a row is done once it has `max_new_tokens` tokens after those that spell
-    its healed tail again, so the rebuilt tail counts as prompt (transformers' `heal_tokens` does not count its
-    healed token either). `generate`'s own limit is raised by the most tail tokens a row dropped."""
-
-    def __init__(self, healing: HealedTailLogitsProcessor, max_new_tokens: int):
-        self.healing = healing
-        self.max_new_tokens = max_new_tokens
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
-        tails = self.healing.tails
-        per_prompt = input_ids.shape[0] // len(tails)
-        done = []
-        for row, generated in enumerate(input_ids[:, self.healing.prompt_length:].tolist()):
-            rest, spent = self.healing.spell_tail(tails[row // per_prompt], generated)
-            done.append(not rest and len(generated) - spent >= self.max_new_tokens)
-        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
-
-
-def _with_fields(generation_config: GenerationConfig | None, kwargs: dict, fields: dict) -> GenerationConfig | None:
-    """Set generation fields where the call carries its settings: in `kwargs`, or in a copy of the
-    `generation_config` passed (transformers warns when a call mixes the two). Returns the config to pass on."""
-    if generation_config is None:
-        kwargs.update(fields)
-        return None
-    generation_config = copy.deepcopy(generation_config)
-    generation_config.update(**fields)
-    for name in fields:
-        kwargs.pop(name, None)
-    return generation_config
+    width = max(map(len, rows))
+    new_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(r)) + r for r in rows], dtype=ids.dtype)
+    new_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return new_ids.to(ids.device), new_mask.to(ids.device), HealedTailLogitsProcessor(tails, width, index)
 
 
 def spike_whale_generate(model, parent_generate, inputs=None, generation_config=None, **kwargs):
-    """Body of `SpikeWhaleForCausalLM.generate` (see its docstring): checks the inputs and the context window before
-    any work, applies the opt-in prompt truncation, routes `use_mtp=True` to `mtp_speculative_generate` (through the
-    public `custom_generate` hook, so logits processors and stopping criteria are the library's own), and
-    otherwise hands everything to `GenerationMixin.generate` (`parent_generate`)."""
-    if generation_config is not None and getattr(generation_config, "is_assistant", False):
+    """`SpikeWhaleForCausalLM.generate`: checks the inputs and the context window before any work, heals or truncates
+    the prompt where asked, routes `use_mtp=True` through `custom_generate`; `parent_generate` does the rest."""
+    if getattr(generation_config, "is_assistant", False):
         generation_config, kwargs = _as_assistant_call(generation_config, kwargs)
-    use_mtp = kwargs.pop("use_mtp", None)
-    truncate = bool(kwargs.pop("truncate_to_context", False))
-    draft_tokens = kwargs.pop("mtp_draft_tokens", None)
+    own = ("use_mtp", "truncate_to_context", "mtp_draft_tokens")  # arguments transformers does not know
+    use_mtp, truncate, draft_tokens = (kwargs.pop(name, None) for name in own)
     eff = _effective_generation_config(model, generation_config, kwargs)
-    if use_mtp is None:
-        use_mtp = bool(getattr(eff, "use_mtp", None))
     if getattr(eff, "use_mtp", None):
-        # A config asking for MTP must never reach the library's own MTP path (it assumes the DeepSeek-V3
-        # layout and refuses stateful models); ours is routed through `custom_generate` below.
-        base = generation_config if generation_config is not None else model.generation_config
-        generation_config = copy.deepcopy(base)
+        # The library's own MTP path (DeepSeek-V3's layout, refusing stateful models) must never see it: ours is below.
+        generation_config = copy.deepcopy(model.generation_config if generation_config is None else generation_config)
         generation_config.use_mtp = False
+        use_mtp = True if use_mtp is None else use_mtp
 
-    # --- inputs and the context window: raise before any work (or truncate the prompt when explicitly asked) ---
-    ids = inputs if inputs is not None else kwargs.get("input_ids")
-    embeds = kwargs.get("inputs_embeds")
-    mask = kwargs.get("attention_mask")
+    ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+    embeds, mask = kwargs.get("inputs_embeds"), kwargs.get("attention_mask")
     if "cache" in kwargs and CACHE_FIELD != "cache":  # transformers < 5.24 carries the cache as past_key_values
         kwargs[CACHE_FIELD] = kwargs.pop("cache")
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    _check_generate_inputs(ids, embeds, mask, model.config.bos_token_id)
-    if ids is not None and (kwargs.get("token_healing") or getattr(eff, "token_healing", False)):
-        if cache is not None and cache.get_seq_length() > 0:
-            raise ValueError(
-                f"token_healing=True re-tokenizes the end of the prompt, but the cache passed in already holds "
-                f"{cache.get_seq_length()} of its positions, which healing would change under it. Continue from the "
-                "cache with token_healing=False, or heal the whole prompt from a fresh cache (cache=None)."
-            )
-        real = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
-        budget = eff.max_new_tokens if eff.max_new_tokens is not None else eff.max_length - ids.shape[-1]
-        ids, mask, healing = _heal_prompt(ids, mask, kwargs.get("tokenizer"))
-        dropped = int((real.sum(-1) - (mask.sum(-1) if mask is not None else ids.shape[-1])).max())
-        kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), healing])
-        fields = {"token_healing": False}
-        if dropped:  # the tail spelled again is prompt: each row gets `budget` tokens after it
-            kwargs["stopping_criteria"] = StoppingCriteriaList(
-                [*(kwargs.get("stopping_criteria") or []), MaxNewTokensAfterHealedTail(healing, budget)])
-            kwargs.pop("max_length", None)
-            fields["max_new_tokens"] = eff.max_new_tokens = budget + dropped
-        generation_config = _with_fields(generation_config, kwargs, fields)
-        kwargs["attention_mask"] = mask
-        if inputs is not None:
-            inputs = ids
-        else:
-            kwargs["input_ids"] = ids
-    if ids is not None:
-        width = ids.shape[-1]
-    elif embeds is not None:
-        width = embeds.shape[1]
-    else:
-        width = 1
-    if mask is not None and mask.dim() == 2:
-        width = max(width, mask.shape[1])
+    past = cache.get_seq_length() if cache is not None else 0
+    width = _prompt_width(ids, embeds, mask, model.config.bos_token_id)
     new_tokens = eff.max_new_tokens if eff.max_new_tokens is not None else eff.max_length - width
+
+    if ids is not None and getattr(eff, "token_healing", False):
+        if past:
+            raise ValueError(f"token_healing=True re-tokenizes the prompt's end, but the cache passed in holds {past} "
+                             "of its positions: continue with token_healing=False, or heal from a fresh cache.")
+        healed_ids, healed_mask, healing = _heal_prompt(ids, mask, kwargs.get("tokenizer"))
+        kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), healing])
+        fields = {"token_healing": False}  # transformers' own healing would undo ours
+        if healed_ids is not ids:  # the tail spelled again is prompt: each row gets `new_tokens` tokens after it
+            kwargs["stopping_criteria"] = StoppingCriteriaList(
+                [*(kwargs.get("stopping_criteria") or []), MaxNewTokensAfterHealedTail(healing, new_tokens)])
+            kwargs.pop("max_length", None)
+            new_tokens += int(((mask.sum(-1) if mask is not None else width) - healed_mask.sum(-1)).max())
+            fields["max_new_tokens"] = eff.max_new_tokens = new_tokens
+        if generation_config is None:  # settings go where the call carries them (transformers warns on a mix)
+            kwargs.update(fields)
+        else:
+            generation_config = copy.deepcopy(generation_config)
+            generation_config.update(**fields)
+            kwargs = {k: v for k, v in kwargs.items() if k not in fields}
+        ids, mask, width = healed_ids, healed_mask, healed_ids.shape[-1]
+
     limit = model.config.max_position_embeddings
     where = f"this model's context window (max_position_embeddings={limit})"
     if isinstance(cache, SpikeWhaleCache) and cache.max_cache_len < limit:
-        limit = cache.max_cache_len
-        where = f"the SpikeWhaleCache passed in (max_cache_len={limit})"
+        limit, where = cache.max_cache_len, f"the SpikeWhaleCache passed in (max_cache_len={cache.max_cache_len})"
     if new_tokens > 0 and width + new_tokens > limit:
         asked = (f"max_new_tokens={new_tokens}" if eff.max_new_tokens is not None
                  else f"max_length={eff.max_length} ({new_tokens} new tokens)")
         if new_tokens >= limit:
-            raise ValueError(
-                f"{asked} alone does not fit {where}: even a one-token prompt would need {new_tokens + 1} positions. "
-                f"Ask for at most {limit - 1} new tokens (the prompt and the new tokens together must fit in {limit} "
-                "positions)."
-            )
+            raise ValueError(f"{asked} alone does not fit {where}: even a one-token prompt would need "
+                             f"{new_tokens + 1} positions. Ask for at most {limit - 1} new tokens.")
         if not truncate:
             raise ValueError(
-                f"The prompt is {width} tokens and {asked}, so generation would need {width + new_tokens} "
-                f"positions, more than {where}; spike_whale raises instead of wrapping positions or silently "
-                f"dropping context. Shorten the prompt to at most {limit - new_tokens} tokens, ask for at most "
-                f"{max(limit - width, 0)} new tokens, or pass truncate_to_context=True to drop the oldest prompt "
-                "tokens (keeping <bos>)."
+                f"The prompt is {width} tokens and {asked}: {width + new_tokens} positions, more than {where} "
+                f"(spike_whale never wraps positions or silently drops context). Shorten the prompt to at most "
+                f"{limit - new_tokens} tokens, ask for at most {max(limit - width, 0)} new tokens, or pass "
+                "truncate_to_context=True to drop the oldest prompt tokens (keeping <bos>)."
             )
-        keep = limit - new_tokens
         if ids is None:
-            raise NotImplementedError("truncate_to_context=True truncates input_ids; it does not cut inputs_embeds.")
-        if cache is not None and cache.get_seq_length() > 0:
-            raise ValueError(
-                "truncate_to_context=True cannot drop tokens that are already held in the cache passed in; start "
-                "from a fresh cache (cache=None) with the truncated conversation instead."
-            )
-        new_ids, new_mask = _truncate_prompt(ids, mask, keep, model.config.bos_token_id)
-        logger.warning(
-            f"truncate_to_context=True: dropped the oldest {width - keep} of {width} prompt tokens so that the "
-            f"prompt plus {new_tokens} new tokens fits {where}."
-        )
-        if inputs is not None:
-            inputs = new_ids
-        else:
-            kwargs["input_ids"] = new_ids
-        if new_mask is not None:
-            kwargs["attention_mask"] = new_mask
+            raise NotImplementedError("truncate_to_context=True drops the oldest input_ids, not inputs_embeds.")
+        if past:
+            raise ValueError("truncate_to_context=True cannot drop tokens that the cache passed in holds; start from a "
+                             "fresh cache (cache=None) with the truncated conversation instead.")
+        # Keep the newest limit - new_tokens columns; a row that started with <bos> and lost tokens gets it back.
+        drop, bos = width + new_tokens - limit, model.config.bos_token_id
+        real = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
+        first, lost = ids.gather(1, real.long().argmax(1, keepdim=True))[:, 0], real[:, :drop].any(1)
+        ids, mask = ids[:, drop:].clone(), mask[:, drop:] if mask is not None else None
+        if bos is not None:
+            ids[lost & (first == bos), 0] = bos
+        logger.warning(f"truncate_to_context=True: dropped the oldest {drop} of {width} prompt tokens so that the "
+                       f"prompt plus {new_tokens} new tokens fits {where}.")
         kwargs.pop("position_ids", None)
+    if mask is not None:
+        kwargs["attention_mask"] = mask
 
-    # The model builds its cache in `forward`; chunked prefill and assisted decoding need one before the first.
-    needs_cache = (eff.prefill_chunk_size or kwargs.get("assistant_model") is not None
-                   or getattr(eff, "prompt_lookup_num_tokens", None))
-    if (needs_cache or getattr(eff, "is_assistant", False)) and eff.use_cache and cache is None \
-            and eff.cache_implementation is None:
-        kwargs[CACHE_FIELD] = SpikeWhaleCache(model.config)
-        drafting = getattr(eff, "is_assistant", False)  # drafting for another model: its candidates get rolled back
-        # transformers < 5.24 rolls the verified model's cache back without first turning recording on.
-        verifying = CACHE_FIELD != "cache" and needs_cache and not eff.prefill_chunk_size
-        if drafting:  # as transformers >= 5.25 records its assistants' caches: crops remove at most the drafts
-            drafts = getattr(eff, "num_assistant_tokens", None)
-            kwargs[CACHE_FIELD].activate_past_recording(recurrent_states_to_keep=drafts)
-        elif verifying:
-            kwargs[CACHE_FIELD].activate_past_recording()
+    # Assisted decoding crops the cache after each verification: transformers < 5.24 without recording first, >= 5.25
+    # recording the first round's draft count, which "heuristic" schedules outgrow; a round drafts at most new_tokens.
     assistant = kwargs.get("assistant_model")
+    if (assistant is not None or getattr(eff, "prompt_lookup_num_tokens", None)) and eff.use_cache \
+            and cache is None and eff.cache_implementation is None:
+        cache = kwargs[CACHE_FIELD] = SpikeWhaleCache(model.config)
+        if CACHE_FIELD != "cache" and not eff.prefill_chunk_size:
+            cache.activate_past_recording()
     schedule = getattr(getattr(assistant, "generation_config", None), "num_assistant_tokens_schedule", None)
-    if schedule in ("heuristic", "heuristic_transient") and isinstance(kwargs.get(CACHE_FIELD), SpikeWhaleCache):
-        # This schedule grows the drafts (by 2 after each fully accepted round) past the count transformers >= 5.25
-        # asks the cache to record at the start; a round drafts at most the new tokens.
-        kwargs[CACHE_FIELD].min_states_to_keep = max(new_tokens, 0)
+    if schedule in ("heuristic", "heuristic_transient") and isinstance(cache, SpikeWhaleCache):
+        cache.min_states_to_keep = max(new_tokens, 0)
 
-    # --- MTP self-speculative decoding ---
     if use_mtp:
-        if kwargs.get("custom_generate") is not None:
-            raise ValueError(
-                "use_mtp=True runs spike_whale's own decoding loop; it cannot be combined with custom_generate."
-            )
-        if kwargs.get("assistant_model") is not None:
-            raise ValueError("use_mtp=True drafts with the model's own MTP head; do not pass an assistant_model.")
-        if eff.num_beams != 1:
-            raise NotImplementedError(
-                "use_mtp=True implements greedy and sampling self-speculative decoding (num_beams=1); got "
-                f"num_beams={eff.num_beams}. Drop num_beams or use_mtp."
-            )
-        if not len(getattr(model, "mtp_heads", ())):
-            raise ValueError("use_mtp=True needs an MTP head, but this config has num_nextn_predict_layers=0.")
-        if not eff.use_cache:
-            raise ValueError(
-                "use_mtp=True verifies drafts against the cache and rolls it back; it needs use_cache=True."
-            )
-        kwargs["custom_generate"] = mtp_speculative_generate
-        kwargs["mtp_streamer"] = kwargs.pop("streamer", None)
-        # Read here, before transformers fills its global defaults (0.4 and 20, meant for a separate assistant model)
-        # for every call: unset by the caller and by generation_config.json means no gate and one draft per head.
-        kwargs["mtp_confidence_threshold"] = mtp_gate_threshold(eff.assistant_confidence_threshold)
-        kwargs["mtp_draft_tokens"] = mtp_draft_count(draft_tokens, eff.num_assistant_tokens, len(model.mtp_heads))
+        # Read before transformers fills its defaults for a separate assistant model (0.4 and 20): unset by the
+        # caller and by generation_config.json means no gate and one draft per MTP head.
+        heads, threshold = len(getattr(model, "mtp_heads", ())), eff.assistant_confidence_threshold
+        threshold = 0.0 if threshold is None else threshold
+        name = "mtp_draft_tokens" if draft_tokens is not None else "num_assistant_tokens"
+        count = draft_tokens if draft_tokens is not None else eff.num_assistant_tokens
+        count = heads if count is None else count
+        for refused, error, message in (
+            (kwargs.get("custom_generate") is not None, ValueError,
+             "use_mtp=True runs spike_whale's own decoding loop; it cannot be combined with custom_generate."),
+            (assistant is not None, ValueError,
+             "use_mtp=True drafts with the model's own MTP head; do not pass an assistant_model."),
+            (eff.num_beams != 1, NotImplementedError, "use_mtp=True implements greedy and sampling self-speculative "
+             f"decoding (num_beams=1); got num_beams={eff.num_beams}. Drop num_beams or use_mtp."),
+            (not heads, ValueError, "use_mtp=True needs an MTP head, but this config has num_nextn_predict_layers=0."),
+            (not eff.use_cache, ValueError,
+             "use_mtp=True verifies drafts against the cache and rolls it back; it needs use_cache=True."),
+            (past >= width, ValueError, f"The cache already holds {past} positions, as many as the prompt; to continue "
+             "a conversation pass the full ids (previous turns + the new tokens) together with the returned cache."),
+            (isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1,
+             ValueError, f"assistant_confidence_threshold={threshold!r}: use_mtp=True drafts only when the MTP head's "
+             "top probability is above it, so it must be a number in [0, 1] (0 drafts every step, 1 never drafts)."),
+            (isinstance(count, bool) or not isinstance(count, int) or count < 1, ValueError,
+             f"{name}={count!r}: use_mtp=True drafts that many tokens per step (MTP head k drafts the k-th, the first "
+             f"head chained drafts those past this model's {heads} MTP head(s)), so it must be an int >= 1."),
+        ):
+            if refused:
+                raise error(message)
+        kwargs.update(custom_generate=mtp_speculative_generate, mtp_streamer=kwargs.pop("streamer", None),
+                      mtp_confidence_threshold=float(threshold), mtp_draft_tokens=count)
     elif draft_tokens is not None:
         raise ValueError("mtp_draft_tokens only applies with use_mtp=True.")
-    return parent_generate(inputs, generation_config=generation_config, **kwargs)
+    return parent_generate(ids, generation_config=generation_config, **kwargs)
 
 
-def mtp_gate_threshold(value) -> float:
-    """`assistant_confidence_threshold` for MTP drafting: the caller's or generation_config.json's value, 0.0 (draft
-    every step) when neither sets it."""
-    if value is None:
-        return 0.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise ValueError(
-            f"assistant_confidence_threshold={value!r}: use_mtp=True drafts only when the MTP head's top probability "
-            "is above it, so it must be a number in [0, 1] (0 drafts every step, 1 never drafts)."
-        )
-    return float(value)
+def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria,
+                             generation_config: GenerationConfig, mtp_streamer=None, mtp_draft_tokens: int = 1,
+                             mtp_confidence_threshold: float = 0.0, **model_kwargs):
+    """`generate(use_mtp=True)` (a `custom_generate`) with plain decoding's greedy ids or sampling law. A step feeds the
+    pending token and K drafts through one forward; the main head's choices are emitted as in `_sample` while they
+    equal the drafts in every unfinished row; the rest is cropped from the recording cache (exact Memory-Cache state).
 
-
-def mtp_draft_count(draft_tokens, num_assistant_tokens, heads: int) -> int:
-    """Drafts per MTP step: `mtp_draft_tokens`, else `num_assistant_tokens` (the caller's or generation_config.json's),
-    else one per MTP head; drafts beyond the heads chain the first head (`mtp_speculative_generate`)."""
-    for name, value in (("mtp_draft_tokens", draft_tokens), ("num_assistant_tokens", num_assistant_tokens)):
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(
-                f"{name}={value!r}: use_mtp=True drafts that many tokens per step (MTP head k drafts the k-th, the "
-                f"first head chained drafts those past this model's {heads} MTP head(s)), so it must be an int >= 1."
-            )
-        return value
-    return heads
-
-
-def mtp_speculative_generate(
-    model,
-    input_ids: torch.LongTensor,
-    logits_processor,
-    stopping_criteria,
-    generation_config: GenerationConfig,
-    mtp_streamer=None,
-    mtp_draft_tokens: int | None = None,
-    mtp_confidence_threshold: float = 0.0,
-    **model_kwargs,
-):
-    """Greedy or sampling decoding with MTP self-speculation: greedy ids are those of plain greedy decoding, sampled
-    ids follow plain sampling's distribution (speculative sampling's accept/reject rule, below).
-
-    Each step feeds the pending token plus K drafts through one multi-token forward; the main head's greedy
-    choices are emitted one at a time through the library's logits processors and stopping criteria, as in
-    `GenerationMixin._sample`, until the first disagreement; the rejected drafts are then removed from the cache
-    (`activate_past_recording` + `crop`), which restores the Memory-Cache state exactly. Rows of a batch advance in
-    lockstep (a step keeps the drafts every unfinished row accepted). Called by `GenerationMixin.generate` through
-    `custom_generate` (after all of its input preparation).
-
-    Drafts: MTP head k, applied to the final normed hidden state h of the place that chose the pending token,
-    drafts the token k+1 places past the pending one; drafts beyond the model's heads chain head 1 on the final
-    norm of the previous draft's state, y_{k+1} = head_1(norm(y_k)) (y_k stands in for the hidden state of the place
-    before its token). The next step drafts from the place of the last emitted token; a verify step's main logits
-    and the draft logits of each of its places come from one `lm_head` product.
-
-    With `do_sample=True` each draft is sampled from its processed distribution q, and the main head's processed
-    distribution p at that place accepts it with probability min(1, p(d)/q(d)); a rejected draft is replaced by
-    a sample of norm(max(0, p - q)) and ends the step; after the last draft, a token is sampled from p. Each
-    emitted token is then distributed as plain sampling's (Leviathan et al. 2023, Chen et al. 2023).
-
-    Confidence gate (`assistant_confidence_threshold`, resolved by `spike_whale_generate`): drafting stops at the
-    first draft whose confidence - the top probability of the distribution it is taken from - is not above the
-    threshold in every unfinished row; a step without drafts is a plain one-token step. The gate depends on the
-    context only, so greedy ids and the sampling distribution are unchanged.
-    """
-    streamer = mtp_streamer
-    do_sample = bool(generation_config.do_sample)
-    heads, norm = model.mtp_heads, model.model.norm
-    K = int(mtp_draft_tokens or len(heads))
-    threshold = mtp_confidence_threshold
-    cache = model_kwargs.get(CACHE_FIELD)
-    if cache is not None and not isinstance(cache, SpikeWhaleCache):
-        if isinstance(cache, Cache) and cache.get_seq_length() == 0:
-            cache = None
-        else:
-            raise TypeError(f"spike_whale needs a SpikeWhaleCache, got {type(cache).__name__}.")
-    if cache is None:
-        cache = SpikeWhaleCache(model.config)
-    attention_mask = model_kwargs.get("attention_mask")
-
-    output_scores = generation_config.output_scores
-    output_logits = generation_config.output_logits
+    MTP head k on the final hidden state that chose the pending token drafts the token k places past it; past the
+    heads, y_{k+1} = head_1(norm(y_k)). Greedy drafts take the square root of the repetition penalty (the heads learnt
+    part of it from the model's processed text). Sampling keeps a draft d ~ q with probability min(1, p(d)/q(d)), else
+    draws from norm(max(0, p - q)). The gate (`assistant_confidence_threshold`) stops drafting where a draft's top
+    probability is not above it in every unfinished row: it reads the context only, so the output law is unchanged."""
+    streamer, K, threshold = mtp_streamer, mtp_draft_tokens, mtp_confidence_threshold
+    heads, norm, do_sample = model.mtp_heads, model.model.norm, bool(generation_config.do_sample)
     return_dict = generation_config.return_dict_in_generate
-    scores = () if (return_dict and output_scores) else None
-    raw_logits = () if (return_dict and output_logits) else None
-    has_eos_stopping_criteria = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
-    pad = getattr(generation_config, "_pad_token_tensor", None)
-    if pad is None:
-        eos = generation_config.eos_token_id
-        pad_id = generation_config.pad_token_id if generation_config.pad_token_id is not None else (
-            (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0)
-        pad = torch.tensor(pad_id)
-    pad = pad.to(input_ids.device)
-    B = input_ids.shape[0]
-    unfinished = torch.ones(B, dtype=torch.long, device=input_ids.device)
+    scores = () if return_dict and generation_config.output_scores else None
+    raw_logits = () if return_dict and generation_config.output_logits else None
+    pad = generation_config._pad_token_tensor if any(hasattr(c, "eos_token_id") for c in stopping_criteria) else None
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
     stats = MTPStats()
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    def emit(next_logits: torch.Tensor, pick=None) -> torch.Tensor:
-        """One step of `_sample`: process, pick (argmax, or `pick(processed scores)`), pad finished rows, append,
-        stream, check stopping."""
+    def padded(tok):  # finished rows get the pad token, as in `_sample`
+        return tok if pad is None else tok * unfinished + pad * (1 - unfinished)
+
+    def pick(next_scores, drafted=None, q=None):
+        """Greedy: argmax. Sampling: a draw from p, or `drafted` kept with probability min(1, p/q), else redrawn."""
+        if not do_sample:
+            return next_scores.argmax(-1)
+        p = torch.softmax(next_scores, dim=-1)
+        if drafted is None:
+            return torch.multinomial(p, num_samples=1).squeeze(1)
+        p_d, q_d = p.gather(1, drafted[:, None]).squeeze(1), q.gather(1, drafted[:, None]).squeeze(1)
+        keep = torch.rand(p_d.shape, device=p.device) * q_d < p_d
+        residual = (p - q).clamp_min(0)
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+        return torch.where(keep, drafted, torch.multinomial(residual, num_samples=1).squeeze(1))
+
+    def emit(next_logits, drafted=None, q=None):
+        """One step of `_sample`: process, pick, pad finished rows, append, stream, check stopping."""
         nonlocal input_ids, unfinished, scores, raw_logits
         next_logits = next_logits.to(copy=True, dtype=torch.float32, device=input_ids.device)
         next_scores = logits_processor(input_ids, next_logits)
@@ -1174,149 +990,82 @@ def mtp_speculative_generate(
             scores += (next_scores,)
         if raw_logits is not None:
             raw_logits += (next_logits,)
-        tok = pick(next_scores) if pick is not None else torch.argmax(next_scores, dim=-1)
-        if has_eos_stopping_criteria:
-            tok = tok * unfinished + pad * (1 - unfinished)
+        tok = padded(pick(next_scores, drafted, q))
         input_ids = torch.cat([input_ids, tok[:, None]], dim=-1)
         if streamer is not None:
             streamer.put(tok.cpu())
         unfinished = unfinished & ~stopping_criteria(input_ids, scores)
         return tok
 
-    # Sampled drafts see the library's own (stateless) processors - temperature, top-k, repetition penalty, ... - so
-    # that q is close to the processed p; user-supplied processors are only run on the emitted tokens, exactly as
-    # in plain decoding (they may keep state or have side effects).
-    draft_processor = LogitsProcessorList(
-        [p for p in logits_processor if type(p).__module__.startswith("transformers.generation.")]
-    )
-
-    def sample(next_scores: torch.Tensor) -> torch.Tensor:
-        return torch.multinomial(torch.softmax(next_scores, dim=-1), num_samples=1).squeeze(1)
-
-    def draft_states(h: torch.Tensor) -> torch.Tensor:
-        """[B, S, K, H] from the final hidden states h [B, S, H] of S places: head k's output for the k-th draft, head 1
-        chained on the final norm of the previous state past the model's heads; `lm_head` turns them into drafts."""
+    def logits_and_drafts(h):
+        """Main logits [B, S, V] at the places of h [B, S, H] and the draft logits [B, S, K, V] from each place."""
         states = [heads[i](h) for i in range(min(K, len(heads)))]
         while len(states) < K:
             states.append(heads[0](norm(states[-1])))
-        return torch.stack(states, 2)
+        both = model.lm_head(torch.cat([h, torch.stack(states, 2).flatten(1, 2)], 1))
+        return both[:, :h.shape[1]], both[:, h.shape[1]:].unflatten(1, (h.shape[1], K))
 
-    def logits_and_draft_logits(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The main logits [B, S, V] at each place of h [B, S, H] and the draft logits [B, S, K, V] from each place, in
-        one `lm_head` product: wherever the step's emitted tokens end, its next drafts are at hand, and a step reads
-        the `lm_head` weight once (on the demo model 4 rows cost less than 3 rows plus a 1-row product after a
-        rejection)."""
-        S = h.shape[1]
-        both = model.lm_head(torch.cat([h, draft_states(h).flatten(1, 2)], 1))
-        return both[:, :S], both[:, S:].unflatten(1, (S, K))
+    # Sampled drafts see the library's own (stateless) processors, so that q is close to the processed p; a caller's
+    # processors run on emitted tokens only, as in plain decoding (they may keep state).
+    library = [p for p in logits_processor if type(p).__module__.startswith("transformers.generation.")]
+    penalties = [copy.copy(p) for p in logits_processor if isinstance(p, RepetitionPenaltyLogitsProcessor)]
+    for p in penalties:
+        p.penalty **= 0.5
+    draft_processor = LogitsProcessorList(library if do_sample else penalties)
 
-    # A greedy draft is the head's argmax after the square root of the repetition penalty: a head trained on the
-    # model's own processed greedy text (train_default's MTP self-distillation) has learnt part of the penalty's
-    # effect. On the demo model's held-out greedy text (penalty 1.3) its drafts agree 0.563 raw, 0.590 with
-    # penalty**0.5 and 0.461 with the full penalty.
-    draft_penalty = None
-    for p in logits_processor:
-        if isinstance(p, RepetitionPenaltyLogitsProcessor) and not do_sample:
-            draft_penalty = copy.copy(p)
-            draft_penalty.penalty = p.penalty ** 0.5
-
-    def draft(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Up to k drafts [B, k'] from the draft logits [B, K, V] of the place that chose the pending token (fewer
-        where the confidence gate stops), and (sampling) the distribution [B, V] each was drawn from."""
+    def draft(draft_logits, k):
+        """Up to k drafts [B, k'] from draft logits [B, K, V] (fewer where the gate stops) and their distributions."""
         ctx, out, dists = input_ids, [], []
         for i in range(k):
-            draft_logits_i = draft_logits[:, i].float()
-            if draft_penalty is not None:
-                draft_logits_i = draft_penalty(ctx, draft_logits_i)
-            dist = None
-            if do_sample or threshold > 0:  # without a gate a greedy draft needs no distribution and no host check
-                dist = torch.softmax(draft_processor(ctx, draft_logits_i) if do_sample else draft_logits_i, dim=-1)
+            next_scores = draft_processor(ctx, draft_logits[:, i].float())
+            dist = torch.softmax(next_scores, dim=-1) if do_sample or threshold > 0 else None
             if threshold > 0 and not bool(((dist.amax(-1) > threshold) | (unfinished == 0)).all()):
                 stats.withheld += 1
                 break
-            if do_sample:
-                dists.append(dist)
-                d = torch.multinomial(dist, num_samples=1).squeeze(1)
-            else:
-                d = torch.argmax(draft_logits_i, dim=-1)
-            if has_eos_stopping_criteria:
-                d = d * unfinished + pad * (1 - unfinished)
+            d = padded(torch.multinomial(dist, num_samples=1).squeeze(1) if do_sample else next_scores.argmax(-1))
             out.append(d)
+            dists.append(dist)
             ctx = torch.cat([ctx, d[:, None]], dim=-1)
-        return (torch.stack(out, 1) if out else input_ids.new_zeros(B, 0)), dists
+        return (torch.stack(out, 1) if out else input_ids[:, :0]), dists
 
-    def accept_or_resample(drafted: torch.Tensor, q: torch.Tensor, accepted: list):
-        """Speculative sampling's rule for one draft per row: keep it with probability min(1, p/q), else draw from
-        norm(max(0, p - q)); appends to `accepted` whether every row kept its draft."""
-        def pick(next_scores: torch.Tensor) -> torch.Tensor:
-            p = torch.softmax(next_scores, dim=-1)
-            p_d, q_d = p.gather(1, drafted[:, None]).squeeze(1), q.gather(1, drafted[:, None]).squeeze(1)
-            keep = torch.rand(p_d.shape, device=p.device) * q_d < p_d
-            residual = (p - q).clamp_min(0)
-            residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-            tok = torch.where(keep, drafted, torch.multinomial(residual, num_samples=1).squeeze(1))
-            accepted.append(bool((keep | (unfinished == 0)).all()))
-            return tok
-        return pick
-
-    past = cache.get_seq_length()
-    embeds = model_kwargs.get("inputs_embeds")
+    cache, embeds = model_kwargs.get(CACHE_FIELD), model_kwargs.get("inputs_embeds")
+    past = cache.get_seq_length() if cache is not None else 0
     prompt = {"inputs_embeds": embeds[:, past:]} if embeds is not None else {"input_ids": input_ids[:, past:]}
-    if next(iter(prompt.values())).shape[1] == 0:
-        raise ValueError(
-            f"The cache already holds {past} positions, as many as the prompt; to continue a conversation pass the "
-            "full ids (previous turns + the new tokens) together with the returned cache."
-        )
-    no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)  # `logits_and_draft_logits` makes them
-    out = model(**prompt, attention_mask=attention_mask, cache=cache, use_cache=True, logits_to_keep=no_logits)
-    stats.forwards += 1
-    logits, draft_logits = logits_and_draft_logits(out.last_hidden_state[:, -1:])
-    draft_logits = draft_logits[:, 0]
-    tok = emit(logits[:, 0], sample if do_sample else None)
-    max_length = generation_config.max_length
-    # After the prefill; a verification chunk is the pending token and up to K drafts, of which a crop removes <= K.
-    cache.activate_past_recording(recurrent_states_to_keep=K)
+    no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)  # `logits_and_drafts` makes them
+    feed, drafts, dists = {**prompt, "attention_mask": model_kwargs.get("attention_mask")}, input_ids[:, :0], []
     try:
-        while unfinished.max() > 0:
-            cur = input_ids.shape[1]  # the cache holds cur - 1 positions; `tok` (the last id) is pending
-            k = max(0, min(K, max_length - cur - 1, cache.max_cache_len - cur))
-            drafts, dists = draft(draft_logits, k)
+        while True:  # the prefill, then steps of the pending token and its drafts
+            out = model(**feed, cache=cache, use_cache=True, logits_to_keep=no_logits)
+            if not stats.forwards:  # after the prefill: a step's crop removes at most its K drafts
+                cache = getattr(out, CACHE_FIELD)
+                cache.activate_past_recording(recurrent_states_to_keep=K)
             k = drafts.shape[1]
-            out = model(input_ids=torch.cat([tok[:, None], drafts], dim=1), cache=cache, use_cache=True,
-                        logits_to_keep=no_logits)
-            logits, draft_logits = logits_and_draft_logits(out.last_hidden_state)
-            stats.forwards += 1
-            stats.verify_steps += int(k > 0)
-            emitted, rejected = 0, False
-            for j in range(k + 1):  # the main head's choice after each fed token, until a draft is rejected
-                accepted = []
-                if not do_sample:
-                    pick = None
-                elif j < k:
-                    pick = accept_or_resample(drafts[:, j], dists[j], accepted)
-                else:
-                    pick = sample
-                tok = emit(logits[:, j], pick)
-                emitted += 1
-                if unfinished.max() == 0 or j == k:
+            stats.forwards, stats.verify_steps = stats.forwards + 1, stats.verify_steps + int(k > 0)
+            logits, draft_logits = logits_and_drafts(out.last_hidden_state[:, -(k + 1):])
+            for j in range(k + 1):  # the main head's choice after each fed token, while it equals the draft
+                tok = emit(logits[:, j], *((drafts[:, j], dists[j]) if j < k else ()))
+                if j == k or unfinished.max() == 0:
                     break
                 stats.drafted += 1
-                if not (accepted[0] if do_sample else bool(((tok == drafts[:, j]) | (unfinished == 0)).all())):
-                    rejected = True
+                if not bool(((tok == drafts[:, j]) | (unfinished == 0)).all()):
+                    stats.rollbacks += 1
                     break
                 stats.accepted += 1
-            cache.crop(-(k + 1 - emitted))  # drop the rejected drafts (crop(0) just trims the recorded states)
-            stats.rollbacks += int(rejected)
-            draft_logits = draft_logits[:, emitted - 1]  # the next drafts come from the place of the last emitted token
+            cache.crop(j - k)  # drop the drafts after the last emitted token (crop(0) only trims the records)
+            if unfinished.max() == 0:
+                break
+            cur = input_ids.shape[1]  # the cache holds cur - 1 positions; `tok` (the last id) is pending
+            k = max(0, min(K, generation_config.max_length - cur - 1, cache.max_cache_len - cur))
+            drafts, dists = draft(draft_logits[:, j], k)  # from the place of the last emitted token
+            feed = {"input_ids": torch.cat([tok[:, None], drafts], 1)}
     finally:
-        cache.deactivate_past_recording()
+        if stats.forwards:
+            cache.deactivate_past_recording()
     if streamer is not None:
         streamer.end()
     model.last_mtp_stats = stats
-    if return_dict:
-        return SpikeWhaleGenerateOutput(
-            sequences=input_ids, scores=scores, logits=raw_logits, **{CACHE_FIELD: cache},
-            mtp_acceptance_rate=stats.acceptance_rate, mtp_drafted_tokens=stats.drafted,
-            mtp_accepted_tokens=stats.accepted,
-        )
-    return input_ids
+    if not return_dict:
+        return input_ids
+    return SpikeWhaleGenerateOutput(sequences=input_ids, scores=scores, logits=raw_logits, **{CACHE_FIELD: cache},
+                                    mtp_acceptance_rate=stats.acceptance_rate, mtp_drafted_tokens=stats.drafted,
+                                    mtp_accepted_tokens=stats.accepted)
