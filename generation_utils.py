@@ -837,6 +837,10 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
     past = cache.get_seq_length() if cache is not None else 0
     width = _prompt_width(ids, embeds, mask, model.config.bos_token_id)
     new_tokens = eff.max_new_tokens if eff.max_new_tokens is not None else eff.max_length - width
+    if past and past >= width:  # nothing new to feed: transformers would feed the whole prompt again on top of it
+        raise ValueError(f"The cache passed in already holds {past} positions, as many as the prompt ({width}); to "
+                         "continue a conversation pass the full ids (previous turns + the new tokens) together with "
+                         "the returned cache.")
 
     if ids is not None and getattr(eff, "token_healing", False):
         if past:
@@ -924,8 +928,6 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
             (not heads, ValueError, "use_mtp=True needs an MTP head, but this config has num_nextn_predict_layers=0."),
             (not eff.use_cache, ValueError,
              "use_mtp=True verifies drafts against the cache and rolls it back; it needs use_cache=True."),
-            (past >= width, ValueError, f"The cache already holds {past} positions, as many as the prompt; to continue "
-             "a conversation pass the full ids (previous turns + the new tokens) together with the returned cache."),
             (isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1,
              ValueError, f"assistant_confidence_threshold={threshold!r}: use_mtp=True drafts only when the MTP head's "
              "top probability is above it, so it must be a number in [0, 1] (0 drafts every step, 1 never drafts)."),

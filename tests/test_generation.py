@@ -527,6 +527,18 @@ def test_truncate_to_context_keeps_bos_and_newest_tokens(model):
 # ----------------------------------------------------------------------------- multi-turn chat
 
 
+@pytest.mark.parametrize("use_mtp", [False, True])
+def test_a_cache_that_holds_the_whole_prompt_is_refused(model, use_mtp):
+    """Nothing new to feed: transformers would feed the whole prompt again on top of the cache (positions counted
+    twice, a silently different function), so generate refuses before any work, naming the fix."""
+    ids = prompt(5, seed=44)
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).cache
+    with pytest.raises(ValueError, match="already holds 5 positions, as many as the prompt"):
+        model.generate(ids, cache=cache, max_new_tokens=3, do_sample=False, use_mtp=use_mtp)
+    assert cache.get_seq_length() == 5
+
+
 def test_multi_turn_continues_from_cache_exactly(model):
     prompts = [prompt(n, seed=40 + n) for n in (6, 3)]
     ids, mask = left_pad(prompts)
