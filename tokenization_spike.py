@@ -43,16 +43,7 @@ SPECIAL_TOKENS = (
     "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|endoftext|>",
 )
 SPECIAL_TOKEN_IDS = {tok: SPECIAL_START_ID + i for i, tok in enumerate(SPECIAL_TOKENS)}
-IM_START_ID = SPECIAL_TOKEN_IDS["<|im_start|>"]
-IM_END_ID = SPECIAL_TOKEN_IDS["<|im_end|>"]
-THINK_ID = SPECIAL_TOKEN_IDS["<think>"]
-END_THINK_ID = SPECIAL_TOKEN_IDS["</think>"]
-TOOL_CALL_ID = SPECIAL_TOKEN_IDS["<tool_call>"]
-END_TOOL_CALL_ID = SPECIAL_TOKEN_IDS["</tool_call>"]
-FIM_PREFIX_ID = SPECIAL_TOKEN_IDS["<|fim_prefix|>"]
-FIM_MIDDLE_ID = SPECIAL_TOKEN_IDS["<|fim_middle|>"]
-FIM_SUFFIX_ID = SPECIAL_TOKEN_IDS["<|fim_suffix|>"]
-ENDOFTEXT_ID = SPECIAL_TOKEN_IDS["<|endoftext|>"]
+IM_START_ID, IM_END_ID = SPECIAL_TOKEN_IDS["<|im_start|>"], SPECIAL_TOKEN_IDS["<|im_end|>"]
 RESERVED_START_ID = SPECIAL_START_ID + len(SPECIAL_TOKENS)  # 16401
 VOCAB_SIZE = 16512
 RESERVED_IDS = range(RESERVED_START_ID, VOCAB_SIZE)
@@ -562,15 +553,10 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
         finally:
             _BOS_STATE.force = previous
 
-    @property
-    def greedy_regex(self) -> re.Pattern:
-        """The compiled trie regex (compiled on first use: seconds for a 16K vocabulary)."""
-        if self._regex is None:
-            self._regex = compile_greedy_regex(self._greedy)
-        return self._regex
-
     def _tokenize(self, text: str, **kwargs) -> list[str]:
-        return self.greedy_regex.findall(_to_latin1(text)) if text else []
+        if self._regex is None:  # compiled on first use: seconds for a 16K vocabulary
+            self._regex = compile_greedy_regex(self._greedy)
+        return self._regex.findall(_to_latin1(text)) if text else []
 
     def _split_added_tokens(self, text: str) -> list[str] | None:
         """`text` cut into the text between added tokens (even items) and the added tokens (odd), leftmost-longest as
@@ -707,7 +693,6 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
 
 __all__ = ["SpikeTokenizer", "SpikeTokenizerMixin", "CHATML_TEMPLATE", "apply_chat_template_safely",
            "compile_greedy_regex", "greedy_trie_pattern", "load_vocab_file", "normalize_vocab_data", "dump_vocab_data",
-           "unused_token", "PAD_ID", "UNK_ID", "BOS_ID", "EOS_ID", "IM_START_ID", "IM_END_ID", "THINK_ID",
-           "END_THINK_ID", "ENDOFTEXT_ID", "SPECIAL_TOKENS", "SPECIAL_TOKEN_IDS", "RESERVED_IDS", "RESERVED_TOKENS",
+           "unused_token", "PAD_ID", "UNK_ID", "BOS_ID", "EOS_ID", "IM_START_ID", "IM_END_ID", "SPECIAL_TOKENS", "SPECIAL_TOKEN_IDS", "RESERVED_IDS", "RESERVED_TOKENS",
            "ALL_SPECIAL_IDS", "CHAT_EOS_IDS", "VOCAB_SIZE", "NUM_BASE_IDS", "FIRST_MULTIBYTE_ID", "BYTE_OFFSET",
            "DEFAULT_MAX_TOKEN_LEN", "VOCAB_FILE_NAME"]

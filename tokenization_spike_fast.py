@@ -82,7 +82,7 @@ def _text(token: str) -> str | None:
 
 def crosses_a_character(token: str) -> bool:
     """A token (latin-1 string) that is not valid UTF-8 and has a character start after its first byte: part of one
-    character and another, such as b"d \xe2\x80". The added-token matcher cannot find it (see `matched_texts`)."""
+    character and another, such as b"d \xe2\x80". The added-token matcher cannot find it (`build_backend`)."""
     return _text(token) is None and any(not 0x80 <= ord(ch) < 0xC0 for ch in token[1:])
 
 
@@ -103,21 +103,6 @@ def _decodes_as_itself(text: str) -> bool:
     return all(ch in _PRINTABLE_ASCII for ch in text) or not all(ch in _BYTE_LEVEL_TO_LATIN1 for ch in text)
 
 
-def matched_texts(greedy: list[str]) -> dict[str, str] | None:
-    """The text of each greedy token (latin-1 string) the added-token matcher takes, or None when that is not exact.
-
-    Leftmost-longest matching over the text is greedy longest match over the bytes as long as the tokens left out
-    never start where a matched token could: every valid UTF-8 token is matched, except one-character ones the
-    ByteLevel decoder would misread ("é"); the others lie inside one character. The runs no matched token starts
-    are whole characters, which the pieces cut into the left-out tokens. A token across a character boundary
-    (b"d \xe2\x80") can be neither matched nor left out: None, and the vocab keeps the pieces alone (exact, slower).
-    """
-    if any(map(crosses_a_character, greedy)):
-        return None
-    return {tok: text for tok in greedy if (text := _text(tok)) is not None and (
-        len(text) > 1 or _decodes_as_itself(text))}
-
-
 def piece_pattern(greedy: list[str], vocab: Mapping[str, int]) -> str:
     """A `Split` regex whose matches are runs of up to `PIECE_TOKENS` greedy tokens (byte-level), cut so that
     WordPiece's longest match over `vocab` gives back exactly those tokens: a token starting with the first character
@@ -133,10 +118,13 @@ def piece_pattern(greedy: list[str], vocab: Mapping[str, int]) -> str:
 def build_backend(data: Mapping) -> Tokenizer:
     """The `tokenizers` pipeline of a normalised vocab (`normalize_vocab_data`), with `SpikeTokenizer`'s ids.
 
-    The greedy tokens `matched_texts` accepts are non-special added tokens (leftmost-longest Aho-Corasick over the
-    text); the rest of the text goes through ByteLevel, the piece regex and WordPiece. A vocab the matcher cannot
-    serve exactly (a token across a character boundary, a text spelled like another token's byte-level key) gets
-    the pieces alone."""
+    The greedy tokens that are text are non-special added tokens, found by leftmost-longest Aho-Corasick over the
+    text: that is greedy longest match over the bytes as long as the tokens left out never start where a matched
+    token could. The ones left out lie inside one character, or are one character the ByteLevel decoder would
+    misread ("é"); the runs no matched token starts are whole characters, which ByteLevel, the piece regex and
+    WordPiece cut into them. A vocab with a token across a character boundary (b"d \xe2\x80", which can be neither
+    matched nor left out) or text spelled like another token's byte-level key gets the pieces alone: exact, slower.
+    """
     vocab: dict[str, int] = {}
     greedy: list[str] = []
     for token, idx in data["vocab"].items():
@@ -146,8 +134,10 @@ def build_backend(data: Mapping) -> Tokenizer:
     defined = set(vocab.values())
     holes = [i for i in range(FIRST_MULTIBYTE_ID, SPECIAL_START_ID) if i not in defined]
     vocab.update({unused_token(i): i for i in holes})
-    texts = matched_texts(greedy) or {}
-    if any(text != tok.translate(_LATIN1_TO_BYTE_LEVEL) and text in vocab for tok, text in texts.items()):
+    texts = {tok: text for tok in greedy if (text := _text(tok)) is not None and (
+        len(text) > 1 or _decodes_as_itself(text))}
+    if any(map(crosses_a_character, greedy)) or any(
+            text != tok.translate(_LATIN1_TO_BYTE_LEVEL) and text in vocab for tok, text in texts.items()):
         texts = {}
     matched = {text: vocab.pop(tok.translate(_LATIN1_TO_BYTE_LEVEL)) for tok, text in texts.items()}
     vocab.update(matched)
@@ -270,16 +260,7 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
         """The specials and the tokens a user added; not the vocab's greedy tokens the backend matches as text."""
         return {i: t for i, t in self._tokenizer.get_added_tokens_decoder().items() if i not in self._matched_ids}
 
-    _added_tokens_decoder = added_tokens_decoder
-
-    @property
-    def added_tokens_encoder(self) -> dict[str, int]:
-        return {t.content: i for i, t in sorted(self.added_tokens_decoder.items())}
-
-    _added_tokens_encoder = added_tokens_encoder
-
-    def get_added_vocab(self) -> dict[str, int]:
-        return self.added_tokens_encoder
+    _added_tokens_decoder = added_tokens_decoder  # the base class's added_tokens_encoder and get_added_vocab read it
 
     def _encode_plus(self, text, text_pair=None, add_special_tokens: bool = True, *args,
                      is_split_into_words: bool = False, split_special_tokens=None, **kwargs):
@@ -336,23 +317,20 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
 
 def _strip_leading_bos(text, text_pair):
     """The texts with one leading "<bos>" removed, and per row which of (text, pair) lost it; None if none did."""
-
-    def strip(t):
-        return (t[len(BOS_TOKEN):], True) if isinstance(t, str) and t.startswith(BOS_TOKEN) else (t, False)
-
     batched = isinstance(text, (list, tuple))
     if batched and not all(isinstance(t, str) for t in text):
         return text, text_pair, None
-    firsts = [strip(t) for t in (text if batched else [text])]
-    pairs = text_pair if batched and isinstance(text_pair, (list, tuple)) else [text_pair] * len(firsts)
-    seconds = [strip(t) for t in pairs]
-    flags = [(a, b) for (_, a), (_, b) in zip(firsts, seconds)]
-    if not any(a or b for a, b in flags):
+    firsts = list(text) if batched else [text]
+    seconds = list(text_pair) if batched and isinstance(text_pair, (list, tuple)) else [text_pair] * len(firsts)
+    flags = [tuple(isinstance(t, str) and t.startswith(BOS_TOKEN) for t in row) for row in zip(firsts, seconds)]
+    if not any(map(any, flags)):
         return text, text_pair, None
+    firsts, seconds = ([t[len(BOS_TOKEN):] if f[k] else t for t, f in zip(rows, flags)]
+                       for k, rows in enumerate((firsts, seconds)))
     if not batched:
-        return firsts[0][0], seconds[0][0], flags
-    return [t for t, _ in firsts], [t for t, _ in seconds] if isinstance(text_pair, (list, tuple)) else text_pair, flags
+        return firsts[0], seconds[0], flags
+    return firsts, seconds if isinstance(text_pair, (list, tuple)) else text_pair, flags
 
 
-__all__ = ["SpikeTokenizerFast", "build_backend", "bytes_to_unicode", "crosses_a_character", "matched_texts",
+__all__ = ["SpikeTokenizerFast", "build_backend", "bytes_to_unicode", "crosses_a_character",
            "needs_the_pieces", "piece_pattern", "TOKENIZER_FILE_NAME"]
