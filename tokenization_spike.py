@@ -100,7 +100,7 @@ CHATML_TEMPLATE = (
 )
 
 # transformers added `apply_chat_template(..., sanitize_control_tokens=...)` after 5.0; before, the control tokens in
-# the inputs are marked here and encoded as text (`_apply_marked_chat_template`).
+# the inputs are marked here and encoded as text (`apply_chat_template_safely`).
 _HAS_SANITIZE = "sanitize_control_tokens" in inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
 _MARK_START, _MARK_END = "\U000f0000", "\U000f0001"  # private use: removed from user strings before marking
 
@@ -109,14 +109,11 @@ def apply_chat_template_safely(tokenizer, apply, conversation, kwargs: dict):
     """`apply` (the base class's apply_chat_template) with ``sanitize_control_tokens=True`` by default whenever the
     output is tokenized without an assistant mask: special-token strings inside messages, tools and documents are
     encoded as text, so a user message cannot open a system turn; the template's own markers stay special."""
-    if kwargs.get("sanitize_control_tokens") is None:
-        kwargs["sanitize_control_tokens"] = bool(kwargs.get("tokenize", True)) and not kwargs.get(
-            "return_assistant_tokens_mask", False)
-    if _HAS_SANITIZE or not kwargs["sanitize_control_tokens"]:
-        if not _HAS_SANITIZE:
-            kwargs.pop("sanitize_control_tokens")
-        return apply(conversation, **kwargs)
-    kwargs.pop("sanitize_control_tokens")
+    sanitize = kwargs.pop("sanitize_control_tokens", None)
+    if sanitize is None:
+        sanitize = bool(kwargs.get("tokenize", True)) and not kwargs.get("return_assistant_tokens_mask", False)
+    if _HAS_SANITIZE or not sanitize:
+        return apply(conversation, **kwargs, **({"sanitize_control_tokens": sanitize} if _HAS_SANITIZE else {}))
     opts = {k: kwargs.pop(k, default) for k, default in (("padding", False), ("truncation", False),
                                                           ("max_length", None), ("return_tensors", None),
                                                           ("return_dict", True), ("tokenizer_kwargs", None))}
@@ -433,34 +430,26 @@ class SpikeTokenizerMixin:
         return apply_chat_template_safely(self, super().apply_chat_template, conversation, kwargs)
 
 
-# `_encode_plus` arguments `SpikeTokenizer._encode_plain` handles; a call with any other goes to the base class.
-_PLAIN_CALL_KEYS = frozenset({
-    "add_special_tokens", "padding_strategy", "truncation_strategy", "max_length", "stride", "pad_to_multiple_of",
-    "padding_side", "return_tensors", "return_token_type_ids", "return_attention_mask", "return_overflowing_tokens",
-    "return_special_tokens_mask", "return_length", "verbose", "split_special_tokens", "sanitize_control_tokens",
-})
-_UNSUPPORTED_BY_PLAIN_CALL = ("stride", "return_token_type_ids", "return_overflowing_tokens",
-                              "return_special_tokens_mask", "return_length", "sanitize_control_tokens")
+# `_encode_plus` arguments `SpikeTokenizer._encode_plain` handles; a call with any other set goes to the base class.
+_PLAIN_CALL_KEYS = frozenset({"add_special_tokens", "padding_strategy", "truncation_strategy", "max_length",
+                              "pad_to_multiple_of", "padding_side", "return_tensors", "return_attention_mask",
+                              "verbose", "split_special_tokens"})
 # Set while `prepare_for_model` runs (it has removed one leading <bos>), so `build_inputs_with_special_tokens` adds
 # <bos> even before a second one. Module level: tokenizers are pickled, thread-locals cannot be.
 _BOS_STATE = threading.local()
 
 
 class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
-    """Greedy longest-match byte tokenizer over a Length-MAX vocabulary (slow, pure Python; the reference).
-
-    The vocabulary is compiled into a trie regex (`greedy_trie_pattern`) whose successive matches are the greedy
-    segmentation of the text's UTF-8 bytes (as latin-1). Special-token strings in the text are atomic unless
-    ``split_special_tokens=True`` (or `encode_ordinary`). Decoding joins the bytes of ordinary tokens and decodes
-    them as UTF-8 with ``errors="replace"``.
+    """Greedy longest-match byte tokenizer over a Length-MAX vocabulary (slow, pure Python; the reference): the
+    vocabulary is a trie regex (`greedy_trie_pattern`) whose matches are the greedy segmentation of the UTF-8 bytes.
+    Special-token strings in the text are atomic unless ``split_special_tokens=True``; decoding joins the bytes of
+    ordinary tokens and decodes them as UTF-8 with ``errors="replace"``.
 
     Args:
-        vocab_file (`str`, `os.PathLike` or `dict`, *optional*):
-            ``spike_vocab.json``, a released custom-format ``tokenizer.json``, or a vocab dict in that format.
-            Without one the tokenizer is byte-level: the 256 bytes and the specials at their ids.
-        add_bos_token (`bool`, defaults to `True`):
-            Prepend ``<bos>`` when ``add_special_tokens=True``, never twice: input already starting with it is left
-            alone. Saved in ``tokenizer_config.json``. No ``<eos>`` is appended.
+        vocab_file (`str`, `os.PathLike` or `dict`, *optional*): ``spike_vocab.json``, a released custom-format
+            ``tokenizer.json``, or a vocab dict in that format. Without one: the 256 bytes and the specials.
+        add_bos_token (`bool`, defaults to `True`): prepend ``<bos>`` when ``add_special_tokens=True``, never twice
+            (input already starting with it is left alone); saved in ``tokenizer_config.json``. No ``<eos>``.
     """
 
     vocab_files_names = {"vocab_file": VOCAB_FILE_NAME}
@@ -609,9 +598,8 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
                 return [i for word in words for i in ids_of(word)]
 
             return super()._encode_plus(ids_of(text), ids_of(text_pair), *args, **kwargs)
-        if text_pair is None and not args and kwargs.keys() <= _PLAIN_CALL_KEYS and not any(
-                kwargs.get(k) for k in _UNSUPPORTED_BY_PLAIN_CALL) and kwargs.get(
-                "truncation_strategy", TruncationStrategy.DO_NOT_TRUNCATE) == TruncationStrategy.DO_NOT_TRUNCATE:
+        if text_pair is None and not args and all(key in _PLAIN_CALL_KEYS or not value for key, value in kwargs.items(
+                )) and kwargs.get("truncation_strategy", "do_not_truncate") == TruncationStrategy.DO_NOT_TRUNCATE:
             rows = [text] if isinstance(text, str) else text
             if isinstance(rows, (list, tuple)) and rows and all(isinstance(t, str) for t in rows):
                 return self._encode_plain(text, rows, **kwargs)

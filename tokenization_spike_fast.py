@@ -190,15 +190,12 @@ def _special(token):
 
 
 class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
-    """Greedy longest-match byte tokenizer over a Length-MAX vocabulary, on the `tokenizers` library.
-
-    The arguments, ids, decodes, ``add_bos_token``, specials and chat template of `SpikeTokenizer`, plus offsets
-    (``return_offsets_mapping=True``) and batching in Rust.
+    """Greedy longest-match byte tokenizer over a Length-MAX vocabulary on `tokenizers`: the arguments, ids, decodes,
+    ``add_bos_token``, specials and chat template of `SpikeTokenizer`, plus offsets and batching in Rust.
 
     Args:
-        vocab_file (`str`, `os.PathLike` or `dict`, *optional*):
-            ``spike_vocab.json`` (or a released custom-format ``tokenizer.json``) or a vocab dict; the pipeline is
-            built from it when there is no `tokenizers` file.
+        vocab_file (`str`, `os.PathLike` or `dict`, *optional*): ``spike_vocab.json`` (or a released custom-format
+            ``tokenizer.json``) or a vocab dict; the pipeline is built from it when there is no `tokenizers` file.
         tokenizer_file (`str`, *optional*): a ``tokenizer.json`` written by this class.
         add_bos_token (`bool`, defaults to `True`): prepend ``<bos>`` (id 2), never twice.
     """
