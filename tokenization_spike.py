@@ -319,7 +319,7 @@ def greedy_tokens(data: Mapping) -> dict[str, int]:
 
 
 def load_vocab_file(path: str | os.PathLike) -> dict:
-    """Read and validate a Length-MAX vocab file (``spike_vocab.json`` or a released custom-format ``tokenizer.json``)."""
+    """Read and validate a Length-MAX vocab file (``spike_vocab.json``, or a released custom-format tokenizer.json)."""
     path = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as handle:
@@ -679,8 +679,10 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
         return super()._from_pretrained(resolved_vocab_files, *args, **kwargs)
 
 
-__all__ = ["SpikeTokenizer", "SpikeTokenizerMixin", "CHATML_TEMPLATE", "apply_chat_template_safely",
-           "compile_greedy_regex", "greedy_trie_pattern", "load_vocab_file", "normalize_vocab_data", "dump_vocab_data",
-           "unused_token", "PAD_ID", "UNK_ID", "BOS_ID", "EOS_ID", "IM_START_ID", "IM_END_ID", "SPECIAL_TOKENS", "SPECIAL_TOKEN_IDS", "RESERVED_IDS", "RESERVED_TOKENS",
-           "ALL_SPECIAL_IDS", "CHAT_EOS_IDS", "VOCAB_SIZE", "NUM_BASE_IDS", "FIRST_MULTIBYTE_ID", "BYTE_OFFSET",
-           "DEFAULT_MAX_TOKEN_LEN", "VOCAB_FILE_NAME"]
+__all__ = [
+    "SpikeTokenizer", "SpikeTokenizerMixin", "CHATML_TEMPLATE", "apply_chat_template_safely", "compile_greedy_regex",
+    "greedy_trie_pattern", "load_vocab_file", "normalize_vocab_data", "dump_vocab_data", "unused_token", "PAD_ID",
+    "UNK_ID", "BOS_ID", "EOS_ID", "IM_START_ID", "IM_END_ID", "SPECIAL_TOKENS", "SPECIAL_TOKEN_IDS", "RESERVED_IDS",
+    "RESERVED_TOKENS", "ALL_SPECIAL_IDS", "CHAT_EOS_IDS", "VOCAB_SIZE", "NUM_BASE_IDS", "FIRST_MULTIBYTE_ID",
+    "BYTE_OFFSET", "DEFAULT_MAX_TOKEN_LEN", "VOCAB_FILE_NAME",
+]

@@ -169,7 +169,8 @@ def _vocab_data_from_backend(backend: Tokenizer) -> dict:
     vocab = {}
     for key, idx in backend.get_vocab(with_added_tokens=False).items():
         if BYTE_OFFSET <= idx < SPECIAL_START_ID and key != unused_token(idx):
-            vocab[key.encode().decode("latin-1") if key in matched else "".join(map(_BYTE_LEVEL_TO_LATIN1.get, key))] = idx
+            spelled = key.encode().decode("latin-1") if key in matched else "".join(map(_BYTE_LEVEL_TO_LATIN1.get, key))
+            vocab[spelled] = idx
     # The file does not record max_token_len: the longest token is the bound it implies.
     return normalize_vocab_data({"vocab": vocab, "max_token_len": max(map(len, vocab))}, source="tokenizer.json")
 

@@ -717,7 +717,7 @@ def test_trainer_never_takes_a_token_across_a_character_boundary():
 
 
 def test_trainer_never_takes_text_spelled_like_another_tokens_key():
-    """Issue 39 item 15: text spelled in the byte alphabet ("Ġthe", "Ã©", as in a corpus quoting byte-level vocabs) is
+    """Issue 39 item 15: text spelled in the byte alphabet ("Ġthe", "Ã©", in a corpus quoting byte-level vocabs) is
     the byte-level key of another token (" the", "é"); such a token put the whole vocab on the slower piece pipeline.
     The trainer no longer takes one (`needs_the_pieces`), so the vocab gets the matcher; a vocab that holds one still
     gets the exact pieces."""
@@ -731,8 +731,8 @@ def test_trainer_never_takes_text_spelled_like_another_tokens_key():
     assert not [t for t in greedy if needs_the_pieces(t)] and any("\xc4\xa0" in t for t in greedy)
     slow, fast = SpikeTokenizer(data), SpikeTokenizerFast(data)
     assert matches_text(fast) and fast(text)["input_ids"] == slow(text)["input_ids"]
-    assert [needs_the_pieces(t) for t in ("\xc4\xa0the", "\xc3\x83\xc2\xa9", "f\xc3\xbcr", "d \xe2\x80", "\xe2\x80")] == [
-        True, True, False, True, False]
+    cases = ("\xc4\xa0the", "\xc3\x83\xc2\xa9", "f\xc3\xbcr", "d \xe2\x80", "\xe2\x80")
+    assert [needs_the_pieces(t) for t in cases] == [True, True, False, True, False]
     vocab = dict(data["vocab"])
     vocab["\xc4\xa0the"] = max(i for i in vocab.values() if i < 16384) + 1
     data = normalize_vocab_data({**data, "vocab": vocab})
