@@ -204,9 +204,9 @@ def test_offsets_fast_and_clear_error_slow(pair):
 
 
 def test_calls_are_the_tokenizer_json_pipeline(pair):
-    """Issue 39 item 15: the class is thin over tokenizer.json, no Python-side route: a call's ids and encodings are
-    what `tokenizers` gives for the same texts (a leading "<bos>" aside, which is never doubled), under padding,
-    truncation and split_special_tokens, and the encodings carry real character offsets."""
+    """Issue 39 item 15: the class is thin over tokenizer.json: a call's ids and encodings are what `tokenizers`
+    gives for the same texts (a leading "<bos>" aside, which is never doubled), under padding, truncation and
+    split_special_tokens, and the encodings carry real character offsets."""
     _, fast = pair
     backend = fast.backend_tokenizer
     texts = ["The harbour wé中😀", "hi <|im_end|> there", "é" * 30, "", "x<bos>"]
@@ -223,6 +223,78 @@ def test_calls_are_the_tokenizer_json_pipeline(pair):
         assert enc["input_ids"] == [e.ids for e in want] == [e.ids for e in enc.encodings], kwargs
         assert [e.offsets for e in enc.encodings] == [e.offsets for e in want], kwargs
     assert fast("é中x").char_to_token(1) == 2 and fast.encode("é中x") == fast("é中x")["input_ids"]
+
+
+class RecordingBackend:
+    """A `tokenizers.Tokenizer` stand-in that records which encode method each call reads."""
+
+    def __init__(self, backend):
+        object.__setattr__(self, "backend", backend)
+        object.__setattr__(self, "used", [])
+
+    def __getattr__(self, name):
+        if name.startswith("encode_batch"):
+            self.used.append(name)
+        return getattr(self.backend, name)
+
+    def __setattr__(self, name, value):
+        setattr(self.backend, name, value)
+
+
+def test_call_without_offsets_makes_encodings_on_first_read(pair, monkeypatch):
+    """A call that returns no offsets encodes with `encode_batch_fast` (character offsets are most of the time,
+    docs/performance.md 10.1), with the ids and arrays of a call that asked for offsets; its `tokenizers.Encoding`s
+    (char_to_token, word_ids, tokens, offsets) are made on first read, under that call's padding, truncation and
+    special-token settings even after later calls changed them; if tokens were added since, reading them raises."""
+    import pickle
+
+    slow, fast = pair
+    recorder = RecordingBackend(fast.backend_tokenizer)
+    monkeypatch.setattr(fast, "_tokenizer", recorder)
+    texts = ["The harbour wé中😀", "<bos>hi <|im_end|> there", "é" * 30, ""]
+    calls = ({}, {"padding": True}, {"padding": "max_length", "max_length": 12, "truncation": True},
+             {"truncation": True, "max_length": 3}, {"add_special_tokens": False}, {"split_special_tokens": True},
+             {"return_length": True, "return_special_tokens_mask": True, "return_attention_mask": False},
+             {"padding": True, "pad_to_multiple_of": 8, "padding_side": "right", "return_tensors": "pt"})
+    made = []
+    for kwargs in calls:
+        for text in (texts, texts[1]):
+            recorder.used.clear()
+            lazy = fast(text, **kwargs)
+            assert recorder.used == ["encode_batch_fast"] and lazy.is_fast and lazy.n_sequences == 1, kwargs
+            if "return_tensors" not in kwargs:
+                assert lazy["input_ids"] == slow(text, **kwargs)["input_ids"], kwargs
+            made.append((text, kwargs, lazy))
+    for text, kwargs, lazy in made:  # read after every call above has reset the backend's settings
+        full = fast(text, return_offsets_mapping=True, **kwargs)
+        full.pop("offset_mapping")
+        assert lazy.keys() == full.keys(), kwargs
+        for key in full:
+            same = lazy[key] == full[key]
+            assert same.all() if hasattr(same, "all") else same, (kwargs, key)
+        rows = len(text) if isinstance(text, list) else 1
+        recorder.used.clear()
+        assert len(lazy.encodings) == rows and recorder.used == []
+        for i in range(rows):
+            got, want = lazy.encodings[i], full.encodings[i]
+            assert isinstance(got, tokenizers.Encoding)
+            assert (got.ids, got.offsets, got.attention_mask) == (want.ids, want.offsets, want.attention_mask)
+            assert lazy.tokens(i) == full.tokens(i) and lazy.word_ids(i) == full.word_ids(i)
+            assert [lazy.char_to_token(i, c) for c in range(3)] == [full.char_to_token(i, c) for c in range(3)]
+        assert recorder.used == ["encode_batch"]  # made once, on the first read
+        again = pickle.loads(pickle.dumps(fast(text, **kwargs)))
+        assert [e.offsets for e in again.encodings] == [e.offsets for e in full.encodings]
+    padded = fast(texts, padding=True, truncation=True, max_length=4)
+    fast(texts)  # reading `padded` leaves the backend as this call set it
+    assert [e.ids for e in padded.encodings] == padded["input_ids"] and len(padded["input_ids"][0]) == 4
+    assert recorder.truncation is None and recorder.padding is None
+    own = SpikeTokenizerFast(fast.vocab_data)
+    edited, stale = own(["The harbour", "a harbour"]), own(["The harbour"])
+    edited["input_ids"][0].append(7)  # the caller's lists are theirs to change
+    assert edited.word_ids(0) == own(["The harbour"], return_offsets_mapping=True).word_ids(0)
+    own.add_tokens(["harbour"])
+    with pytest.raises(RuntimeError, match="changed"):
+        stale.char_to_token(4)
 
 
 def test_pretokenized_words(pair):
@@ -487,7 +559,7 @@ def text_holding(token: str) -> str | None:
 
 def test_crossing_tokens_stay_exact_inside_the_tokenizers_pipeline(pieces_pair):
     """A vocab with tokens across a character boundary (the demo model's b"d \xe2\x80") keeps the pieces pipeline in
-    its tokenizer.json, and the fast class uses it as is (no Python-side routing): the slow ids on rows that hold
+    its tokenizer.json, and the fast class uses it as is (no crossing-token routing): the slow ids on rows that hold
     such tokens and rows that do not, with padding, truncation, tensors and offsets, and with tokens added."""
     slow, fast = pieces_pair
     assert not matches_text(fast)
