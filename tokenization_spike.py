@@ -1,35 +1,15 @@
 # Copyright 2025 The spike_whale integration authors. Apache-2.0.
-"""Slow (pure Python) tokenizer for the spike_whale / SpikeWhale v2 models.
+"""Slow (pure Python) tokenizer of the spike_whale models: greedy longest match over the UTF-8 bytes of the text
+against a Length-MAX vocabulary. A flat Hub file: it imports only the standard library and ``transformers``.
 
-The released models use a *Length-MAX* byte-level vocabulary encoded by **greedy longest match**
-over the UTF-8 bytes of the text.  This file is a flat Hub code file: it imports only the Python
-standard library and ``transformers`` so it can be shipped next to a checkpoint and loaded with
-``AutoTokenizer.from_pretrained(repo, trust_remote_code=True)``.
+Id layout (fixed; the released embeddings depend on it): 0..3 ``<pad> <unk> <bos> <eos>``; byte b at b + 4 (token
+``chr(b)``, one latin-1 character per byte); 260..16383 multi-byte tokens (latin-1 strings of 2..max_token_len
+bytes); 16384..16400 the 17 chat/tool/FIM specials; 16401..16511 111 reserved specials. ``len(tokenizer) == 16512``.
 
-Id layout (fixed; the embeddings of the released checkpoints depend on it)::
-
-    0 <pad>   1 <unk>   2 <bos>   3 <eos>
-    4 .. 259          byte b -> id b + 4, token string chr(b) (one latin-1 character)
-    260 .. 16383      multi-byte Length-MAX tokens (latin-1 strings of 2..max_token_len bytes)
-    16384 .. 16400    17 chat / tool / FIM specials (SPECIAL_TOKENS, in order)
-    16401 .. 16511    111 reserved specials <|reserved_special_0|> .. <|reserved_special_110|>
-
-``len(tokenizer) == tokenizer.vocab_size == 16512``.
-
-Vocabulary file (the released format, kept as is)::
-
-    {"vocab": {latin1_string: id, ...}, "max_token_len": 24, "vocab_size": 16512,
-     "algorithm": "length-max", "special_tokens": [17 strings]}
-
-It is saved as ``spike_vocab.json``: transformers 5 parses any file called ``tokenizer.json`` as a
-``tokenizers`` (fast) file, so the released name cannot be reused inside a saved folder.  A released
-``tokenizer.json`` in this custom format can still be passed directly:
-``SpikeTokenizer("path/to/tokenizer.json")``.
-
-Ids in 260..16383 that the file does not define ("holes", e.g. a vocab built from a small corpus
-fills only the first few thousand multi-byte slots) get a placeholder token ``⟨unused_ID⟩`` (it
-contains non-latin-1 characters, so it can never collide with a real token).  Encoding never
-produces them and they decode to the empty string.
+The vocab file (the released format) is ``{"vocab": {latin1_string: id}, "max_token_len": 24, "vocab_size": 16512,
+"algorithm": "length-max", "special_tokens": [...]}``, saved as ``spike_vocab.json`` (transformers reads any
+``tokenizer.json`` as a `tokenizers` file). Multi-byte ids the file leaves undefined get the placeholder
+``⟨unused_ID⟩``: never produced, decoded to nothing.
 """
 
 from __future__ import annotations
@@ -51,71 +31,30 @@ from transformers.tokenization_utils_base import (
     TruncationStrategy,
 )
 
-
-# --------------------------------------------------------------------------------------------------
-# Layout constants (import these from model / generation code: `from .tokenization_spike import ...`)
-# --------------------------------------------------------------------------------------------------
-
-PAD_ID = 0
-UNK_ID = 1
-BOS_ID = 2
-EOS_ID = 3
-PAD_TOKEN = "<pad>"
-UNK_TOKEN = "<unk>"
-BOS_TOKEN = "<bos>"
-EOS_TOKEN = "<eos>"
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+PAD_TOKEN, UNK_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<unk>", "<bos>", "<eos>"
 BASE_SPECIAL_TOKENS = (PAD_TOKEN, UNK_TOKEN, BOS_TOKEN, EOS_TOKEN)  # ids 0..3
-
 BYTE_OFFSET = 4  # byte b has id b + BYTE_OFFSET
 FIRST_MULTIBYTE_ID = BYTE_OFFSET + 256  # 260
-SPECIAL_START_ID = 16384  # first chat/tool/FIM special; also the number of "base" ids
-NUM_BASE_IDS = SPECIAL_START_ID
-
+SPECIAL_START_ID = NUM_BASE_IDS = 16384  # the first chat/tool/FIM special
 SPECIAL_TOKENS = (
-    "<|im_start|>",
-    "<|im_end|>",
-    "<think>",
-    "</think>",
-    "<begin_solution>",
-    "<end_solution>",
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_response>",
-    "</tool_response>",
-    "<|system|>",
-    "<|user|>",
-    "<|assistant|>",
-    "<|fim_prefix|>",
-    "<|fim_middle|>",
-    "<|fim_suffix|>",
-    "<|endoftext|>",
+    "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<begin_solution>", "<end_solution>", "<tool_call>",
+    "</tool_call>", "<tool_response>", "</tool_response>", "<|system|>", "<|user|>", "<|assistant|>",
+    "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|endoftext|>",
 )
 SPECIAL_TOKEN_IDS = {tok: SPECIAL_START_ID + i for i, tok in enumerate(SPECIAL_TOKENS)}
-
-IM_START_ID = SPECIAL_TOKEN_IDS["<|im_start|>"]  # 16384
-IM_END_ID = SPECIAL_TOKEN_IDS["<|im_end|>"]  # 16385
-THINK_ID = SPECIAL_TOKEN_IDS["<think>"]  # 16386
-END_THINK_ID = SPECIAL_TOKEN_IDS["</think>"]  # 16387
-TOOL_CALL_ID = SPECIAL_TOKEN_IDS["<tool_call>"]  # 16390
-END_TOOL_CALL_ID = SPECIAL_TOKEN_IDS["</tool_call>"]  # 16391
-FIM_PREFIX_ID = SPECIAL_TOKEN_IDS["<|fim_prefix|>"]  # 16397
-FIM_MIDDLE_ID = SPECIAL_TOKEN_IDS["<|fim_middle|>"]  # 16398
-FIM_SUFFIX_ID = SPECIAL_TOKEN_IDS["<|fim_suffix|>"]  # 16399
-ENDOFTEXT_ID = SPECIAL_TOKEN_IDS["<|endoftext|>"]  # 16400
-
+IM_START_ID, IM_END_ID = SPECIAL_TOKEN_IDS["<|im_start|>"], SPECIAL_TOKEN_IDS["<|im_end|>"]
 RESERVED_START_ID = SPECIAL_START_ID + len(SPECIAL_TOKENS)  # 16401
 VOCAB_SIZE = 16512
-RESERVED_IDS = range(RESERVED_START_ID, VOCAB_SIZE)  # 111 ids
+RESERVED_IDS = range(RESERVED_START_ID, VOCAB_SIZE)
 RESERVED_TOKENS = tuple(f"<|reserved_special_{i}|>" for i in range(len(RESERVED_IDS)))
-
-# Every id that is not ordinary text (0..3, the 17 specials, the 111 reserved slots).
+# Every id that is not text, and its token: 0..3, the 17 specials, the 111 reserved ids.
 ALL_SPECIAL_IDS = tuple(range(BYTE_OFFSET)) + tuple(SPECIAL_TOKEN_IDS.values()) + tuple(RESERVED_IDS)
-# Ids that end a chat turn: generation_config.eos_token_id = list(CHAT_EOS_IDS).
-CHAT_EOS_IDS = (EOS_ID, IM_END_ID)
+LAYOUT_SPECIALS = dict(zip(BASE_SPECIAL_TOKENS + SPECIAL_TOKENS + RESERVED_TOKENS, ALL_SPECIAL_IDS))
+CHAT_EOS_IDS = (EOS_ID, IM_END_ID)  # ids that end a chat turn (generation_config.eos_token_id)
 
 DEFAULT_MAX_TOKEN_LEN = 24
-# Greedy matching compiles the tokens into a regex nested as deep as the longest token; Python's `re` parser
-# recurses once per level and fails near 400, so longer tokens are refused when the vocab is read.
+# The trie regex nests as deep as the longest token and Python's `re` parser fails near 400 levels.
 MAX_TOKEN_LEN_LIMIT = 256
 VOCAB_FILE_NAME = "spike_vocab.json"
 ALGORITHM = "length-max"
@@ -160,39 +99,26 @@ CHATML_TEMPLATE = (
     "{%- endif -%}\n"
 )
 
-def chat_template_kwargs(kwargs: dict) -> dict:
-    """`apply_chat_template` defaults of both spike_whale tokenizers: ``sanitize_control_tokens=True`` whenever
-    transformers can honour it (tokenized output, no assistant mask), so special-token strings inside messages,
-    tools and template variables are encoded as plain text while the template's own markers stay special."""
-    if kwargs.get("sanitize_control_tokens") is None:
-        kwargs["sanitize_control_tokens"] = bool(kwargs.get("tokenize", True)) and not kwargs.get(
-            "return_assistant_tokens_mask", False)
-    return kwargs
-
-
-# transformers added `apply_chat_template(..., sanitize_control_tokens=...)` after 5.0; on older releases the same
-# marking is done by `_apply_marked_chat_template`.
+# transformers added `apply_chat_template(..., sanitize_control_tokens=...)` after 5.0; before, the control tokens in
+# the inputs are marked here and encoded as text (`apply_chat_template_safely`).
 _HAS_SANITIZE = "sanitize_control_tokens" in inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
 _MARK_START, _MARK_END = "\U000f0000", "\U000f0001"  # private use: removed from user strings before marking
 
 
 def apply_chat_template_safely(tokenizer, apply, conversation, kwargs: dict):
-    """`apply` (the base class's apply_chat_template) with `chat_template_kwargs` defaults on any transformers 5."""
-    kwargs = chat_template_kwargs(kwargs)
-    if _HAS_SANITIZE:
-        return apply(conversation, **kwargs)
-    if not kwargs.pop("sanitize_control_tokens"):
-        return apply(conversation, **kwargs)
-    return _apply_marked_chat_template(tokenizer, apply, conversation, kwargs)
-
-
-def _apply_marked_chat_template(tokenizer, apply, conversation, kwargs: dict):
+    """`apply` (the base class's apply_chat_template) with ``sanitize_control_tokens=True`` by default whenever the
+    output is tokenized without an assistant mask: special-token strings inside messages, tools and documents are
+    encoded as text, so a user message cannot open a system turn; the template's own markers stay special."""
+    sanitize = kwargs.pop("sanitize_control_tokens", None)
+    if sanitize is None:
+        sanitize = bool(kwargs.get("tokenize", True)) and not kwargs.get("return_assistant_tokens_mask", False)
+    if _HAS_SANITIZE or not sanitize:
+        return apply(conversation, **kwargs, **({"sanitize_control_tokens": sanitize} if _HAS_SANITIZE else {}))
     opts = {k: kwargs.pop(k, default) for k, default in (("padding", False), ("truncation", False),
                                                           ("max_length", None), ("return_tensors", None),
                                                           ("return_dict", True), ("tokenizer_kwargs", None))}
     kwargs.pop("tokenize", None)
-    controls = sorted(tokenizer.all_special_tokens, key=len, reverse=True)
-    control_re = re.compile("|".join(map(re.escape, controls)))
+    control_re = re.compile("|".join(map(re.escape, sorted(tokenizer.all_special_tokens, key=len, reverse=True))))
 
     def mark(obj):
         if isinstance(obj, str):
@@ -200,25 +126,17 @@ def _apply_marked_chat_template(tokenizer, apply, conversation, kwargs: dict):
             return control_re.sub(lambda m: _MARK_START + m.group(0) + _MARK_END, obj)
         if isinstance(obj, Mapping):
             return {key: mark(value) for key, value in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return [mark(value) for value in obj]
-        return obj
+        return [mark(value) for value in obj] if isinstance(obj, (list, tuple)) else obj
 
     for key in ("tools", "documents"):
         if kwargs.get(key) is not None:
             kwargs[key] = mark(kwargs[key])
     rendered = apply(mark(conversation), tokenize=False, **kwargs)
     split_re = re.compile(re.escape(_MARK_START) + "(.*?)" + re.escape(_MARK_END), re.S)
-
-    def encode(chat: str) -> list[int]:
-        ids: list[int] = []
-        for i, piece in enumerate(split_re.split(chat)):
-            if piece:
-                ids += tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=bool(i % 2))
-        return ids
-
     batched = not isinstance(rendered, str)
-    ids = [encode(chat) for chat in (rendered if batched else [rendered])]
+    ids = [[i for n, piece in enumerate(split_re.split(chat)) if piece
+            for i in tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=bool(n % 2))]
+           for chat in (rendered if batched else [rendered])]
     if opts["truncation"] and opts["max_length"] is not None:
         keep = opts["max_length"]
         ids = [row[:keep] if tokenizer.truncation_side == "right" else row[-keep:] for row in ids]
@@ -226,24 +144,6 @@ def _apply_marked_chat_template(tokenizer, apply, conversation, kwargs: dict):
                         max_length=opts["max_length"])
     out = BatchEncoding(dict(out), tensor_type=opts["return_tensors"], prepend_batch_axis=not batched)
     return out if opts["return_dict"] else out["input_ids"]
-
-
-# `_encode_plus` arguments the plain path (`SpikeTokenizer._encode_plain`) handles; any other goes to the base class.
-_PLAIN_CALL_KEYS = frozenset({
-    "add_special_tokens", "padding_strategy", "truncation_strategy", "max_length", "stride", "pad_to_multiple_of",
-    "padding_side", "return_tensors", "return_token_type_ids", "return_attention_mask", "return_overflowing_tokens",
-    "return_special_tokens_mask", "return_length", "verbose", "split_special_tokens", "sanitize_control_tokens",
-})
-_UNSUPPORTED_BY_PLAIN_CALL = ("stride", "return_token_type_ids", "return_overflowing_tokens",
-                              "return_special_tokens_mask", "return_length", "sanitize_control_tokens")
-_RESERVED_SET = frozenset(RESERVED_TOKENS)
-_NON_TEXT_TOKENS = frozenset(BASE_SPECIAL_TOKENS) | frozenset(SPECIAL_TOKENS) | _RESERVED_SET
-
-
-# Set while `prepare_for_model` runs (it has already removed a leading <bos>), so the base class's
-# `build_inputs_with_special_tokens` call adds it unconditionally.  Module level, not an attribute:
-# tokenizers get pickled for multiprocessing and thread-locals cannot be.
-_BOS_STATE = threading.local()
 
 
 def unused_token(index: int) -> str:
@@ -259,50 +159,43 @@ def _to_latin1(text: str) -> str:
 def _latin1_to_bytes(text: str) -> bytes:
     try:
         return text.encode("latin-1")
-    except UnicodeEncodeError:  # only for hand-made token strings that are not vocab entries
+    except UnicodeEncodeError:  # a hand-made token string that is not a vocab entry
         return b"".join(c.encode("latin-1") if ord(c) < 256 else c.encode("utf-8") for c in text)
 
 
-# --------------------------------------------------------------------------------------------------
-# Greedy longest match: a trie compiled to an ordered-alternation regular expression
-# --------------------------------------------------------------------------------------------------
+def with_leading_space(words):
+    """Pretokenized input (``is_split_into_words=True``): each word with a leading space unless it has one, the
+    byte-level convention of GPT-2 and RoBERTa (``["hello", "world"]`` reads ``" hello world"``); nested as given."""
+    if isinstance(words, str):
+        return words if words.startswith(" ") else " " + words
+    return words if words is None else type(words)(map(with_leading_space, words))
 
 
 def greedy_trie_pattern(tokens: Iterable[str], escape=re.escape, dispatch: int = 0) -> str:
     """An ordered-alternation regex whose successive matches are the greedy longest-match segmentation.
 
-    Each trie node becomes ``(?:child_1...|child_2...|...|)``: children are tried first and the empty
-    "stop here" alternative, present only on nodes that are tokens, comes last.  A backtracking engine
-    (Python's ``re``, Oniguruma in `tokenizers`) walks the single trie path that matches the text and backs
-    off to the deepest terminal, i.e. the longest token that is a prefix of the remaining text.  Children
-    start with distinct characters, so their order only affects speed (larger subtrees first).  All 256
-    single bytes must be in `tokens` for the matches to cover every input without gaps.  Built without
-    recursion; the nesting depth is at most the longest token's length (see `MAX_TOKEN_LEN_LIMIT`).
-
-    ``dispatch=k`` (k >= 2) groups a node's children, when it has more than k, behind lookaheads on their first
-    characters, ``(?=[abc])(?:a...|b...|c...)|(?=[def])(?:...)``, recursively, so the engine skips a whole group
-    with one class test instead of trying its alternatives one by one.  The groups start with disjoint
-    characters and stay in the same order, so the matches are the same; Oniguruma runs about 1.4x faster with
-    ``dispatch=4``, Python's ``re`` (which already skips a literal alternative cheaply) does not gain.
+    Each trie node becomes ``(?:child_1...|child_2...|)``: children first, the empty "stop here" alternative (on nodes
+    that are tokens) last, so a backtracking engine (Python's ``re``, Oniguruma) backs off to the longest token that
+    is a prefix of the rest of the text. All 256 bytes must be tokens for the matches to cover every input.
+    ``dispatch=k`` (k >= 2) puts a node's children, when more than k, behind lookaheads on their first characters
+    (``(?=[abc])(?:a...|b...|c...)|...``): the same matches, and Oniguruma skips a group with one class test.
     """
     if dispatch == 1 or dispatch < 0:
         raise ValueError(f"dispatch must be 0 (off) or at least 2, got {dispatch}")
     root: dict = {}
     end = ""  # key marking "a token ends here" ("" is never a character key)
     for tok in tokens:
-        if not tok:
-            continue
-        node = root
-        for ch in tok:
-            node = node.setdefault(ch, {})
-        node[end] = True
+        if tok:
+            node = root
+            for ch in tok:
+                node = node.setdefault(ch, {})
+            node[end] = True
     if not root:
         raise ValueError("cannot compile an empty token set")
-
     sizes: dict[int, int] = {}
     patterns: dict[int, str] = {}
     stack = [(root, False)]
-    while stack:  # post-order: children are emitted before their parent
+    while stack:  # post-order without recursion: children before their parent
         node, children_done = stack.pop()
         children = [(ch, child) for ch, child in node.items() if ch != end]
         if not children_done:
@@ -311,19 +204,15 @@ def greedy_trie_pattern(tokens: Iterable[str], escape=re.escape, dispatch: int =
             continue
         sizes[id(node)] = 1 + sum(sizes[id(child)] for _, child in children)
         leaves = sorted(ch for ch, child in children if len(child) == 1 and end in child)
-        inner = sorted(
-            ((ch, child) for ch, child in children if not (len(child) == 1 and end in child)),
-            key=lambda item: (-sizes[id(item[1])], item[0]),
-        )
+        inner = sorted(((ch, child) for ch, child in children if not (len(child) == 1 and end in child)),
+                       key=lambda item: (-sizes[id(item[1])], item[0]))  # larger subtrees first: speed only
         alts = [escape(ch) + patterns.pop(id(child)) for ch, child in inner]
-        for ch, child in children:
+        for _, child in children:
             patterns.pop(id(child), None)
         if dispatch and len(alts) > dispatch:
             alts = _dispatch_groups([ch for ch, _ in inner], alts, dispatch, escape)
-        if len(leaves) == 1:
-            alts.append(escape(leaves[0]))
-        elif leaves:
-            alts.append("[" + "".join(escape(ch) for ch in leaves) + "]")
+        if leaves:
+            alts.append(escape(leaves[0]) if len(leaves) == 1 else "[" + "".join(map(escape, leaves)) + "]")
         if end in node:
             alts.append("")
         patterns[id(node)] = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
@@ -331,17 +220,16 @@ def greedy_trie_pattern(tokens: Iterable[str], escape=re.escape, dispatch: int =
 
 
 def _dispatch_groups(first_chars: list[str], alts: list[str], size: int, escape) -> list[str]:
-    """`alts` (each starting with its character in `first_chars`) as about sqrt(n) lookahead-guarded groups,
-    split again until no alternation holds more than `size` alternatives."""
+    """`alts` as about sqrt(n) lookahead-guarded groups, split again until none holds more than `size`."""
     if len(alts) <= size:
         return alts
     step = -(-len(alts) // max(2, math.isqrt(len(alts) - 1) + 1))
     groups = []
     for start in range(0, len(alts), step):
-        chars, inner = first_chars[start:start + step], alts[start:start + step]
-        inner = _dispatch_groups(chars, inner, size, escape)
+        chars = first_chars[start:start + step]
+        inner = _dispatch_groups(chars, alts[start:start + step], size, escape)
         body = inner[0] if len(inner) == 1 else "(?:" + "|".join(inner) + ")"
-        groups.append("(?=[" + "".join(escape(ch) for ch in chars) + "])" + body)
+        groups.append("(?=[" + "".join(map(escape, chars)) + "])" + body)
     return groups
 
 
@@ -350,58 +238,41 @@ def compile_greedy_regex(tokens: Iterable[str]) -> re.Pattern:
     return re.compile(greedy_trie_pattern(tokens))
 
 
-# --------------------------------------------------------------------------------------------------
-# Vocab file parsing / validation
-# --------------------------------------------------------------------------------------------------
-
-
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def normalize_vocab_data(data, source: str = "vocab") -> dict:
-    """Validate a Length-MAX vocab object and return it completed to the full 16,512-id layout.
-
-    Missing base specials (ids 0..3), chat specials (16384..16400) and reserved slots (16401..16511)
-    are filled in.  Raises `ValueError` with an explanation for anything that contradicts the layout.
-    The returned dict has the file format, with ``vocab`` ordered by id.
-    """
+    """Validate a Length-MAX vocab object and return it completed to the full 16,512-id layout (missing base
+    specials, chat specials and reserved slots filled in, ``vocab`` ordered by id, unknown keys kept). Anything that
+    contradicts the layout raises `ValueError` naming `source` and the fix."""
     if not isinstance(data, Mapping):
         raise ValueError(f"{source}: expected a JSON object with a 'vocab' key, got {type(data).__name__}")
     if "model" in data and "vocab" not in data:
-        raise ValueError(
-            f"{source}: this looks like a `tokenizers` (fast) tokenizer.json, not a Length-MAX vocab file "
-            "({'vocab': {...}, 'max_token_len': ..., ...})"
-        )
+        raise ValueError(f"{source}: this looks like a `tokenizers` (fast) tokenizer.json, not a Length-MAX vocab file "
+                         "({'vocab': {...}, 'max_token_len': ..., ...})")
     if "vocab" not in data:
         raise ValueError(f"{source}: missing 'vocab' (expected {{'vocab': {{latin1_string: id}}, ...}})")
     raw = data["vocab"]
     if not isinstance(raw, Mapping) or not raw:
         raise ValueError(f"{source}: 'vocab' must be a non-empty JSON object mapping token strings to ids")
-
-    max_token_len = data.get("max_token_len", DEFAULT_MAX_TOKEN_LEN)
-    if max_token_len is None:
-        max_token_len = DEFAULT_MAX_TOKEN_LEN
+    max_token_len = data.get("max_token_len")
+    max_token_len = DEFAULT_MAX_TOKEN_LEN if max_token_len is None else max_token_len
     if not _is_int(max_token_len) or max_token_len < 1:
         raise ValueError(f"{source}: 'max_token_len' must be a positive integer, got {max_token_len!r}")
     if max_token_len > MAX_TOKEN_LEN_LIMIT:
         raise ValueError(
             f"{source}: 'max_token_len' is {max_token_len}, at most {MAX_TOKEN_LEN_LIMIT} is supported (greedy "
             "matching compiles the tokens into a regular expression nested as deep as the longest token); "
-            f"set it to {MAX_TOKEN_LEN_LIMIT} or less: longer tokens are then kept for decoding but never produced"
-        )
-
+            f"set it to {MAX_TOKEN_LEN_LIMIT} or less: longer tokens are then kept for decoding but never produced")
     listed = data.get("special_tokens")
     if listed is not None:
         if not isinstance(listed, (list, tuple)) or not all(isinstance(t, str) for t in listed):
             raise ValueError(f"{source}: 'special_tokens' must be a list of strings")
         unknown = [t for t in listed if t not in SPECIAL_TOKEN_IDS]
         if unknown:
-            raise ValueError(
-                f"{source}: unknown special tokens {unknown[:5]}; the spike_whale layout has exactly "
-                f"{list(SPECIAL_TOKENS)} at ids {SPECIAL_START_ID}..{RESERVED_START_ID - 1}"
-            )
-
+            raise ValueError(f"{source}: unknown special tokens {unknown[:5]}; the spike_whale layout has exactly "
+                             f"{list(SPECIAL_TOKENS)} at ids {SPECIAL_START_ID}..{RESERVED_START_ID - 1}")
     by_id: dict[int, str] = {}
     for token, idx in raw.items():
         if not isinstance(token, str) or token == "":
@@ -413,70 +284,42 @@ def normalize_vocab_data(data, source: str = "vocab") -> dict:
         if idx in by_id:
             raise ValueError(f"{source}: ids collide: {by_id[idx]!r} and {token!r} both have id {idx}")
         by_id[idx] = token
-
-    expected_fixed = {i: tok for i, tok in enumerate(BASE_SPECIAL_TOKENS)}
-    expected_fixed.update({i: tok for tok, i in SPECIAL_TOKEN_IDS.items()})
-    expected_fixed.update({RESERVED_START_ID + i: tok for i, tok in enumerate(RESERVED_TOKENS)})
-
-    # Fixed (special) tokens must be at their id or absent; their ids may hold nothing else.
-    for token, idx in raw.items():
-        if token in _NON_TEXT_TOKENS and expected_fixed.get(idx) != token:
-            want = [i for i, t in expected_fixed.items() if t == token][0]
-            raise ValueError(f"{source}: special token {token!r} has id {idx}, the layout requires {want}")
-    for idx, token in expected_fixed.items():
+        if token in LAYOUT_SPECIALS and LAYOUT_SPECIALS[token] != idx:
+            raise ValueError(f"{source}: special token {token!r} has id {idx}, the layout requires "
+                             f"{LAYOUT_SPECIALS[token]}")
+    for token, idx in LAYOUT_SPECIALS.items():
         if idx in by_id and by_id[idx] != token:
             raise ValueError(f"{source}: id {idx} is reserved for {token!r} but holds {by_id[idx]!r}")
-
-    # Byte fallback: byte b must be the token chr(b) at id b + 4.
     missing = [b for b in range(256) if raw.get(chr(b)) != b + BYTE_OFFSET]
     if missing:
-        b = missing[0]
-        got = raw.get(chr(b))
-        detail = "missing" if got is None else f"has id {got}"
-        raise ValueError(
-            f"{source}: byte tokens missing or misplaced ({len(missing)} of 256): byte 0x{b:02x} "
-            f"(token {chr(b)!r}) must have id {b + BYTE_OFFSET}, {detail}"
-        )
-
-    # Multi-byte tokens: latin-1 strings of >= 2 characters in 260..16383.
+        b, got = missing[0], raw.get(chr(missing[0]))
+        raise ValueError(f"{source}: byte tokens missing or misplaced ({len(missing)} of 256): byte 0x{b:02x} (token "
+                         f"{chr(b)!r}) must have id {b + BYTE_OFFSET}, {'missing' if got is None else f'has id {got}'}")
     for idx, token in by_id.items():
         if FIRST_MULTIBYTE_ID <= idx < SPECIAL_START_ID:
             if len(token) < 2:
                 raise ValueError(f"{source}: multi-byte id {idx} holds a single character {token!r}")
             bad = next((c for c in token if ord(c) > 255), None)
             if bad is not None:
-                raise ValueError(
-                    f"{source}: token {token!r} (id {idx}) contains {bad!r} (U+{ord(bad):04X}); regular tokens "
-                    "must be latin-1 strings, one character per UTF-8 byte"
-                )
+                raise ValueError(f"{source}: token {token!r} (id {idx}) contains {bad!r} (U+{ord(bad):04X}); regular "
+                                 "tokens must be latin-1 strings, one character per UTF-8 byte")
         elif BYTE_OFFSET <= idx < FIRST_MULTIBYTE_ID and len(token) != 1:
             raise ValueError(f"{source}: id {idx} is a byte slot but holds {token!r}")
-
-    full = dict(by_id)
-    full.update(expected_fixed)
-    vocab = {full[i]: i for i in sorted(full)}
-    out = {
-        "vocab": vocab,
-        "max_token_len": max_token_len,
-        "vocab_size": VOCAB_SIZE,
-        "algorithm": data.get("algorithm", ALGORITHM),
-        "special_tokens": list(SPECIAL_TOKENS),
-    }
-    for key, value in data.items():  # keep unknown metadata so files round-trip
-        if key not in out:
-            out[key] = value
-    return out
+    full = {**by_id, **{idx: tok for tok, idx in LAYOUT_SPECIALS.items()}}
+    out = {"vocab": {full[i]: i for i in sorted(full)}, "max_token_len": max_token_len, "vocab_size": VOCAB_SIZE,
+           "algorithm": data.get("algorithm", ALGORITHM), "special_tokens": list(SPECIAL_TOKENS)}
+    return {**out, **{key: value for key, value in data.items() if key not in out}}  # unknown metadata round-trips
 
 
 def greedy_tokens(data: Mapping) -> dict[str, int]:
-    """The tokens greedy matching may emit (latin-1 string -> id) of a normalised vocab: bytes and multi-byte tokens
-    up to max_token_len (longer ones stay decodable but the released encoder never tried them)."""
+    """The tokens greedy matching may emit (latin-1 string -> id) of a normalised vocab: the bytes and the multi-byte
+    tokens up to max_token_len (longer ones stay decodable but are never produced)."""
     return {tok: idx for tok, idx in data["vocab"].items()
             if BYTE_OFFSET <= idx < SPECIAL_START_ID and len(tok) <= data["max_token_len"]}
 
 
 def load_vocab_file(path: str | os.PathLike) -> dict:
-    """Read and validate a Length-MAX vocab file (``spike_vocab.json`` or a released ``tokenizer.json``)."""
+    """Read and validate a Length-MAX vocab file (``spike_vocab.json``, or a released custom-format tokenizer.json)."""
     path = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as handle:
@@ -486,9 +329,18 @@ def load_vocab_file(path: str | os.PathLike) -> dict:
     return normalize_vocab_data(data, source=path)
 
 
+def read_vocab(source) -> dict:
+    """The normalised vocab of a file path or a vocab dict; None gives the byte-level vocab (the 256 bytes only)."""
+    if source is None:
+        source = {"vocab": {chr(b): b + BYTE_OFFSET for b in range(256)}}
+    if isinstance(source, Mapping):
+        return normalize_vocab_data(source, source="vocab dict")
+    return load_vocab_file(source)
+
+
 def check_tokenizer_file(path, need_model: bool = False) -> None:
-    """One clear error naming a folder's ``tokenizer.json`` when it cannot load: transformers parses it before either
-    class sees it (a bare JSONDecodeError), and `tokenizers` says only "Model missing" for one without "model"."""
+    """One clear error naming a folder's ``tokenizer.json`` when it cannot load (transformers parses it before either
+    class sees it and raises a bare JSONDecodeError; `tokenizers` says only "Model missing" without "model")."""
     if path is None or not os.path.isfile(path):
         return
     try:
@@ -503,38 +355,101 @@ def check_tokenizer_file(path, need_model: bool = False) -> None:
 
 
 def dump_vocab_data(data: Mapping) -> str:
-    """Serialise vocab data in the released style (``ensure_ascii`` escapes, ``vocab`` ordered by id)."""
-    data = dict(data)
-    data["vocab"] = dict(sorted(data["vocab"].items(), key=lambda kv: kv[1]))
-    return json.dumps(data, ensure_ascii=True)
+    """Vocab data in the released style (``ensure_ascii`` escapes, ``vocab`` ordered by id)."""
+    return json.dumps({**data, "vocab": dict(sorted(data["vocab"].items(), key=lambda kv: kv[1]))}, ensure_ascii=True)
 
 
-# --------------------------------------------------------------------------------------------------
-# The tokenizer
-# --------------------------------------------------------------------------------------------------
+def special_token_kwargs(kwargs: dict, bos_token, eos_token, unk_token, pad_token) -> dict:
+    """`kwargs` with the layout's specials as extra special tokens (atomic, skipped by skip_special_tokens), the
+    ChatML template and no clean-up by default, for either class. <pad>/<unk>/<bos>/<eos> stay special even when the
+    user points eos/pad/unk elsewhere; a mapping of named extra tokens stays named (model_specific_special_tokens)."""
+    kwargs.pop("special_tokens_pattern", None)
+    kwargs.pop("backend", None)  # "tokenizers" in a config the fast class wrote
+    kwargs.setdefault("chat_template", CHATML_TEMPLATE)
+    kwargs.setdefault("clean_up_tokenization_spaces", False)
+    extra, legacy = kwargs.pop("extra_special_tokens", None), kwargs.pop("additional_special_tokens", None)
+    extra = (legacy if extra is None else extra) or []
+    if isinstance(extra, Mapping):
+        kwargs["model_specific_special_tokens"] = {**dict(kwargs.get("model_specific_special_tokens") or {}),
+                                                   **dict(extra)}
+        extra = []
+    named = {str(t) for t in (bos_token, eos_token, unk_token, pad_token) if t is not None}
+    ours = [AddedToken(tok, special=True, normalized=False, lstrip=False, rstrip=False, single_word=False)
+            for tok in SPECIAL_TOKENS + RESERVED_TOKENS + tuple(t for t in BASE_SPECIAL_TOKENS if t not in named)]
+    kwargs["extra_special_tokens"] = ours + [tok for tok in extra if str(tok) not in LAYOUT_SPECIALS]
+    return kwargs
 
 
-class SpikeTokenizer(PreTrainedTokenizer):
-    """Greedy longest-match byte tokenizer over a Length-MAX vocabulary (slow / pure Python).
+def check_special_ids(tokenizer) -> None:
+    """<bos> must be id 2 (every sequence was trained to start with it) and every layout special at its id."""
+    if tokenizer.bos_token_id != BOS_ID:
+        raise ValueError(f"bos_token resolves to id {tokenizer.bos_token_id}, the spike_whale layout requires {BOS_ID}")
+    for token, idx in LAYOUT_SPECIALS.items():
+        got = tokenizer.convert_tokens_to_ids(token)
+        if got != idx:
+            raise ValueError(f"special token {token!r} resolved to id {got}, the spike_whale layout requires {idx} "
+                             "(a stale added_tokens_decoder in tokenizer_config.json?)")
+
+
+class SpikeTokenizerMixin:
+    """What both spike_whale tokenizer classes share: the vocab in file format, saving it, the chat template default
+    and keeping ``add_bos_token`` on disk."""
+
+    @property
+    def vocab_data(self) -> dict:
+        """The vocab in the released file format (what `save_vocabulary` writes); a copy."""
+        return json.loads(dump_vocab_data(self._vocab_data))
+
+    @property
+    def max_token_len(self) -> int:
+        return self._vocab_data["max_token_len"]
+
+    @property
+    def greedy_vocab(self) -> dict[str, int]:
+        """The tokens greedy matching may emit (latin-1 string -> id); a copy."""
+        return greedy_tokens(self._vocab_data)
+
+    def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str, ...]:
+        if not os.path.isdir(save_directory):
+            raise ValueError(f"Vocabulary path ({save_directory}) should be a directory")
+        path = os.path.join(save_directory, (filename_prefix + "-" if filename_prefix else "") + VOCAB_FILE_NAME)
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(dump_vocab_data(self._vocab_data))
+        return (path,)
+
+    def save_chat_templates(self, save_directory, tokenizer_config: dict, filename_prefix, save_jinja_files):
+        # `save_pretrained` pops add_bos_token from the config it writes and calls this right after: put it back, or
+        # a tokenizer saved with add_bos_token=False would reload prepending <bos>.
+        tokenizer_config["add_bos_token"] = self.add_bos_token
+        return super().save_chat_templates(save_directory, tokenizer_config, filename_prefix, save_jinja_files)
+
+    def apply_chat_template(self, conversation, **kwargs):
+        """transformers' `apply_chat_template` with ``sanitize_control_tokens=True`` by default (see
+        `apply_chat_template_safely`); pass ``False`` for the raw behaviour. ``tokenize=False`` returns the plain
+        string, which cannot carry the difference."""
+        return apply_chat_template_safely(self, super().apply_chat_template, conversation, kwargs)
+
+
+# `_encode_plus` arguments `SpikeTokenizer._encode_plain` handles; a call with any other set goes to the base class.
+_PLAIN_CALL_KEYS = frozenset({"add_special_tokens", "padding_strategy", "truncation_strategy", "max_length",
+                              "pad_to_multiple_of", "padding_side", "return_tensors", "return_attention_mask",
+                              "verbose", "split_special_tokens"})
+# Set while `prepare_for_model` runs (it has removed one leading <bos>), so `build_inputs_with_special_tokens` adds
+# <bos> even before a second one. Module level: tokenizers are pickled, thread-locals cannot be.
+_BOS_STATE = threading.local()
+
+
+class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
+    """Greedy longest-match byte tokenizer over a Length-MAX vocabulary (slow, pure Python; the reference): the
+    vocabulary is a trie regex (`greedy_trie_pattern`) whose matches are the greedy segmentation of the UTF-8 bytes.
+    Special-token strings in the text are atomic unless ``split_special_tokens=True``; decoding joins the bytes of
+    ordinary tokens and decodes them as UTF-8 with ``errors="replace"``.
 
     Args:
-        vocab_file (`str`, `os.PathLike` or `dict`, *optional*):
-            Path to ``spike_vocab.json`` or to a released custom-format ``tokenizer.json``; a vocab dict in the
-            same format is also accepted.  Without one, the tokenizer is byte-level: the 256 byte tokens and the
-            released specials at their ids (every text still encodes, one token per UTF-8 byte).
-        add_bos_token (`bool`, defaults to `True`):
-            Prepend ``<bos>`` (id 2) when ``add_special_tokens=True`` (the default of ``__call__``), never
-            twice: input that already starts with ``<bos>`` is left alone.  No ``<eos>`` is appended.
-        model_max_length (`int`, *optional*): the model context; the exporter passes it.
-
-    Notes:
-        * Special-token strings in the text (``<|im_start|>``, ``<bos>``, ...) are atomic.  Use
-          ``split_special_tokens=True`` (or `encode_ordinary`) to encode such text as plain bytes.
-        * Decoding joins the bytes of ordinary tokens and decodes them as UTF-8 with ``errors="replace"``;
-          special tokens are written literally unless ``skip_special_tokens=True``.
-        * ``add_bos_token`` is saved in ``tokenizer_config.json`` (transformers leaves it out; see
-          `save_chat_templates`), so ``False`` survives ``save_pretrained`` / ``from_pretrained``.
-        * ``padding_side`` defaults to ``"left"`` (decoder-only generation).
+        vocab_file (`str`, `os.PathLike` or `dict`, *optional*): ``spike_vocab.json``, a released custom-format
+            ``tokenizer.json``, or a vocab dict in that format. Without one: the 256 bytes and the specials.
+        add_bos_token (`bool`, defaults to `True`): prepend ``<bos>`` when ``add_special_tokens=True``, never twice
+            (input already starting with it is left alone); saved in ``tokenizer_config.json``. No ``<eos>``.
     """
 
     vocab_files_names = {"vocab_file": VOCAB_FILE_NAME}
@@ -542,139 +457,49 @@ class SpikeTokenizer(PreTrainedTokenizer):
     padding_side = "left"
     _auto_class = "AutoTokenizer"  # save_pretrained writes auto_map and copies this file
 
-    def __init__(
-        self,
-        vocab_file=None,
-        bos_token=BOS_TOKEN,
-        eos_token=EOS_TOKEN,
-        unk_token=UNK_TOKEN,
-        pad_token=PAD_TOKEN,
-        add_bos_token: bool = True,
-        **kwargs,
-    ):
-        # `from_pretrained` on a folder holding a released custom-format tokenizer.json (and no
-        # spike_vocab.json) passes it as `tokenizer_file`; never record it in the saved config.
+    def __init__(self, vocab_file=None, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, unk_token=UNK_TOKEN,
+                 pad_token=PAD_TOKEN, add_bos_token: bool = True, **kwargs):
+        # A folder holding a released custom-format tokenizer.json (and no spike_vocab.json) passes it as
+        # `tokenizer_file`; it is never recorded in the saved config.
         tokenizer_file = kwargs.pop("tokenizer_file", None)
         source = vocab_file if vocab_file is not None else tokenizer_file
-        if source is None:  # the byte-level tokenizer: 256 bytes and the released specials, no multi-byte tokens
-            source = {"vocab": {chr(b): b + BYTE_OFFSET for b in range(256)}}
-        if isinstance(source, Mapping):
-            data = normalize_vocab_data(source, source="vocab dict")
-            self.vocab_file = None
-        else:
-            data = load_vocab_file(source)
-            self.vocab_file = os.fspath(source)
-        self._set_vocab_data(data)
-
+        self.vocab_file = None if source is None or isinstance(source, Mapping) else os.fspath(source)
+        self._set_vocab_data(read_vocab(source))
         self._add_bos_token = bool(add_bos_token)
-        # transformers pops `special_tokens_pattern` before saving the init kwargs, so it is set here on
-        # every construction (and kept in sync by the `add_bos_token` setter).
-        kwargs.pop("special_tokens_pattern", None)
+        kwargs = special_token_kwargs(kwargs, bos_token, eos_token, unk_token, pad_token)
+        # transformers pops special_tokens_pattern before saving the init kwargs: set on every construction.
         kwargs["special_tokens_pattern"] = "bos" if self._add_bos_token else "none"
-        kwargs.setdefault("chat_template", CHATML_TEMPLATE)
-        kwargs.setdefault("clean_up_tokenization_spaces", False)
-
-        # The 17 chat/tool/FIM specials and the 111 reserved slots are special added tokens, so the base
-        # class trie splits them out before `_tokenize` and `skip_special_tokens` drops them.
-        extra = kwargs.pop("extra_special_tokens", None)
-        legacy_extra = kwargs.pop("additional_special_tokens", None)
-        if extra is None:
-            extra = legacy_extra or []
-        if isinstance(extra, Mapping):  # named model-specific tokens: keep them as such
-            kwargs["model_specific_special_tokens"] = {
-                **dict(kwargs.get("model_specific_special_tokens") or {}),
-                **dict(extra),
-            }
-            extra = []
-        ours = [
-            AddedToken(tok, special=True, normalized=False, lstrip=False, rstrip=False)
-            for tok in SPECIAL_TOKENS + RESERVED_TOKENS
-        ]
-        # <pad>/<unk>/<bos>/<eos> stay atomic special tokens even if the user re-points eos/pad/unk.
-        named = {str(t) for t in (bos_token, eos_token, unk_token, pad_token) if t is not None}
-        ours += [
-            AddedToken(tok, special=True, normalized=False, lstrip=False, rstrip=False)
-            for tok in BASE_SPECIAL_TOKENS
-            if tok not in named
-        ]
-        known = set(SPECIAL_TOKENS) | _RESERVED_SET | set(BASE_SPECIAL_TOKENS)
-        kwargs["extra_special_tokens"] = ours + [tok for tok in extra if str(tok) not in known]
-        # A folder saved by the fast twin: transformers hands over tokenizer.json's added tokens, where the vocab's
-        # own greedy tokens may be (its Aho-Corasick matcher); as added tokens here they would be split out before
-        # the specials ("Z <bos>" -> " <", "bo", ...).  Ids below the specials are the vocab's, never added.
-        added = kwargs.get("added_tokens_decoder")
-        if added:
-            kwargs["added_tokens_decoder"] = {i: t for i, t in added.items()
+        # A folder saved by the fast class: tokenizer.json's added tokens may hold the vocab's own greedy tokens (its
+        # matcher); added here they would be split out before the specials. Ids below the specials are the vocab's.
+        if kwargs.get("added_tokens_decoder"):
+            kwargs["added_tokens_decoder"] = {i: t for i, t in kwargs["added_tokens_decoder"].items()
                                               if not BYTE_OFFSET <= int(i) < SPECIAL_START_ID}
-        kwargs.pop("backend", None)  # "tokenizers" in a config the fast twin wrote; this class is "custom"
-
-        super().__init__(
-            bos_token=bos_token,
-            eos_token=eos_token,
-            unk_token=unk_token,
-            pad_token=pad_token,
-            add_bos_token=self._add_bos_token,
-            **kwargs,
-        )
-        self._check_layout()
-
-    # ---- vocab ------------------------------------------------------------------------------------
+        super().__init__(bos_token=bos_token, eos_token=eos_token, unk_token=unk_token, pad_token=pad_token,
+                         add_bos_token=self._add_bos_token, **kwargs)
+        check_special_ids(self)
 
     def _set_vocab_data(self, data: dict) -> None:
         self._vocab_data = data
-        self.max_token_len = data["max_token_len"]
-        vocab = data["vocab"]
         id_to_token = [None] * VOCAB_SIZE
-        for token, idx in vocab.items():
+        for token, idx in data["vocab"].items():
             id_to_token[idx] = token
-        self._unused_tokens = {}
+        self._unused_tokens = set()
         for idx in range(FIRST_MULTIBYTE_ID, SPECIAL_START_ID):
             if id_to_token[idx] is None:
-                placeholder = unused_token(idx)
-                id_to_token[idx] = placeholder
-                self._unused_tokens[placeholder] = idx
+                id_to_token[idx] = unused_token(idx)
+                self._unused_tokens.add(id_to_token[idx])
         self._id_to_token = id_to_token
         self._token_to_id = {tok: i for i, tok in enumerate(id_to_token)}
         self._greedy = greedy_tokens(data)
         self._regex = None
         self._added_split = None
 
-    def _check_layout(self) -> None:
-        # Every sequence was trained to start with <bos> (id 2); eos/pad/unk may be re-pointed by the user
-        # (e.g. eos_token="<|im_end|>" for a chat export).
-        if self.bos_token_id != BOS_ID:
-            raise ValueError(f"bos_token resolves to id {self.bos_token_id}, the spike_whale layout requires {BOS_ID}")
-        expected = {tok: i for i, tok in enumerate(BASE_SPECIAL_TOKENS)}
-        expected.update(SPECIAL_TOKEN_IDS)
-        expected.update({tok: RESERVED_START_ID + i for i, tok in enumerate(RESERVED_TOKENS)})
-        for token, idx in expected.items():
-            got = self._added_tokens_encoder.get(token)
-            if got != idx:
-                raise ValueError(
-                    f"special token {token!r} resolved to id {got}, the spike_whale layout requires {idx} "
-                    "(a stale added_tokens_decoder in tokenizer_config.json?)"
-                )
-
     @property
     def vocab_size(self) -> int:
         return VOCAB_SIZE
 
     def get_vocab(self) -> dict[str, int]:
-        vocab = dict(self._token_to_id)
-        vocab.update(self._added_tokens_encoder)
-        return vocab
-
-    @property
-    def greedy_vocab(self) -> dict[str, int]:
-        """The tokens greedy matching may emit (latin-1 string -> id); a copy."""
-        return dict(self._greedy)
-
-    @property
-    def vocab_data(self) -> dict:
-        """The vocab in file format (what `save_vocabulary` writes); a copy."""
-        return json.loads(dump_vocab_data(self._vocab_data))
-
-    # ---- BOS handling -------------------------------------------------------------------------------
+        return {**self._token_to_id, **self._added_tokens_encoder}
 
     @property
     def add_bos_token(self) -> bool:
@@ -687,62 +512,44 @@ class SpikeTokenizer(PreTrainedTokenizer):
 
     def _with_bos(self, ids: list[int]) -> list[int]:
         ids = list(ids)
-        if self._add_bos_token and (getattr(_BOS_STATE, "force", False) or not ids or ids[0] != BOS_ID):
+        if self._add_bos_token and (getattr(_BOS_STATE, "force", False) or ids[:1] != [BOS_ID]):
             return [BOS_ID] + ids
         return ids
 
     def build_inputs_with_special_tokens(self, token_ids_0, token_ids_1=None):
-        """``[<bos>] + ids`` (or ids unchanged when ``add_bos_token=False`` or they already start with <bos>)."""
-        if token_ids_1 is None:
-            return self._with_bos(token_ids_0)
-        return self._with_bos(token_ids_0) + self._with_bos(token_ids_1)
+        """``[<bos>] + ids`` (ids unchanged when ``add_bos_token=False`` or they already start with <bos>)."""
+        return self._with_bos(token_ids_0) + ([] if token_ids_1 is None else self._with_bos(token_ids_1))
 
     def get_special_tokens_mask(self, token_ids_0, token_ids_1=None, already_has_special_tokens=False):
         if already_has_special_tokens:
             return super().get_special_tokens_mask(token_ids_0, token_ids_1, already_has_special_tokens=True)
 
         def one(ids):
-            mask = [0] * len(self._with_bos(ids))
-            if self._add_bos_token:
-                mask[0] = 1
-            return mask
+            return [int(self._add_bos_token and i == 0) for i in range(len(self._with_bos(ids)))]
 
-        return one(token_ids_0) if token_ids_1 is None else one(token_ids_0) + one(token_ids_1)
+        return one(token_ids_0) + ([] if token_ids_1 is None else one(token_ids_1))
 
     def prepare_for_model(self, ids, pair_ids=None, add_special_tokens=True, **kwargs):
-        # Never add <bos> twice: drop one leading <bos> the text already had and let the base class add it
-        # back (so truncation lengths and the special-tokens mask stay exact); "<bos><bos>x" keeps both.
-        # Pretokenized words are taken literally (a word "<bos>" stays a token), as the fast twin does.
-        if not (add_special_tokens and self._add_bos_token) or getattr(_BOS_STATE, "words", False):
+        # Never <bos> twice: drop one leading <bos> the text had and let the base class add it back (so truncation
+        # lengths and the special-tokens mask stay exact); "<bos><bos>x" keeps both.
+        if not (add_special_tokens and self._add_bos_token):
             return super().prepare_for_model(ids, pair_ids=pair_ids, add_special_tokens=add_special_tokens, **kwargs)
-        if ids and ids[0] == BOS_ID:
-            ids = ids[1:]
-        if pair_ids and pair_ids[0] == BOS_ID:
-            pair_ids = pair_ids[1:]
-        previous = getattr(_BOS_STATE, "force", False)
-        _BOS_STATE.force = True
+        ids = ids[1:] if ids[:1] == [BOS_ID] else ids
+        pair_ids = pair_ids[1:] if pair_ids and pair_ids[0] == BOS_ID else pair_ids
+        previous, _BOS_STATE.force = getattr(_BOS_STATE, "force", False), True
         try:
             return super().prepare_for_model(ids, pair_ids=pair_ids, add_special_tokens=True, **kwargs)
         finally:
             _BOS_STATE.force = previous
 
-    # ---- encode -------------------------------------------------------------------------------------
-
-    @property
-    def greedy_regex(self) -> re.Pattern:
-        """The compiled trie regex (compiled on first use: seconds for a 16K vocabulary)."""
-        if self._regex is None:
-            self._regex = compile_greedy_regex(self._greedy)
-        return self._regex
-
     def _tokenize(self, text: str, **kwargs) -> list[str]:
-        if not text:
-            return []
-        return self.greedy_regex.findall(_to_latin1(text))
+        if self._regex is None:  # compiled on first use: seconds for a 16K vocabulary
+            self._regex = compile_greedy_regex(self._greedy)
+        return self._regex.findall(_to_latin1(text)) if text else []
 
     def _split_added_tokens(self, text: str) -> list[str] | None:
-        """`text` cut into added tokens and the text between them (leftmost-longest, as the base class's trie),
-        or None where an added token has lstrip/rstrip/single_word (then the base class handles it)."""
+        """`text` cut into the text between added tokens (even items) and the added tokens (odd), leftmost-longest as
+        the base class's trie; None where an added token has lstrip/rstrip/single_word (the base class handles it)."""
         if self._added_split is None:
             tokens = self._added_tokens_decoder.values()
             if any(t.lstrip or t.rstrip or t.single_word for t in tokens):
@@ -756,78 +563,53 @@ class SpikeTokenizer(PreTrainedTokenizer):
         super()._update_trie(unique_no_split_tokens)
 
     def tokenize(self, text: str, **kwargs) -> list[str]:
-        """Tokens of `text`: added tokens split out first, greedy longest match in between.
-
-        With ``is_split_into_words=True`` (one word of pretokenized input) every stretch of text gets a
-        leading space unless it has one, the convention of transformers' byte-level tokenizers (GPT-2,
-        RoBERTa): ``["hello", "world"]`` encodes as ``" hello world"``.
-        """
-        split_special_tokens = kwargs.pop("split_special_tokens", self.split_special_tokens)
-        as_word = kwargs.pop("is_split_into_words", False)
-        pieces = [text] if split_special_tokens else self._split_added_tokens(text)
+        """Tokens of `text`: added tokens split out first (unless ``split_special_tokens``), greedy longest match in
+        between."""
+        split = kwargs.pop("split_special_tokens", self.split_special_tokens)
+        if kwargs.pop("is_split_into_words", False):
+            text = with_leading_space(text)
+        pieces = [text] if split else self._split_added_tokens(text)
         if pieces is None:
-            return super().tokenize(text, split_special_tokens=split_special_tokens, **kwargs)
-        out: list[str] = []
-        findall = self.greedy_regex.findall
-        for i, piece in enumerate(pieces):
-            if i % 2:  # odd pieces are the separators: added tokens
-                out.append(piece)
-            elif piece:
-                if as_word and not piece.startswith(" "):
-                    piece = " " + piece
-                out.extend(findall(_to_latin1(piece)))
-        return out
+            return super().tokenize(text, split_special_tokens=split, **kwargs)
+        return [t for i, piece in enumerate(pieces) for t in ([piece] if i % 2 else self._tokenize(piece))]
 
     def convert_tokens_to_ids(self, tokens):
         if isinstance(tokens, str):
             return super().convert_tokens_to_ids(tokens)
-        # One dict lookup per token: added tokens (the specials) are in `_added_tokens_encoder`, every other
-        # token this tokenizer produces is in `_token_to_id`.
-        added, regular = self._added_tokens_encoder, self._token_to_id
+        added, regular = self._added_tokens_encoder, self._token_to_id  # one dict lookup per token
         return [added[t] if t in added else regular.get(t, UNK_ID) for t in tokens]
 
     def _encode_plus(self, text, text_pair=None, *args, is_split_into_words: bool = False, **kwargs):
         if kwargs.pop("return_offsets_mapping", False):
             raise NotImplementedError(
                 "SpikeTokenizer (the slow, pure-Python tokenizer) does not compute offsets: use SpikeTokenizerFast "
-                "(what AutoTokenizer returns by default) for return_offsets_mapping=True"
-            )
-        if not is_split_into_words and text_pair is None and not args and kwargs.keys() <= _PLAIN_CALL_KEYS and not any(
-                kwargs.get(k) for k in _UNSUPPORTED_BY_PLAIN_CALL) and kwargs.get(
-                "truncation_strategy", TruncationStrategy.DO_NOT_TRUNCATE) == TruncationStrategy.DO_NOT_TRUNCATE:
-            rows = [text] if isinstance(text, str) else text
-            if isinstance(rows, (list, tuple)) and rows and all(isinstance(t, str) for t in rows):
-                return self._encode_plain(text, rows, **kwargs)
-        if is_split_into_words:  # encoded word by word here; the base class then sees ids
+                "(what AutoTokenizer returns by default) for return_offsets_mapping=True")
+        if is_split_into_words:  # each word spaced and encoded here; the base class then sees ids
             split = kwargs.get("split_special_tokens")
-            opts = {} if split is None else {"split_special_tokens": split}
+            split = self.split_special_tokens if split is None else split
 
             def ids_of(words):
-                if words is None:
-                    return None
-                if isinstance(words, str):  # a one-word sequence, unwrapped by the batch loop
-                    words = [words]
+                if words is None or isinstance(words, str):
+                    return None if words is None else self._text_ids(with_leading_space(words), split)
                 if isinstance(words, tuple) and len(words) == 2 and not isinstance(words[0], str):
                     return ids_of(words[0]), ids_of(words[1])  # a (words, words) pair in a batch
                 if words and not isinstance(words[0], str):  # a batch of sequences
                     return [ids_of(row) for row in words]
-                return self.convert_tokens_to_ids(
-                    [t for word in words for t in self.tokenize(word, is_split_into_words=True, **opts)]
-                )
+                return [i for word in words for i in ids_of(word)]
 
-            previous = getattr(_BOS_STATE, "words", False)
-            _BOS_STATE.words = True
-            try:
-                return super()._encode_plus(ids_of(text), ids_of(text_pair), *args, **kwargs)
-            finally:
-                _BOS_STATE.words = previous
-        return super()._encode_plus(text, text_pair, *args, is_split_into_words=is_split_into_words, **kwargs)
+            return super()._encode_plus(ids_of(text), ids_of(text_pair), *args, **kwargs)
+        if text_pair is None and not args and all(key in _PLAIN_CALL_KEYS or not value for key, value in kwargs.items(
+                )) and kwargs.get("truncation_strategy", "do_not_truncate") == TruncationStrategy.DO_NOT_TRUNCATE:
+            rows = [text] if isinstance(text, str) else text
+            if isinstance(rows, (list, tuple)) and rows and all(isinstance(t, str) for t in rows):
+                return self._encode_plain(text, rows, **kwargs)
+        return super()._encode_plus(text, text_pair, *args, **kwargs)
 
     def _encode_plain(self, text, rows: list[str], add_special_tokens: bool = True, padding_strategy=None,
                       max_length=None, pad_to_multiple_of=None, padding_side=None, return_tensors=None,
                       return_attention_mask=None, verbose: bool = True, split_special_tokens=None, **_):
-        """`__call__` on texts without truncation, pairs or extra outputs: the same result as the base class's
-        per-text `prepare_for_model`, computed with one regex pass and one dict lookup per token."""
+        """`__call__` on texts without truncation, pairs or extra outputs: what the base class's per-text
+        `prepare_for_model` gives, with one regex pass and one dict lookup per token."""
         split = self.split_special_tokens if split_special_tokens is None else split_special_tokens
         ids = [self._text_ids(t, split) for t in rows]
         if add_special_tokens and self._add_bos_token:  # never twice, as in `prepare_for_model`
@@ -851,86 +633,36 @@ class SpikeTokenizer(PreTrainedTokenizer):
         pieces = [text] if split_special_tokens else self._split_added_tokens(text)
         if pieces is None:
             return self.convert_tokens_to_ids(self.tokenize(text, split_special_tokens=split_special_tokens))
-        greedy, added, findall = self._greedy, self._added_tokens_encoder, self.greedy_regex.findall
-        ids: list[int] = []
-        for i, piece in enumerate(pieces):
-            if i % 2:
-                ids.append(added[piece])
-            elif piece:
-                ids += [greedy[t] for t in findall(_to_latin1(piece))]
-        return ids
+        greedy, added = self._greedy, self._added_tokens_encoder
+        return [i for n, piece in enumerate(pieces)
+                for i in ([added[piece]] if n % 2 else [greedy[t] for t in self._tokenize(piece)])]
 
     def encode_ordinary(self, text: str) -> list[int]:
-        """Greedy ids of `text` with no special-token handling and no <bos> (fast path for data prep).
-
-        Equal to ``encode(text, add_special_tokens=False, split_special_tokens=True)``.
-        """
-        if not text:
-            return []
-        greedy = self._greedy
-        return [greedy[t] for t in self.greedy_regex.findall(_to_latin1(text))]
+        """Greedy ids of `text`, no special-token handling and no <bos>: ``encode(text, add_special_tokens=False,
+        split_special_tokens=True)``."""
+        return [self._greedy[t] for t in self._tokenize(text)]
 
     def _convert_token_to_id(self, token: str) -> int:
         return self._token_to_id.get(token, UNK_ID)
 
-    # ---- decode -------------------------------------------------------------------------------------
-
     def _convert_id_to_token(self, index: int) -> str:
-        if 0 <= index < VOCAB_SIZE:
-            return self._id_to_token[index]
-        return UNK_TOKEN  # out of range (e.g. -100 labels): visible, never raises
+        return self._id_to_token[index] if 0 <= index < VOCAB_SIZE else UNK_TOKEN  # e.g. -100 labels: visible
 
     def convert_tokens_to_string(self, tokens: list[str]) -> str:
-        literal = self._added_tokens_encoder  # specials / added tokens: written as is (dict, O(1) lookups)
-        unused = self._unused_tokens
-        out: list[str] = []
-        run: list[str] = []
-        for token in tokens:
-            if token in literal:
-                if run:
-                    out.append(_latin1_to_bytes("".join(run)).decode("utf-8", errors="replace"))
-                    run = []
-                out.append(token)
-            elif token in unused:
-                continue
-            else:
+        literal, out, run = self._added_tokens_encoder, [], []
+        for token in [*tokens, None]:
+            if token is None or token in literal:  # specials and added tokens are written as they are
+                out.append(_latin1_to_bytes("".join(run)).decode("utf-8", errors="replace"))
+                out.append(token or "")
+                run = []
+            elif token not in self._unused_tokens:
                 run.append(token)
-        if run:
-            out.append(_latin1_to_bytes("".join(run)).decode("utf-8", errors="replace"))
         return "".join(out)
-
-    def apply_chat_template(self, conversation, **kwargs):
-        """transformers' `apply_chat_template`, with ``sanitize_control_tokens=True`` by default (see
-        `chat_template_kwargs`): a user message cannot inject ``<|im_start|>system``.  Pass
-        ``sanitize_control_tokens=False`` for the raw behaviour; ``tokenize=False`` returns the rendered string,
-        which cannot mark the difference (encode it with ``split_special_tokens`` as needed)."""
-        return apply_chat_template_safely(self, super().apply_chat_template, conversation, kwargs)
-
-    # ---- save ---------------------------------------------------------------------------------------
-
-    def save_chat_templates(self, save_directory, tokenizer_config: dict, filename_prefix, save_jinja_files):
-        # `save_pretrained` pops `add_bos_token` from the config it writes and calls this right after: put the
-        # flag back, or a tokenizer saved with add_bos_token=False would reload prepending <bos>.
-        tokenizer_config["add_bos_token"] = self._add_bos_token
-        return super().save_chat_templates(save_directory, tokenizer_config, filename_prefix, save_jinja_files)
-
-    def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str, ...]:
-        if not os.path.isdir(save_directory):
-            raise ValueError(f"Vocabulary path ({save_directory}) should be a directory")
-        name = (filename_prefix + "-" if filename_prefix else "") + VOCAB_FILE_NAME
-        path = os.path.join(save_directory, name)
-        with open(path, "w", encoding="utf-8") as handle:
-            handle.write(dump_vocab_data(self._vocab_data))
-        return (path,)
-
-    # ---- construction helpers -------------------------------------------------------------------------
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *init_inputs, **kwargs):
-        """Also accepts the path of a single vocab file (``spike_vocab.json`` or a released ``tokenizer.json``).
-
-        transformers would treat a lone ``tokenizer.json`` as a `tokenizers` file; load it directly instead.
-        """
+        """Also accepts the path of one vocab file (``spike_vocab.json`` or a released ``tokenizer.json``), which
+        transformers would read as a `tokenizers` file."""
         path = pretrained_model_name_or_path
         if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
             for hub_only in ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder",
@@ -947,36 +679,10 @@ class SpikeTokenizer(PreTrainedTokenizer):
         return super()._from_pretrained(resolved_vocab_files, *args, **kwargs)
 
 
-
 __all__ = [
-    "SpikeTokenizer",
-    "compile_greedy_regex",
-    "load_vocab_file",
-    "normalize_vocab_data",
-    "dump_vocab_data",
-    "CHATML_TEMPLATE",
-    "apply_chat_template_safely",
-    "PAD_ID",
-    "UNK_ID",
-    "BOS_ID",
-    "EOS_ID",
-    "IM_START_ID",
-    "IM_END_ID",
-    "THINK_ID",
-    "END_THINK_ID",
-    "ENDOFTEXT_ID",
-    "SPECIAL_TOKENS",
-    "SPECIAL_TOKEN_IDS",
-    "RESERVED_IDS",
-    "RESERVED_TOKENS",
-    "ALL_SPECIAL_IDS",
-    "CHAT_EOS_IDS",
-    "VOCAB_SIZE",
-    "NUM_BASE_IDS",
-    "FIRST_MULTIBYTE_ID",
-    "BYTE_OFFSET",
-    "DEFAULT_MAX_TOKEN_LEN",
-    "VOCAB_FILE_NAME",
-    "greedy_trie_pattern",
-    "unused_token",
+    "SpikeTokenizer", "SpikeTokenizerMixin", "CHATML_TEMPLATE", "apply_chat_template_safely", "compile_greedy_regex",
+    "greedy_trie_pattern", "load_vocab_file", "normalize_vocab_data", "dump_vocab_data", "unused_token", "PAD_ID",
+    "UNK_ID", "BOS_ID", "EOS_ID", "IM_START_ID", "IM_END_ID", "SPECIAL_TOKENS", "SPECIAL_TOKEN_IDS", "RESERVED_IDS",
+    "RESERVED_TOKENS", "ALL_SPECIAL_IDS", "CHAT_EOS_IDS", "VOCAB_SIZE", "NUM_BASE_IDS", "FIRST_MULTIBYTE_ID",
+    "BYTE_OFFSET", "DEFAULT_MAX_TOKEN_LEN", "VOCAB_FILE_NAME",
 ]

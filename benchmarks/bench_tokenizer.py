@@ -12,14 +12,12 @@ out. Both vocabularies are trained on the rest; tokens per byte are measured on 
   baseline, the same without the regex split (cross-word merges, as Length-MAX tokens cross words).
   vocab_size = the same N (BPE spends all of it on merges and bytes; Length-MAX keeps 128 ids for specials).
 Throughput: MB/s through transformers' `__call__` of three inputs built from the held-out text: ~2 KB documents
-(batch), one 464 KB text, and 1,000 lines (batch); best of `--repeats`, interleaved. The fast class batches in Rust
-(`TOKENIZERS_PARALLELISM=true`, `RAYON_NUM_THREADS=2`); the slow one runs in one Python thread. For the ratios, the
-same tokenizer.json also runs through transformers' plain `PreTrainedTokenizerFast` (which always computes character
-offsets), and the same vocab's piece pipeline (`build_backend(match_text=False)`: every token found by the piece regex
-and WordPiece, what a vocab with a token across a character boundary gets) through SpikeTokenizerFast. The demo
-model's tokenizer (models/spike-whale-demo; its vocab has two such tokens) is measured on the same inputs.
-Targets: fast >= 10 MB/s on the long text and faster than slow on every row (issue 39), Length-MAX >= 10% fewer
-tokens than BPE (issue 14).
+(batch), one 464 KB text, and 1,000 lines (batch); best of `--repeats`, every tokenizer interleaved on each input so
+a shared machine's load hits all alike. Two vocabularies: the one trained here and models/spike-whale-demo's. The
+fast class batches in Rust (`TOKENIZERS_PARALLELISM=true`, `RAYON_NUM_THREADS=2`); the slow one runs in one Python
+thread. For the ratio, the same tokenizer.json through `tokenizers`' `encode_batch_fast` (no character offsets,
+which transformers' `encode_batch` path asks for). Targets: fast >= 10 MB/s on the long text and faster than slow on
+every row (issue 39), Length-MAX >= 10% fewer tokens than BPE (issue 14).
 Results: a table on stdout and JSON (default benchmarks/results/tokenizer.json).
 """
 
@@ -95,6 +93,7 @@ def main() -> int:
     parser.add_argument("--refine-rounds", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-bpe", action="store_true", help="skip the BPE baselines (throughput only)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/tokenizer[_quick].json)")
     args = parser.parse_args()
     args.out = args.out or f"benchmarks/results/tokenizer{'_quick' if args.quick else ''}.json"
@@ -103,12 +102,12 @@ def main() -> int:
     heldout_bytes = args.heldout_bytes or ((256 << 10) if args.quick else (1 << 20))
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     from spike_whale.hub_export.train_tokenizer import train_lengthmax_vocab
     from spike_whale.tokenization_spike import SpikeTokenizer
-    from spike_whale.tokenization_spike_fast import SpikeTokenizerFast, build_backend
+    from spike_whale.tokenization_spike_fast import SpikeTokenizerFast
 
+    load_before = os.getloadavg()
     train_docs, held = split_docs(collect_corpus(train_bytes + heldout_bytes, args.seed), heldout_bytes)
     n_train = sum(len(d.encode()) for d in train_docs)
     n_held = sum(len(d.encode()) for d in held)
@@ -122,7 +121,7 @@ def main() -> int:
     lm_tokens = sum(len(ids) for ids in fast(held, add_special_tokens=False)["input_ids"])
 
     bpe_rows = {}
-    for name, regex in (("bpe_bytelevel_regex", True), ("bpe_bytelevel_noregex", False)):
+    for name, regex in () if args.no_bpe else (("bpe_bytelevel_regex", True), ("bpe_bytelevel_noregex", False)):
         bpe = Tokenizer(models.BPE())
         bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=regex)
         bpe.decoder = decoders.ByteLevel()
@@ -140,78 +139,52 @@ def main() -> int:
     lines = [line for line in "".join(held).splitlines(keepends=True) if line.strip()][:1000]
     inputs = {"docs": docs, "long_text": long_text, "lines": lines}
     sizes = {name: sum(len(t.encode()) for t in ([x] if isinstance(x, str) else x)) for name, x in inputs.items()}
-    # transformers' plain fast class over the same tokenizer.json (always computes character offsets), for the ratio
-    plain = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(fast.backend_tokenizer.to_str()))
-    plain.model_max_length = fast.model_max_length
-    pieces_only = SpikeTokenizerFast(data, tokenizer_object=build_backend(data, match_text=False))
-    matched = fast._matches_text
-    # the demo model's tokenizer: its vocab has two tokens across a character boundary, so its tokenizer.json is the
-    # pieces pipeline (exact, slower than the matcher)
     demo_dir = Path(__file__).resolve().parent.parent / "models" / "spike-whale-demo"
     demo, demo_slow = SpikeTokenizerFast.from_pretrained(demo_dir), SpikeTokenizer.from_pretrained(demo_dir)
-    tokenizers_by_name = {"fast": fast, "slow": slow, "fast_char_offsets": plain, "fast_pieces": pieces_only,
-                          "demo_fast": demo, "demo_slow": demo_slow}
-    for tok in tokenizers_by_name.values():
+    pairs = {"trained": (fast, slow), "demo": (demo, demo_slow)}
+    for tok in (fast, slow, demo, demo_slow):
         tok.model_max_length = 1 << 30  # no too-long warnings for the long text
         tok(docs[:10])
     rates = {}
     for name, x in inputs.items():
-        rates[name] = best_rates({key: (lambda tok=tok, x=x: tok(x)["input_ids"])
-                                  for key, tok in tokenizers_by_name.items()}, sizes[name], args.repeats)
-    ordinary_mb_s = best_rates({"ordinary": lambda: [slow.encode_ordinary(d) for d in docs]}, sizes["docs"],
-                               args.repeats)["ordinary"]
-    identical = all(fast(x)["input_ids"] == slow(x)["input_ids"] == plain(x)["input_ids"] == pieces_only(x)[
-        "input_ids"] for x in inputs.values())
-    demo_identical = all(demo(x)["input_ids"] == demo_slow(x)["input_ids"] for x in inputs.values())
-
-    # WordPiece (empty continuing-subword prefix over byte-level input) without the Split: the whole text is one
-    # WordPiece word, and tokenizers' WordPiece tries every end position for every start (cubic).
-    spec = json.loads(pieces_only.backend_tokenizer.to_str())  # byte-level keys for every token
-    wp = Tokenizer(models.WordPiece(spec["model"]["vocab"], unk_token="<unk>", continuing_subword_prefix="",
-                                    max_input_chars_per_word=1 << 30))
-    wp.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    variants = {}
-    for size in (250, 500, 1000, 2000):
-        sample = [d[:size] for d in docs if len(d) >= size][:4]
-        n_sample = sum(len(d.encode()) for d in sample)
-        start = time.perf_counter()
-        wp_ids = [e.ids for e in wp.encode_batch(sample)]
-        wp_s = time.perf_counter() - start
-        start = time.perf_counter()
-        ours = [e.ids for e in fast.backend_tokenizer.encode_batch(sample, add_special_tokens=False)]
-        ours_s = time.perf_counter() - start
-        variants[size] = {"wordpiece_MB_s": n_sample / wp_s / 1e6, "shipped_pipeline_MB_s": n_sample / ours_s / 1e6,
-                          "identical": wp_ids == ours}
-
+        batch = [x] if isinstance(x, str) else x
+        fns = {}
+        for vocab, (f, s) in pairs.items():
+            fns[f"{vocab}_fast"] = lambda f=f, x=x: f(x)["input_ids"]
+            fns[f"{vocab}_slow"] = lambda s=s, x=x: s(x)["input_ids"]
+            fns[f"{vocab}_tokenizers_no_offsets"] = lambda f=f, b=batch: f.backend_tokenizer.encode_batch_fast(b)
+        rates[name] = best_rates(fns, sizes[name], args.repeats)
+    load = os.getloadavg()
+    identical = {vocab: all(f(x)["input_ids"] == s(x)["input_ids"] for x in inputs.values())
+                 for vocab, (f, s) in pairs.items()}
+    matched = {vocab: any(not t.special for t in f.backend_tokenizer.get_added_tokens_decoder().values())
+               for vocab, (f, _) in pairs.items()}
     result = {
         "vocab_size": vocab_size, "train_bytes": n_train, "heldout_bytes": n_held, "rounds": args.rounds,
         "refine_rounds": args.refine_rounds,
         "lengthmax": {"train_s": round(lm_time, 1), "tokens": lm_tokens, "tokens_per_byte": lm_tokens / n_held},
         **bpe_rows,
-        "fewer_tokens_than_bpe_regex": 1 - lm_tokens / bpe_rows["bpe_bytelevel_regex"]["tokens"],
-        "fewer_tokens_than_bpe_noregex": 1 - lm_tokens / bpe_rows["bpe_bytelevel_noregex"]["tokens"],
-        "throughput_MB_s": rates, "throughput_bytes": sizes, "slow_encode_ordinary_docs_MB_s": ordinary_mb_s,
-        "demo_vocab_fast_equals_slow": demo_identical,
-        "greedy_tokens_matched_as_added_tokens": matched,
-        "fast_equals_slow_on_heldout": identical,
-        "exact_variants_by_text_chars": variants,
-        "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "load": os.getloadavg()},
+        **{f"fewer_tokens_than_{name}": 1 - lm_tokens / row["tokens"] for name, row in bpe_rows.items()},
+        "throughput_MB_s": rates, "throughput_bytes": sizes,
+        "fast_over_slow": {name: {vocab: row[f"{vocab}_fast"] / row[f"{vocab}_slow"] for vocab in pairs}
+                           for name, row in rates.items()},
+        "fast_equals_slow": identical, "greedy_tokens_matched_as_added_tokens": matched,
+        "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "load_before": load_before,
+                 "load_after": load},
     }
     print(f"{'':28s} {'train s':>8s} {'tokens/byte':>12s}")
     print(f"{'Length-MAX (greedy)':28s} {lm_time:8.1f} {lm_tokens / n_held:12.4f}")
     for name, row in bpe_rows.items():
         print(f"{name:28s} {row['train_s']:8.1f} {row['tokens_per_byte']:12.4f}")
-    print(f"Length-MAX uses {100 * result['fewer_tokens_than_bpe_regex']:.1f}% fewer tokens than byte-level BPE, "
-          f"{100 * result['fewer_tokens_than_bpe_noregex']:.1f}% fewer than BPE without the regex split")
-    print(f"throughput MB/s (greedy tokens matched as added tokens: {matched}; identical ids: {identical}, demo "
-          f"{demo_identical}; load average {os.getloadavg()[0]:.1f})")
-    print(f"{'':12s}" + "".join(f"{key:>18s}" for key in tokenizers_by_name))
+    for name, value in result.items():
+        if name.startswith("fewer_tokens_than_"):
+            print(f"Length-MAX uses {100 * value:.1f}% fewer tokens than {name[len('fewer_tokens_than_'):]}")
+    print(f"throughput MB/s (identical ids: {identical}; greedy tokens matched as added tokens: {matched}; load "
+          f"average {load_before[0]:.1f} before, {load[0]:.1f} after)")
+    keys = list(next(iter(rates.values())))
+    print(f"{'':10s}" + "".join(f"{key:>30s}" for key in keys))
     for name, row in rates.items():
-        print(f"{name:12s}" + "".join(f"{row[key]:18.2f}" for key in tokenizers_by_name))
-    print(f"slow encode_ordinary on docs: {ordinary_mb_s:.2f} MB/s")
-    for size, row in variants.items():
-        print(f"{size:5d}-char texts: WordPiece over the whole text {row['wordpiece_MB_s']:.3f} MB/s, shipped "
-              f"{row['shipped_pipeline_MB_s']:.2f} MB/s, identical ids: {row['identical']}")
+        print(f"{name:10s}" + "".join(f"{row[key]:30.2f}" for key in keys))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0

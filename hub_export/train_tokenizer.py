@@ -18,8 +18,8 @@ tokens for candidates worth more than twice their use.  Multi-byte ids follow th
 * Deterministic: same corpus, options and seed give the same vocabulary (ties are broken by the token bytes;
   the seed only chooses which chunks a round reads when `sample_bytes` limits it: chunks are then at most
   `sample_bytes`, and a round whose draw skipped every chunk reads one).
-* No token is part of one character and another (b"d \xe2\x80"): the fast tokenizer's added-token matcher cannot
-  find such a token, so one would put the whole vocab on its slower piece pipeline.
+* No token is part of one character and another (b"d \xe2\x80"), nor text spelled like another token's byte-level
+  key ("Ġthe", "Ã©"): either would put the fast tokenizer on its slower piece pipeline (`needs_the_pieces`).
 * A vocab that falls short of `vocab_size` (too little text read) warns, naming the count and the round that ran dry;
   so does a candidate table too small for the corpus, and a refinement that ends early says so (`notify`).
 * Layout (the released one): ids 0..3 ``<pad> <unk> <bos> <eos>``, byte b at b + 4, multi-byte tokens from
@@ -240,9 +240,9 @@ class CandidateTable:
         """
         import numpy as np
 
-        # Never a token across a character boundary (b"d \xe2\x80"): the fast tokenizer's added-token matcher, what
-        # makes it fast, can only find tokens that are text or lie inside one character.
-        from ..tokenization_spike_fast import crossing_tokens
+        # Never a token that would put the fast tokenizer on its pieces alone (`needs_the_pieces`): one across a
+        # character boundary (b"d \xe2\x80"), or text spelled like another token's byte-level key ("Ġthe").
+        from ..tokenization_spike_fast import needs_the_pieces
 
         order = self.ranked(min_freq)
         chosen: list[tuple[str, int]] = []
@@ -257,7 +257,7 @@ class CandidateTable:
             for piece, value, freq in sorted(found, key=lambda item: (-item[1], item[0])):
                 if piece in exclude or freq < 2 * cover.get(piece, 0):
                     continue
-                if not piece.isascii() and crossing_tokens([piece]):
+                if not piece.isascii() and needs_the_pieces(piece):
                     continue
                 chosen.append((piece, value))
                 if len(chosen) == count:

@@ -45,6 +45,11 @@ def crosses_a_character(token: str) -> bool:
         return any(not 0x80 <= ord(ch) < 0xC0 for ch in token[1:])
 
 
+def matches_text(fast) -> bool:
+    """True when the vocab's greedy tokens are added tokens of the backend (the matcher), False for the pieces alone."""
+    return any(not t.special for t in fast.backend_tokenizer.get_added_tokens_decoder().values())
+
+
 def vocab_with(extra: list[str], drop_crossing: bool = False) -> dict:
     data = build_lengthmax_vocab([DEMO_CORPUS], vocab_size=2176)
     vocab = data["vocab"]
@@ -69,7 +74,7 @@ def make_pair(kind: str):
     else:
         data = vocab_with([t for t in TRICKY if not crosses_a_character(t)] + MATCHED_EXTRA, drop_crossing=True)
     fast = SpikeTokenizerFast(data, model_max_length=1 << 22)
-    assert fast._matches_text == (kind == "matcher")
+    assert matches_text(fast) == (kind == "matcher")
     return SpikeTokenizer(data, model_max_length=1 << 22), fast
 
 
@@ -198,16 +203,54 @@ def test_offsets_fast_and_clear_error_slow(pair):
         slow(text, return_offsets_mapping=True)
 
 
-def test_call_without_offsets_makes_encodings_on_first_read(pair):
-    """A call that returns no offsets encodes with `encode_batch_fast` (no character offsets; about 1.3x the
-    throughput, benchmarks/bench_tokenizer.py). Its `BatchEncoding` equals a call's that asked for offsets, and its
-    `tokenizers.Encoding`s are made on first read, under that call's padding, truncation and special-token
-    settings even after later calls changed them; if tokens were added since, reading them raises."""
+def test_calls_are_the_tokenizer_json_pipeline(pair):
+    """Issue 39 item 15: the class is thin over tokenizer.json: a call's ids and encodings are what `tokenizers`
+    gives for the same texts (a leading "<bos>" aside, which is never doubled), under padding, truncation and
+    split_special_tokens, and the encodings carry real character offsets."""
+    _, fast = pair
+    backend = fast.backend_tokenizer
+    texts = ["The harbour wé中😀", "hi <|im_end|> there", "é" * 30, "", "x<bos>"]
+    for kwargs in ({}, {"padding": True}, {"truncation": True, "max_length": 3}, {"split_special_tokens": True}):
+        enc = fast(texts, **kwargs)
+        backend.encode_special_tokens = kwargs.get("split_special_tokens", False)
+        if "max_length" in kwargs:
+            backend.enable_truncation(3, direction=fast.truncation_side)
+        if kwargs.get("padding"):
+            backend.enable_padding(direction="left", pad_id=0, pad_token="<pad>")
+        want = backend.encode_batch(texts)
+        backend.no_truncation(), backend.no_padding()
+        backend.encode_special_tokens = False
+        assert enc["input_ids"] == [e.ids for e in want] == [e.ids for e in enc.encodings], kwargs
+        assert [e.offsets for e in enc.encodings] == [e.offsets for e in want], kwargs
+    assert fast("é中x").char_to_token(1) == 2 and fast.encode("é中x") == fast("é中x")["input_ids"]
+
+
+class RecordingBackend:
+    """A `tokenizers.Tokenizer` stand-in that records which encode method each call reads."""
+
+    def __init__(self, backend):
+        object.__setattr__(self, "backend", backend)
+        object.__setattr__(self, "used", [])
+
+    def __getattr__(self, name):
+        if name.startswith("encode_batch"):
+            self.used.append(name)
+        return getattr(self.backend, name)
+
+    def __setattr__(self, name, value):
+        setattr(self.backend, name, value)
+
+
+def test_call_without_offsets_makes_encodings_on_first_read(pair, monkeypatch):
+    """A call that returns no offsets encodes with `encode_batch_fast` (character offsets are most of the time,
+    docs/performance.md 10.1), with the ids and arrays of a call that asked for offsets; its `tokenizers.Encoding`s
+    (char_to_token, word_ids, tokens, offsets) are made on first read, under that call's padding, truncation and
+    special-token settings even after later calls changed them; if tokens were added since, reading them raises."""
     import pickle
 
-    import tokenizers
-
-    _, fast = pair
+    slow, fast = pair
+    recorder = RecordingBackend(fast.backend_tokenizer)
+    monkeypatch.setattr(fast, "_tokenizer", recorder)
     texts = ["The harbour wé中😀", "<bos>hi <|im_end|> there", "é" * 30, ""]
     calls = ({}, {"padding": True}, {"padding": "max_length", "max_length": 12, "truncation": True},
              {"truncation": True, "max_length": 3}, {"add_special_tokens": False}, {"split_special_tokens": True},
@@ -216,8 +259,11 @@ def test_call_without_offsets_makes_encodings_on_first_read(pair):
     made = []
     for kwargs in calls:
         for text in (texts, texts[1]):
+            recorder.used.clear()
             lazy = fast(text, **kwargs)
-            assert not lazy.encodings.computed and lazy.is_fast and lazy.n_sequences == 1
+            assert recorder.used == ["encode_batch_fast"] and lazy.is_fast and lazy.n_sequences == 1, kwargs
+            if "return_tensors" not in kwargs:
+                assert lazy["input_ids"] == slow(text, **kwargs)["input_ids"], kwargs
             made.append((text, kwargs, lazy))
     for text, kwargs, lazy in made:  # read after every call above has reset the backend's settings
         full = fast(text, return_offsets_mapping=True, **kwargs)
@@ -227,18 +273,21 @@ def test_call_without_offsets_makes_encodings_on_first_read(pair):
             same = lazy[key] == full[key]
             assert same.all() if hasattr(same, "all") else same, (kwargs, key)
         rows = len(text) if isinstance(text, list) else 1
-        assert len(lazy.encodings) == rows
+        recorder.used.clear()
+        assert len(lazy.encodings) == rows and recorder.used == []
         for i in range(rows):
             got, want = lazy.encodings[i], full.encodings[i]
             assert isinstance(got, tokenizers.Encoding)
             assert (got.ids, got.offsets, got.attention_mask) == (want.ids, want.offsets, want.attention_mask)
             assert lazy.tokens(i) == full.tokens(i) and lazy.word_ids(i) == full.word_ids(i)
-        assert lazy.encodings.computed
+            assert [lazy.char_to_token(i, c) for c in range(3)] == [full.char_to_token(i, c) for c in range(3)]
+        assert recorder.used == ["encode_batch"]  # made once, on the first read
         again = pickle.loads(pickle.dumps(fast(text, **kwargs)))
         assert [e.offsets for e in again.encodings] == [e.offsets for e in full.encodings]
-    assert fast("é中x").char_to_token(1) == 2 and fast.encode("é中x") == fast("é中x")["input_ids"]
-    # the last call's settings are what the backend holds after the reads
-    assert fast.backend_tokenizer.truncation is None and fast.backend_tokenizer.padding is None
+    padded = fast(texts, padding=True, truncation=True, max_length=4)
+    fast(texts)  # reading `padded` leaves the backend as this call set it
+    assert [e.ids for e in padded.encodings] == padded["input_ids"] and len(padded["input_ids"][0]) == 4
+    assert recorder.truncation is None and recorder.padding is None
     own = SpikeTokenizerFast(fast.vocab_data)
     edited, stale = own(["The harbour", "a harbour"]), own(["The harbour"])
     edited["input_ids"][0].append(7)  # the caller's lists are theirs to change
@@ -249,7 +298,8 @@ def test_call_without_offsets_makes_encodings_on_first_read(pair):
 
 
 def test_pretokenized_words(pair):
-    """Issue 10 item 8: ["hello", "world"] with is_split_into_words=True is " hello world", not "helloworld"."""
+    """Issue 10 item 8: ["hello", "world"] with is_split_into_words=True is " hello world", not "helloworld": each word
+    gets a leading space unless it has one (a word "<|im_end|>x" reads " <|im_end|>x")."""
     slow, fast = pair
     words = ["hello", "world", " é", "<|im_end|>x"]
     a, b = slow(words, is_split_into_words=True), fast(words, is_split_into_words=True)
@@ -257,6 +307,7 @@ def test_pretokenized_words(pair):
     assert slow.decode(a["input_ids"], skip_special_tokens=True) == " hello world é x"
     assert slow.decode(slow(["hello", "world"], is_split_into_words=True)["input_ids"][1:]) == " hello world"
     assert b.word_ids()[0] is None and b.word_ids()[1] == 0 and b.word_ids()[-1] == 3
+    assert a["input_ids"][-3:] == slow(" <|im_end|>x", add_special_tokens=False)["input_ids"]
     batch = [["a", "b"], ["c"]]
     assert (slow(batch, is_split_into_words=True, padding=True)["input_ids"]
             == fast(batch, is_split_into_words=True, padding=True)["input_ids"])
@@ -467,10 +518,10 @@ def test_greedy_tokens_are_added_tokens_when_that_is_exact(pair):
     slow, fast = pair
     backend = fast.backend_tokenizer
     matched = {i: t.content for i, t in backend.get_added_tokens_decoder().items() if not t.special}
-    assert bool(matched) == fast._matches_text
+    assert bool(matched) == matches_text(fast)
     assert sorted(fast.added_tokens_decoder) == sorted(i for i, t in backend.get_added_tokens_decoder().items()
                                                        if t.special) and len(fast) == 16512
-    if not fast._matches_text:
+    if not matches_text(fast):
         return
     ids = slow.convert_tokens_to_ids(["\xc3\xa9", "f\xc3\xbcr", "Espa\xc3\xb1a ", "\xe2\x82\xac", "\xe4\xb8", "a"])
     assert [i in matched for i in ids] == [False, True, True, True, False, True]
@@ -483,7 +534,6 @@ def test_greedy_tokens_are_added_tokens_when_that_is_exact(pair):
         vocab[extra] = max(i for i in vocab.values() if i < 16384) + 1
         built = build_backend(normalize_vocab_data({**data, "vocab": vocab}))
         assert not any(not t.special for t in built.get_added_tokens_decoder().values()), extra
-    assert not any(not t.special for t in build_backend(data, match_text=False).get_added_tokens_decoder().values())
     # a matched text spelled like byte-level bytes ("Ã©" = the bytes of "é") is a WordPiece key too: without "é" as
     # a token, the pieces must not find it inside the bytes of "é"
     vocab = {t: i for t, i in data["vocab"].items() if t != "\xc3\xa9"}
@@ -491,7 +541,7 @@ def test_greedy_tokens_are_added_tokens_when_that_is_exact(pair):
     data = normalize_vocab_data({**data, "vocab": vocab})
     slow, fast = SpikeTokenizer(data), SpikeTokenizerFast(data)
     texts = ["é", "Ã©", "éÃ©é", "aé", "é" * 7, "<bos>é"]
-    assert fast._matches_text and fast(texts)["input_ids"] == slow(texts)["input_ids"]
+    assert matches_text(fast) and fast(texts)["input_ids"] == slow(texts)["input_ids"]
 
 
 def text_holding(token: str) -> str | None:
@@ -509,10 +559,10 @@ def text_holding(token: str) -> str | None:
 
 def test_crossing_tokens_stay_exact_inside_the_tokenizers_pipeline(pieces_pair):
     """A vocab with tokens across a character boundary (the demo model's b"d \xe2\x80") keeps the pieces pipeline in
-    its tokenizer.json, and the fast class uses it as is (no Python-side routing): the slow ids on rows that hold
+    its tokenizer.json, and the fast class uses it as is (no crossing-token routing): the slow ids on rows that hold
     such tokens and rows that do not, with padding, truncation, tensors and offsets, and with tokens added."""
     slow, fast = pieces_pair
-    assert not fast._matches_text
+    assert not matches_text(fast)
     crossing = [t for t in slow.greedy_vocab if crosses_a_character(t)]
     hold = [t for t in map(text_holding, crossing) if t is not None]
     assert "\xe4\xb8\xad\xe6" in crossing and len(hold) >= 3
@@ -547,7 +597,7 @@ def test_crossing_vocabulary_of_a_real_corpus_keeps_its_ids():
     folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "jargon-vocab")
     data = load_vocab_file(os.path.join(folder, "spike_vocab.json"))
     slow, fast = SpikeTokenizer(data), SpikeTokenizerFast(data)
-    assert not fast._matches_text
+    assert not matches_text(fast)
     assert sorted(t.encode("latin-1") for t in slow.greedy_vocab if crosses_a_character(t)) == [b"d \xe2\x80",
                                                                                                  b"or \xe2\x80"]
     with open(os.path.join(folder, "jargon-heldout.txt"), encoding="utf-8") as handle:
@@ -735,7 +785,31 @@ def test_trainer_never_takes_a_token_across_a_character_boundary():
     greedy = [t for t, i in data["vocab"].items() if 260 <= i < 16384]
     assert greedy and not [t for t in greedy if crosses_a_character(t)]
     assert any("\xe2\x80" in t and len(t) > 3 for t in greedy)  # the quotes are still learned, as whole characters
-    assert SpikeTokenizerFast(data)._matches_text
+    assert matches_text(SpikeTokenizerFast(data))
+
+
+def test_trainer_never_takes_text_spelled_like_another_tokens_key():
+    """Issue 39 item 15: text spelled in the byte alphabet ("Ġthe", "Ã©", in a corpus quoting byte-level vocabs) is
+    the byte-level key of another token (" the", "é"); such a token put the whole vocab on the slower piece pipeline.
+    The trainer no longer takes one (`needs_the_pieces`), so the vocab gets the matcher; a vocab that holds one still
+    gets the exact pieces."""
+    from spike_whale.tokenization_spike_fast import needs_the_pieces
+
+    rng = random.Random(0)
+    words = ["\u0120the", " the", "\u00c3\u00a9", "\u00e9", "\u0120of", " of"]
+    text = "".join(rng.choice(words) + rng.choice("0123456789,;:!?") for _ in range(3000))
+    data = build_lengthmax_vocab([text], vocab_size=600, rounds=3)
+    greedy = [t for t, i in data["vocab"].items() if 260 <= i < 16384]
+    assert not [t for t in greedy if needs_the_pieces(t)] and any("\xc4\xa0" in t for t in greedy)
+    slow, fast = SpikeTokenizer(data), SpikeTokenizerFast(data)
+    assert matches_text(fast) and fast(text)["input_ids"] == slow(text)["input_ids"]
+    cases = ("\xc4\xa0the", "\xc3\x83\xc2\xa9", "f\xc3\xbcr", "d \xe2\x80", "\xe2\x80")
+    assert [needs_the_pieces(t) for t in cases] == [True, True, False, True, False]
+    vocab = dict(data["vocab"])
+    vocab["\xc4\xa0the"] = max(i for i in vocab.values() if i < 16384) + 1
+    data = normalize_vocab_data({**data, "vocab": vocab})
+    slow, fast = SpikeTokenizer(data), SpikeTokenizerFast(data)
+    assert not matches_text(fast) and fast(text)["input_ids"] == slow(text)["input_ids"]
 
 
 def test_demo_tokenizer_is_trained_by_the_trainer():
