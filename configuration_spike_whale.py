@@ -107,18 +107,11 @@ _PRESET_BYRNE_100M = dict(
     use_memory_cache=True,
 )
 
-# Byrne-15M-Looped, the small looped sibling (its own repo; the 114M card lists its knobs).
-#
-# Stated by the card: 10 layers, loop_count 3 (effective depth 30), MoE with 4 routed + 1 shared experts, top-2,
-# expert width 160; 8 heads / 1 KV head, head_dim 64 = 32 RoPE + 32 no-RoPE dims; fractal RoPE gamma 1; Elo
-# attention; Engram table 1024; HRM with 3 steps and deep supervision; abstain head; XSA; Hyper-Connections;
-# no Memory Cache; ~15.2M active / ~18.9M total parameters.
-# Inferred: hidden_size 384 and tied embeddings (config.py: "at 15M tying was mandatory (embed was 42% of the
-# budget)": 16512 x 384 = 6.34M = 42% of 15.2M; the 3.7M total-minus-active gap = 2 idle experts x 3 x 384 x
-# 160 x 10 layers confirms it). q/o LoRA ranks 64, Engram 2 heads x compress 32, HRM width 256 (the config.py
-# default), 1 MTP head, context 1024, QK-norm on, loop pass embeddings on, num_hash_layers 2 (the config.py
-# default), depth attention off (ported later, for the 114M) - all [U] choices, giving 18.76M total /
-# 15.07M active; the ~0.14M left to the card's figures is not resolved (ranks 72 would close it).
+# Byrne-15M-Looped, the small looped sibling. Stated by the 114M card: 10 layers looped 3 times, MoE 4 routed + 1
+# shared experts of width 160 (top-2), 8 heads / 1 KV head of 64 = 32 RoPE + 32, Elo attention, Engram table 1024,
+# HRM 3 steps, abstain head, no Memory Cache, ~15.2M active / ~18.9M total. Inferred: hidden 384 with tied embeddings
+# (config.py: tying was mandatory at 15M, the embedding being 42% of the budget); the ranks, Engram and HRM widths
+# and the switches not stated are [U] choices (18.76M total / 15.07M active).
 _PRESET_BYRNE_15M_LOOPED = dict(
     _PRESET_BYRNE_100M,
     hidden_size=384,
@@ -253,22 +246,11 @@ def registered_tp_styles() -> set[str]:
 class SpikeWhaleConfig(PretrainedConfig):
     r"""Configuration of a SpikeWhale v2 (Byrne) looped decoder.
 
-    Field names and defaults are those of the family's `config.py`; see `PRESETS` (and
-    `SpikeWhaleConfig.from_preset`) for the released Byrne-100M-Ultra-MC checkpoints and the
-    Byrne-15M-Looped sibling. Every field changes the model the way its `config.py` comment says; a
-    combination that cannot work raises `ValueError` here, naming the fields (see `validate_spike_whale`).
-
-    Fields whose role is a design choice of this port (the sources only name them):
-
-    - `hc_sinkhorn_iters` / `hc_eps`: NanoWhale's Sinkhorn projection of a dynamic m×m residual matrix. The
-      Byrne Hyper-Connections are the static 2×[m]-per-layer variant (exact parameter solve, architecture.md
-      §4.3/§11), which has no matrix to project, so only the defaults (20, 1e-6) are accepted; any other value
-      raises instead of being ignored.
-    - `use_elo` with `use_derf`: Elo takes precedence (the comment's rule); DERF parameters are then not built
-      and a warning says so.
-    - `hidden_dropout`: dropout on each attention / FFN sub-layer output before it enters the residual
-      streams (training only).
-    - `loop_middle_layers` is ignored unless `loop_mode="middle_split"` (as its comment says).
+    Field names and defaults are those of the family's `config.py` (`PRESETS`, `from_preset`: the released
+    checkpoints and the 15M sibling). A combination that cannot work raises `ValueError` naming the fields. Port
+    choices: `hc_sinkhorn_iters`/`hc_eps` parameterise a Sinkhorn projection the static Byrne Hyper-Connections do not
+    have, so only their defaults are accepted; Elo takes precedence over DERF; `hidden_dropout` drops each sub-layer
+    output before the residual streams (training only).
     """
 
     model_type = "spike_whale"
@@ -416,30 +398,20 @@ class SpikeWhaleConfig(PretrainedConfig):
 
         self.validate_numbers()
         if self.use_hrm_refine and self.hrm_gate_init == 0.0:
-            fail(
-                "hrm_gate_init=0 with the zero-init `up` projection makes every parameter of the HRM "
-                "refinement block permanently untrainable (its gradient is exactly 0). Use a non-zero "
-                "`hrm_gate_init` (the released value is 1.0) or set use_hrm_refine=False (and "
-                "hrm_deep_supervision=False)."
-            )
+            fail("hrm_gate_init=0 with the zero-init `up` projection leaves the HRM block untrainable (zero gradient). "
+                 "Use a non-zero hrm_gate_init (released: 1.0) or use_hrm_refine=False and hrm_deep_supervision=False.")
         if self.num_attention_heads % self.num_key_value_heads:
-            fail(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})."
-            )
+            fail(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                 f"({self.num_key_value_heads}).")
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim >= self.head_dim:
-            fail(
-                f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even, at least 2 and smaller than head_dim "
-                f"({self.head_dim}); it is the rotated slice at the end of each head."
-            )
+            fail(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even, at least 2 and smaller than head_dim "
+                 f"({self.head_dim}); it is the rotated slice at the end of each head.")
         if self.loop_mode not in ("full", "middle_split"):
             fail(f"loop_mode must be 'full' or 'middle_split', got {self.loop_mode!r}.")
         m = self.loop_middle_layers
         if m is not None and (m > self.num_hidden_layers or self.num_hidden_layers % m):
-            fail(
-                f"loop_middle_layers ({m!r}) must divide num_hidden_layers ({self.num_hidden_layers}); "
-                "use None for num_hidden_layers // 2."
-            )
+            fail(f"loop_middle_layers ({m!r}) must divide num_hidden_layers ({self.num_hidden_layers}); use None for "
+                 "num_hidden_layers // 2.")
         if self.engram_fusion_layers and not self.use_engram:
             fail(f"engram_fusion_layers={self.engram_fusion_layers} needs use_engram=True.")
         layer_index = _Range(True, 0, self.num_hidden_layers, excluded="hi")
@@ -453,36 +425,23 @@ class SpikeWhaleConfig(PretrainedConfig):
         if self.scoring_func not in ("sqrtsoftplus", "softmax"):
             fail(f"scoring_func must be 'sqrtsoftplus' or 'softmax', got {self.scoring_func!r}.")
         if self.use_moe and not self.num_experts_per_tok <= self.n_routed_experts:
-            fail(
-                f"num_experts_per_tok ({self.num_experts_per_tok}) must lie in [1, n_routed_experts="
-                f"{self.n_routed_experts}]."
-            )
+            fail(f"num_experts_per_tok ({self.num_experts_per_tok}) must lie in [1, n_routed_experts="
+                 f"{self.n_routed_experts}].")
         if self.use_moe and not self.moe_layers:
             fail("use_moe=True but moe_layers is empty: list the MoE layers, or set use_moe=False.")
         if (self.hc_sinkhorn_iters, float(self.hc_eps)) != (20, 1e-6):
-            fail(
-                f"hc_sinkhorn_iters={self.hc_sinkhorn_iters!r} / hc_eps={self.hc_eps!r}: only the defaults (20, 1e-6) "
-                "are accepted. They parameterise NanoWhale's Sinkhorn projection of a dynamic m x m residual "
-                "matrix; the Byrne Hyper-Connections this port implements are the static 2 x [hc_mult] variant "
-                "(fixed by the released parameter count), which has no matrix to project, so another value "
-                "would be silently ignored."
-            )
+            fail(f"hc_sinkhorn_iters={self.hc_sinkhorn_iters!r} / hc_eps={self.hc_eps!r}: only the defaults (20, 1e-6) "
+                 "are accepted; the static Byrne Hyper-Connections have no Sinkhorn projection to apply them to.")
         if self.use_elo and self.use_derf:
-            logger.warning(
-                "SpikeWhaleConfig: use_elo=True and use_derf=True - Elo attention takes precedence over DERF "
-                "(config.py rule), so the DERF parameters are not built and DERF is not applied."
-            )
+            logger.warning("SpikeWhaleConfig: use_elo=True and use_derf=True - Elo attention takes precedence "
+                           "(config.py rule): the DERF parameters are not built and DERF is not applied.")
         if self.use_engram and 1.0 + math.erf(self.engram_gate_init_bias) < 2.0**-25:  # erf rounds to -1 in float32
-            fail(
-                f"engram_gate_init_bias={self.engram_gate_init_bias}: erf() of it rounds to -1 in float32, so "
-                "the Engram DERF gate is a hard zero and the gate, its parameters and the n-gram tables get "
-                "exactly zero gradient forever. Keep it >= about -2.5 (the released value is -1.0)."
-            )
+            fail(f"engram_gate_init_bias={self.engram_gate_init_bias}: erf() of it rounds to -1 in float32, so the "
+                 "Engram gate is a hard zero and it and the n-gram tables never train. Keep it >= about -2.5 "
+                 "(released: -1.0).")
         if self.hrm_deep_supervision and not self.use_hrm_refine:
-            fail(
-                "hrm_deep_supervision=True requires use_hrm_refine=True (it supervises the refinement steps); "
-                "set hrm_deep_supervision=False as well when turning use_hrm_refine off."
-            )
+            fail("hrm_deep_supervision=True requires use_hrm_refine=True (it supervises the refinement steps); set "
+                 "hrm_deep_supervision=False as well when turning use_hrm_refine off.")
 
     @property
     def loop_plan(self) -> LoopPlan:
@@ -490,20 +449,11 @@ class SpikeWhaleConfig(PretrainedConfig):
 
     @property
     def base_model_tp_plan(self) -> dict[str, str]:
-        """transformers' tensor-parallel plan (`DistributedConfig(tp_size=N)`, or `tp_plan="auto"` before
-        DistributedConfig had tp_size), naming only the modules this config builds (transformers warns about a rule
-        that matches nothing) and only styles the installed transformers registers. The K/V heads must divide by
-        the TP size.
-
-        Split: attention heads (q up-projection, K, V column-wise, the heads→rank output projection o_a row-wise;
-        DERF/Elo per-head parameters go with their heads, which needs the `local_params` style of transformers
-        5.24: before it such attention stays whole), SwiGLU FFNs and MoE experts, the Engram tables (by bucket
-        row, from 5.18) and gate, the HRM projections. Replicated: the low-rank q/o latents (q_a is normed over its
-        full width), norms, HC and gate scalars, the MoE router, the Memory-Cache branch (qkv_proj packs q, k, v
-        into one matrix, which no registered style splits three ways) and Engram fusion (its gate sums over the
-        whole fusion width). There is no pipeline plan: every loop pass re-enters the first layers, which
-        transformers' one-way stage schedule cannot run.
-        """
+        """transformers' tensor-parallel plan, naming only modules this config builds and styles the installed
+        transformers registers. Split: attention heads (with their DERF/Elo parameters, from `local_params`), FFNs and
+        experts, Engram tables and gate, HRM. Replicated: the low-rank latents (normed over their full width), norms,
+        scalars, the router, the Memory-Cache branch (its packed qkv has no three-way style) and Engram fusion. No
+        pipeline plan: every loop pass re-enters the first layers."""
         styles = registered_tp_styles()
         plan = {}
         per_head = ("elo_gain", "elo_k") if self.use_elo else ()
@@ -538,9 +488,7 @@ class SpikeWhaleConfig(PretrainedConfig):
 
     @base_model_tp_plan.setter
     def base_model_tp_plan(self, plan: dict[str, str] | None) -> None:
-        """transformers 5.15-5.20's `__post_init__` assigns the plan with a rule added for a tied input embedding. The
-        assigned rules the computed plan lacks (or styles differently) are kept on top of it, which goes on following
-        the fields; they are stored under the plan's own name, a key transformers never writes to config.json."""
+        """transformers 5.15-5.20's `__post_init__` assigns the plan: rules the computed plan lacks are kept on top."""
         self.__dict__.pop("base_model_tp_plan", None)
         computed = self.base_model_tp_plan
         self.__dict__["base_model_tp_plan"] = {k: v for k, v in (plan or {}).items() if computed.get(k) != v}
@@ -552,11 +500,7 @@ class SpikeWhaleConfig(PretrainedConfig):
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "SpikeWhaleConfig":
-        """Build a config from a named preset (`PRESETS`), with field overrides.
-
-        "byrne-15m-looped" reconstructs the Byrne-15M-Looped sibling from its card; which of its fields are
-        stated and which are inferred is written next to `_PRESET_BYRNE_15M_LOOPED`.
-        """
+        """A config from a named preset (`PRESETS`), with field overrides."""
         if name not in PRESETS:
             raise ValueError(f"Unknown SpikeWhale preset {name!r}; choose one of {sorted(PRESETS)}.")
         return cls(**{**PRESETS[name], **overrides})
