@@ -2066,10 +2066,6 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             self.config.auto_map = auto_map
         return super().save_pretrained(save_directory, *args, **kwargs)
 
-    def optimizer_param_groups(self, lr: float, **kwargs) -> list[dict]:
-        """The "three-tier optimizer" parameter groups; see `three_tier_param_groups`."""
-        return three_tier_param_groups(self, lr, **kwargs)
-
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
@@ -2327,48 +2323,6 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             moe_aux_loss=moe_aux_loss, last_hidden_state=h,
             **self._abstain_fields(h),
         )
-
-
-# Parameters of the "embedding / table" tier of `three_tier_param_groups`.
-_EMBEDDING_TIER = re.compile(r"(^|\.)(embed_tokens|engram\.lookup\.tables\.\d+|loop_pass_embed)\.weight$")
-
-
-def three_tier_param_groups(
-    model: nn.Module,
-    lr: float,
-    embedding_lr_scale: float = 0.1,
-    weight_decay: float = 0.1,
-) -> list[dict]:
-    """The seed's "three-tier optimizer" as `torch.optim` parameter groups (e.g. `AdamW(groups)`).
-
-    1. "embedding": the token embedding (= the tied lm_head), the Engram n-gram tables and the loop-pass
-       embeddings, at `lr * embedding_lr_scale` and no weight decay — they are lookup tables whose rows
-       see few updates each, so they train at a lower LR (the seed: "embed/table params trained at lower LR").
-    2. "matrix": every other parameter with 2+ dims (projections, experts, heads) at `lr` with `weight_decay`.
-    3. "scalar": vectors and scalars (norm weights, biases, gates, DERF/Elo/HC parameters) at `lr`, no decay.
-
-    The frozen Engram compressor (and anything else with requires_grad=False) is left out, so it stays frozen
-    whatever the optimizer does; tied parameters appear once. The 0.1 LR scale and the decay split are this
-    port's defaults [U]: the seed names the tiers' purpose, not their numbers.
-    """
-    groups = {"embedding": [], "matrix": [], "scalar": []}
-    seen = set()
-    for name, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        if _EMBEDDING_TIER.search(name) or name.endswith("lm_head.weight"):
-            groups["embedding"].append(p)
-        elif p.dim() >= 2:
-            groups["matrix"].append(p)
-        else:
-            groups["scalar"].append(p)
-    settings = {
-        "embedding": dict(lr=lr * embedding_lr_scale, weight_decay=0.0),
-        "matrix": dict(lr=lr, weight_decay=weight_decay),
-        "scalar": dict(lr=lr, weight_decay=0.0),
-    }
-    return [dict(params=ps, name=tier, **settings[tier]) for tier, ps in groups.items() if ps]
 
 
 SpikeWhaleLM = SpikeWhaleForCausalLM
