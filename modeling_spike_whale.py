@@ -78,64 +78,6 @@ def force_accelerate_hooks(child_module_names: list[str]):
 # Released checkpoint name (regex) -> our name. Empty until a real Byrne header is read (blueprint §14).
 CHECKPOINT_KEY_RENAMES: dict[str, str] = {}
 
-# Our names for tensors whose released names the blueprint could not see ([U] in architecture.md §2.2).
-GUESSED_KEYS: tuple[str, ...] = (
-    r"model\.layers\.\d+\.hc_(attn|ffn)\.(pre_logits|post_scale)",
-    r"model\.hc_out_mix\.mix_logits",
-    r"model\.engram\.gate\.(proj\.weight|proj\.bias|alpha|beta|gamma)",
-    r"model\.engram\.lookup\.hash_proj_n\d+_p\d+",
-    r"model\.loop_pass_embed\.weight",
-    r"model\.layers\.\d+\.attn\.depth_gate",
-    r"model\.layers\.\d+\.attn\.mc\.(qkv_proj\.(weight|bias)|o_proj\.(weight|bias)|gate_proj\.weight|gate_bias|feature_scale|mc_gate)",
-    # Mechanisms off in the 114M checkpoints (MoE, Elo, value embeddings, Engram fusion, abstain head).
-    r"model\.layers\.\d+\.ffn\.(gate\.weight|experts\.\d+\.(gate|up|down)_proj\.weight|shared_experts\.(gate|up|down)_proj\.weight)",
-    r"model\.layers\.\d+\.attn\.(elo_gain|elo_k)",
-    r"model\.layers\.\d+\.engram_fusion\.(norm\.weight|q_proj\.weight|k_proj\.weight|o_proj\.weight)",
-    r"abstain_head\.(weight|bias)",
-)
-
-
-def rename_checkpoint_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Apply `CHECKPOINT_KEY_RENAMES` to a released state dict (identity while the table is empty)."""
-    out = {}
-    for key, value in state_dict.items():
-        for pattern, repl in CHECKPOINT_KEY_RENAMES.items():
-            key = re.sub(pattern, repl, key)
-        out[key] = value
-    return out
-
-
-def checkpoint_key_report(checkpoint_shapes: dict, model_shapes: dict) -> dict:
-    """How a checkpoint's names ({name: shape or None}) meet the model's ({name: shape}), so that a real header that
-    differs from our guesses gets a useful report instead of a bare "missing keys" list: `matched`, `unexpected`
-    (no place in the model), `missing` (absent; `guessed` are those `GUESSED_KEYS` names), for each unexpected tensor
-    the missing ones of the same shape (`candidates`), the unambiguous renames (`rename_map`), and the text `lines`."""
-    unexpected = sorted(set(checkpoint_shapes) - set(model_shapes))
-    missing = sorted(set(model_shapes) - set(checkpoint_shapes))
-    guessed = [k for k in missing if any(re.fullmatch(p, k) for p in GUESSED_KEYS)]
-    candidates = {k: [m for m in missing if checkpoint_shapes[k] is not None
-                      and tuple(model_shapes[m]) == tuple(checkpoint_shapes[k])] for k in unexpected}
-    claims: dict[str, int] = {}
-    for options in candidates.values():
-        for m in options:
-            claims[m] = claims.get(m, 0) + 1
-    rename_map = {k: c[0] for k, c in candidates.items() if len(c) == 1 and claims[c[0]] == 1}
-    matched = len(set(checkpoint_shapes) & set(model_shapes))
-    lines = [f"checkpoint names vs the model: {matched} of {len(model_shapes)} model tensors matched, "
-             f"{len(unexpected)} checkpoint tensors unplaceable, {len(missing)} model tensors absent "
-             f"({len(guessed)} of them guessed names, GUESSED_KEYS in modeling_spike_whale.py)"]
-    lines += [f"  absent: {k}{'  (guessed name)' if k in guessed else ''}" for k in missing]
-    for k in unexpected:
-        options = candidates[k]
-        lines.append(f"  unplaceable: {k} -> same-shape candidates: {', '.join(options[:6]) or 'none'}"
-                     f"{' ...' if len(options) > 6 else ''}")
-    if rename_map:
-        lines.append(f"  a rename map for these (spike-whale convert --rename-map, or CHECKPOINT_KEY_RENAMES): "
-                     f"'{json.dumps(rename_map)}'")
-    return {"matched": matched, "expected": len(model_shapes), "unexpected": unexpected, "missing": missing,
-            "guessed": guessed, "candidates": candidates, "rename_map": rename_map, "lines": lines}
-
-
 def _stored_shapes(folder: str) -> dict[str, tuple]:
     """Every tensor's shape from the safetensors header(s) in a local model folder (read without the tensors)."""
     shapes = {}
@@ -1505,10 +1447,8 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, with `CHECKPOINT_KEY_RENAMES` applied to the file's names (transformers'
-        `key_mapping`) once a released header has filled the table (a caller's own `key_mapping` wins), and, when
-        names still differ, `checkpoint_key_report` logged: which expected names are guesses, and for each unplaceable
-        tensor the absent ones of the same shape."""
+        """`PreTrainedModel.from_pretrained`, with `CHECKPOINT_KEY_RENAMES` as its `key_mapping` (a caller's own wins)
+        and a config far larger than the local weights refused before anything is built."""
         if CHECKPOINT_KEY_RENAMES and kwargs.get("key_mapping") is None:
             kwargs["key_mapping"] = dict(CHECKPOINT_KEY_RENAMES)
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
@@ -1516,16 +1456,7 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
             if source is not None else None
         if folder is not None and os.path.isdir(folder) and (shapes := _stored_shapes(folder)):
             cls._check_config_fits(folder, kwargs, shapes)
-        want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        missing, unexpected = set(info.get("missing_keys") or ()), set(info.get("unexpected_keys") or ())
-        if missing or unexpected:
-            model_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-            checkpoint = {k: shape for k, shape in model_shapes.items() if k not in missing}
-            stored = _stored_shapes(model.config._name_or_path) if os.path.isdir(model.config._name_or_path) else {}
-            checkpoint.update({k: stored.get(k) for k in unexpected})
-            logger.warning("\n".join(checkpoint_key_report(checkpoint, model_shapes)["lines"]))
-        return (model, info) if want_info else model
+        return super().from_pretrained(*args, **kwargs)
 
     @classmethod
     def _check_config_fits(cls, folder: str, kwargs: dict, shapes: dict[str, tuple]) -> None:
