@@ -74,6 +74,7 @@ def force_accelerate_hooks(child_module_names: list[str]):
 # Released checkpoint name (regex) -> our name, applied at load; empty until a real Byrne header is read.
 CHECKPOINT_KEY_RENAMES: dict[str, str] = {}
 
+
 def _stored_shapes(folder: str) -> dict[str, tuple]:
     """Every tensor's shape from the safetensors headers in a local folder (no tensor is read)."""
     shapes = {}
@@ -636,6 +637,8 @@ class MultiHeadHashLookup(KeepsFloat32):
         self.n_bits = max(1, math.ceil(math.log2(self.table_size)))
         eh, cd = config.engram_num_heads, config.engram_compress_dim
         self.tables = nn.ModuleList(nn.Embedding(self.table_size, config.hidden_size) for _ in range(eh))
+        for table in self.tables:
+            table._spike_init_std = 0.01
         shape = (eh, cd) if self.legacy else (eh, self.n_bits, cd)
         for n in range(1, self.max_ngram + 1):
             for k in range(n):
@@ -949,7 +952,7 @@ class SpikeWhaleAttention(nn.Module):
         return y.transpose(1, 2), weights
 
     def _project(self, u: torch.Tensor, ctx: ForwardContext, proj: tuple):
-        """q [B, nh, S, hd], k, v [B, kvh, S, hd] from the (q_a, k, v) projections: low-rank Q, QK-norm, partial RoPE."""
+        """q [B, nh, S, hd], k, v [B, kvh, S, hd] from (q_a, k, v) projections: low-rank Q, QK-norm, partial RoPE."""
         B, S, _ = u.shape
         q_lat, k, v = proj
         # -1 heads: under tensor parallelism a rank holds its share of them.
@@ -1062,9 +1065,7 @@ class SpikeWhaleMoE(nn.Module):
         self.gate = nn.Linear(config.hidden_size, self.n_experts, bias=False)
         self.experts = nn.ModuleList(SpikeWhaleMLP(config) for _ in range(self.n_experts))
         n_shared = config.n_shared_experts
-        self.shared_experts = (
-            SpikeWhaleMLP(config, width=n_shared * config.moe_intermediate_size) if n_shared else None
-        )
+        self.shared_experts = SpikeWhaleMLP(config, n_shared * config.moe_intermediate_size) if n_shared else None
 
     def route(self, x: torch.Tensor, token_ids: torch.Tensor | None):
         """x [N, H] → (expert ids [N, k], weights [N, k] (float32), scores [N, E] (float32))."""
@@ -1099,13 +1100,10 @@ class SpikeWhaleMoE(nn.Module):
         """u [B, S, H] → (output [B, S, H], load-balance loss or None)."""
         B, S, H = u.shape
         flat = u.reshape(B * S, H)
-        if ctx is not None:
-            real = ctx.valid.to(u.device).reshape(-1).nonzero().squeeze(1)
-        else:
-            real = torch.arange(B * S, device=u.device)
-        token_ids = None
-        if ctx is not None and ctx.token_ids is not None:
-            token_ids = ctx.token_ids.to(u.device).reshape(-1)[real]
+        real = (ctx.valid.to(u.device).reshape(-1).nonzero().squeeze(1) if ctx is not None
+                else torch.arange(B * S, device=u.device))
+        ids = ctx.token_ids if ctx is not None else None
+        token_ids = ids.to(u.device).reshape(-1)[real] if ids is not None else None
         x = flat[real]
         idx, w, scores = self.route(x, token_ids)
         y = self.dispatch(x, idx, w)
@@ -1283,6 +1281,7 @@ class HRMRefinement(nn.Module):
         self.norm = SpikeWhaleRMSNorm(H, config.rms_norm_eps)
         self.down = nn.Linear(2 * H, D, bias=False)
         self.up = nn.Linear(D, H, bias=False)
+        self.up._spike_zero_init = True
         self.gate = nn.Parameter(torch.full((config.hrm_refine_steps,), float(config.hrm_gate_init)))
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -1300,6 +1299,7 @@ class MTPHead(nn.Module):
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__()
         self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.proj._spike_zero_init = True
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.proj(h)
@@ -1309,7 +1309,6 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
     config_class = SpikeWhaleConfig
     config: SpikeWhaleConfig
     base_model_prefix = "model"
-    main_input_name = "input_ids"
     supports_gradient_checkpointing = True
     _no_split_modules = ["SpikeWhaleDecoderLayer", "MTPHead"]
     _skip_keys_device_placement = ["cache", "past_key_values"]
@@ -1372,52 +1371,27 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            zero = getattr(module, "_spike_zero_init", False)
-            (init.zeros_ if zero else init.normal_)(module.weight, **({} if zero else {"mean": 0.0, "std": std}))
-            if module.bias is not None:
-                init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding) and getattr(module, "_spike_zero_init", False):
+        """transformers' normal(initializer_range) Linear/Embedding and unit norms, except the `_spike_zero_init`
+        modules and `_spike_init_std` tables; every other parameter gets its constructor's value."""
+        cfg = self.config
+        if getattr(module, "_spike_zero_init", False):
             init.zeros_(module.weight)
-        elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, mean=0.0, std=getattr(module, "_spike_init_std", std))
-        elif isinstance(module, SpikeWhaleRMSNorm):
-            init.ones_(module.weight)
+        elif isinstance(module, nn.Embedding) and hasattr(module, "_spike_init_std"):
+            init.normal_(module.weight, mean=0.0, std=module._spike_init_std)
         elif isinstance(module, SpikeWhaleRotaryEmbedding):
-            for buf, value in zip((module.inv_freq, module.cos_cache, module.sin_cache), module.compute()):
-                init.copy_(buf, value)
+            module.reset_caches()
         elif isinstance(module, MultiHeadHashLookup):
             for _, _, buf in module.projections():
                 w = torch.randn(buf.shape, dtype=torch.float32)
                 init.copy_(buf, w / w.norm(dim=-1, keepdim=True))
-        elif isinstance(module, DERFContextGate):
-            init.ones_(module.alpha)
-            init.constant_(module.beta, self.config.engram_gate_init_bias)
-            init.ones_(module.gamma)
-        elif isinstance(module, HyperConnection):
-            init.zeros_(module.pre_logits)
-            init.ones_(module.post_scale)
-        elif isinstance(module, HCOutputMix):
-            init.zeros_(module.mix_logits)
-        elif isinstance(module, HRMRefinement):
-            init.constant_(module.gate, float(self.config.hrm_gate_init))
-        elif isinstance(module, SpikeWhaleAttention):
-            if module.depth_gate is not None:
-                init.zeros_(module.depth_gate)
-            if module.attn_kind == "derf":
-                init.ones_(module.derf_alpha)
-                init.zeros_(module.derf_bias)
-                init.ones_(module.derf_gamma)
-            elif module.attn_kind == "elo":
-                init.zeros_(module.elo_gain)
-                init.constant_(module.elo_k, float(self.config.elo_k_init))
-        elif isinstance(module, SpikeWhaleDecoderLayer) and module.ve_gate is not None:
-            init.zeros_(module.ve_gate)
-        elif isinstance(module, MemoryCacheBranch):
-            init.zeros_(module.gate_bias)
-            init.ones_(module.feature_scale)
-            init.zeros_(module.mc_gate)
+        elif isinstance(module, (nn.Linear, nn.Embedding, SpikeWhaleRMSNorm)):
+            super()._init_weights(module)
+        fills = dict(alpha=1, beta=cfg.engram_gate_init_bias, gamma=1, pre_logits=0, post_scale=1, mix_logits=0,
+                     gate=cfg.hrm_gate_init, depth_gate=0, derf_alpha=1, derf_bias=0, derf_gamma=1, elo_gain=0,
+                     elo_k=cfg.elo_k_init, ve_gate=0, gate_bias=0, feature_scale=1, mc_gate=0)
+        for name, param in module.named_parameters(recurse=False):
+            if name in fills:
+                init.constant_(param, float(fills[name]))
 
 
 @dataclass
@@ -1449,11 +1423,6 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         self.gradient_checkpointing = False
         self._compiled_run = None  # `walk_run` compiled for decode steps, set by compile_decode()
         self._compiled_for: tuple[torch.dtype, torch.device] | None = None
-        if self.engram is not None:
-            for table in self.engram.lookup.tables:
-                table._spike_init_std = 0.01
-        if self.hrm_refine is not None:
-            self.hrm_refine.up._spike_zero_init = True
         if self.loop_pass_embed is not None:
             self.loop_pass_embed._spike_zero_init = True
         self.post_init()
@@ -1609,7 +1578,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
     def _run_slots(self, X, token_embed, engram_r, ctx: ForwardContext, cache: SpikeWhaleCache | None,
                    hidden_states: list | None, attentions: list | None):
         """Every run of the loop plan through `walk_run` (compiled for decode steps), each slot's update stored in the
-        cache. Returns (X, MoE losses); appends each slot's read-out streams and attention weights to the lists given."""
+        cache. Returns (X, MoE losses); appends each slot's read-out streams and attention weights to the lists."""
         aux_terms = []
         end = ctx.past + X.shape[-2]
         compiled = self._compiled_run is not None and self._decode_step_compiles(ctx, cache)
@@ -1755,10 +1724,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                     "non-empty cache: packed rows are supported as DataCollatorWithFlattening writes them, with "
                     "position_ids only. Drop the attention_mask, or pad the sequences into separate rows."
                 )
-        if use_cache and cache is None:
-            cache = SpikeWhaleCache(cfg)
-        if not use_cache:
-            cache = None
+        cache = (cache if cache is not None else SpikeWhaleCache(cfg)) if use_cache else None
         ctx = self._context(B, S, device, attention_mask, position_ids, cache, static)
         ctx.token_ids, ctx.need_weights, ctx.keep_streams = input_ids, bool(output_attentions), bool(output_hidden_states)
         if eager_weights:
@@ -1834,8 +1800,6 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         self.model = SpikeWhaleModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp_heads = nn.ModuleList(MTPHead(config) for _ in range(config.num_nextn_predict_layers))
-        for head in self.mtp_heads:
-            head.proj._spike_zero_init = True
         self.abstain_head = nn.Linear(config.hidden_size, 1, bias=True) if config.use_abstain_head else None
         self.post_init()
 
