@@ -75,15 +75,6 @@ def force_accelerate_hooks(child_module_names: list[str]):
 CHECKPOINT_KEY_RENAMES: dict[str, str] = {}
 
 
-def _stored_shapes(folder: str) -> dict[str, tuple]:
-    """Every tensor's shape from the safetensors headers in a local folder (no tensor is read)."""
-    shapes = {}
-    for path in sorted(glob.glob(os.path.join(str(folder), "*.safetensors"))):
-        with safe_open(path, "pt") as handle:
-            shapes.update({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
-    return shapes
-
-
 # Config field -> (checkpoint name regex, dimension or None: count the distinct numbers, the flag that builds it).
 SIZE_FIELDS: dict[str, tuple[str, int | None, str | None]] = {
     "num_hidden_layers": (r"model\.layers\.(\d+)\.", None, None),
@@ -100,28 +91,50 @@ SIZE_FIELDS: dict[str, tuple[str, int | None, str | None]] = {
     "engram_table_size": (r"model\.engram\.lookup\.tables\.\d+\.weight", 0, "use_engram"),
     "hrm_refine_dim": (r"model\.hrm_refine\.down\.weight", 0, "use_hrm_refine"),
 }
-OVERSIZE_FACTOR = 4
 
 
-def oversized_fields(values: dict, shapes: dict[str, tuple]) -> list[str]:
-    """The `SIZE_FIELDS` of `values` asking for over `OVERSIZE_FACTOR` times what the header `shapes` hold, as
-    "field=value (the weights hold n)": checked before a module is built (a meta build still grows with the layers)."""
+def refuse_oversized_config(folder: str, kwargs: dict) -> None:
+    """Refuse a config (config.json, `config=` or field kwargs) asking for over 4× what the local safetensors headers
+    hold in a `SIZE_FIELDS` field, before a module is built (a meta build still grows with the layers)."""
+    shapes = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        with safe_open(path, "pt") as handle:
+            shapes.update({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
+    if not shapes:
+        return
+    config = kwargs.get("config")
+    names = {*SIZE_FIELDS, *(flag for _, _, flag in SIZE_FIELDS.values() if flag is not None)}
+    if isinstance(config, SpikeWhaleConfig):
+        values = {name: getattr(config, name, None) for name in names}
+    else:
+        path = config if isinstance(config, (str, os.PathLike)) else os.path.join(folder, "config.json")
+        try:
+            with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as f:
+                values = json.load(f)
+        except (OSError, ValueError):
+            return  # transformers reports a missing or unreadable config itself
+        if not isinstance(values, dict):
+            return
+        values.update({k: v for k, v in kwargs.items() if k in names})
     found = []
     for name, (pattern, dim, flag) in SIZE_FIELDS.items():
         value = values.get(name)
         if not isinstance(value, int) or (flag is not None and not values.get(flag, True)):
             continue
-        matches = [(re.search(pattern, key), shape) for key, shape in shapes.items()]
-        matches = [(m, shape) for m, shape in matches if m is not None]
+        matches = [(m, shape) for key, shape in shapes.items() if (m := re.search(pattern, key)) is not None]
         if dim is None:
             held = len({m.group(1) for m, _ in matches})
         elif matches:
             held = max(shape[dim] if len(shape) > dim else 0 for _, shape in matches)
         else:
             continue
-        if value > OVERSIZE_FACTOR * max(held, 1):
+        if value > 4 * max(held, 1):
             found.append(f"{name}={value} (the weights hold {held})")
-    return found
+    if found:
+        raise ValueError(
+            f"{folder}: the config asks for {', '.join(found)}, far more than its safetensors weights hold; "
+            "fix these fields in config.json (or pass the checkpoint's own config) to load it."
+        )
 
 
 def reads_values_free(device: torch.device) -> bool:
@@ -867,7 +880,6 @@ def elo_attention(q, k, v, mask, is_causal, dropout, gain, k_factor, past_rating
     return _read_values(w, v, dropout), w, after[:, :, -1], after
 
 
-
 class SpikeWhaleAttention(nn.Module):
     """MLA attention: low-rank Q, GQA K/V, QK-norm then partial RoPE, depth mixing of V, XSA, low-rank output, plus
     the Memory Cache branch."""
@@ -876,7 +888,7 @@ class SpikeWhaleAttention(nn.Module):
         super().__init__()
         H, nh, kvh, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.config = config
-        self.nh, self.kvh, self.hd = nh, kvh, hd
+        self.hd = hd
         self.layer_idx, self.is_causal = layer_idx, True
         self.num_key_value_groups, self.scaling = nh // kvh, hd**-0.5
         self.q_a_proj = nn.Linear(H, config.q_lora_rank, bias=False)
@@ -891,12 +903,8 @@ class SpikeWhaleAttention(nn.Module):
             self.q_norm = SpikeWhaleRMSNorm(hd, config.rms_norm_eps)
             self.k_norm = SpikeWhaleRMSNorm(hd, config.rms_norm_eps)
         self.rope = SpikeWhaleRotaryEmbedding(config)
-        stride = config.depth_attention_stride
-        self.is_depth_checkpoint = config.use_depth_attention and layer_idx % stride == 0
-        if config.use_depth_attention and layer_idx > 0:
-            self.depth_gate = nn.Parameter(torch.zeros(1))
-        else:
-            self.depth_gate = None
+        self.is_depth_checkpoint = config.use_depth_attention and layer_idx % config.depth_attention_stride == 0
+        self.depth_gate = nn.Parameter(torch.zeros(1)) if config.use_depth_attention and layer_idx > 0 else None
         self.mc = MemoryCacheBranch(config) if config.use_memory_cache else None
         self.attn_kind = "elo" if config.use_elo else ("derf" if config.use_derf else "softmax")
         if self.attn_kind == "derf":
@@ -1013,7 +1021,6 @@ class SpikeWhaleAttention(nn.Module):
         yg = y.view(B, v_self.shape[1], -1, S, hd)  # this rank's KV heads (tensor parallel)
         vhat = vhat[:, :, None]
         return torch.addcmul(yg, (yg * vhat).sum(-1, keepdim=True), vhat, value=-1).view(B, nh, S, hd)
-
 
 
 class SpikeWhaleMLP(nn.Module):
@@ -1236,7 +1243,6 @@ def compiled_decode_guards(entries) -> list[bool]:
     ]
 
 
-
 def check_decode_compiles(model: "SpikeWhaleModel") -> None:
     """Raise, naming the reason, where decode steps cannot compile (`compile_blocker`)."""
     reason = compile_blocker(model)
@@ -1341,33 +1347,9 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         folder = os.path.join(str(source), *([kwargs["subfolder"]] if kwargs.get("subfolder") else [])) \
             if source is not None else None
-        if folder is not None and os.path.isdir(folder) and (shapes := _stored_shapes(folder)):
-            cls._check_config_fits(folder, kwargs, shapes)
+        if folder is not None and os.path.isdir(folder):
+            refuse_oversized_config(folder, kwargs)
         return super().from_pretrained(*args, **kwargs)
-
-    @classmethod
-    def _check_config_fits(cls, folder: str, kwargs: dict, shapes: dict[str, tuple]) -> None:
-        """Refuse a config (config.json, `config=` or field kwargs) far larger than the weights (`oversized_fields`)."""
-        config = kwargs.get("config")
-        names = {*SIZE_FIELDS, *(flag for _, _, flag in SIZE_FIELDS.values() if flag is not None)}
-        if isinstance(config, SpikeWhaleConfig):
-            values = {name: getattr(config, name, None) for name in names}
-        else:
-            path = config if isinstance(config, (str, os.PathLike)) else os.path.join(folder, "config.json")
-            try:
-                with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as f:
-                    values = json.load(f)
-            except (OSError, ValueError):
-                return  # transformers reports a missing or unreadable config itself
-            if not isinstance(values, dict):
-                return
-            values.update({k: v for k, v in kwargs.items() if k in names})
-        found = oversized_fields(values, shapes)
-        if found:
-            raise ValueError(
-                f"{folder}: the config asks for {', '.join(found)}, far more than its safetensors weights hold; "
-                "fix these fields in config.json (or pass the checkpoint's own config) to load it."
-            )
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
