@@ -172,18 +172,6 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t if t.device == device else t.to(device)
 
 
-def keep_float32(fn):
-    """`nn.Module._apply`'s fn, except that a float32 tensor it would lower to bf16/fp16 stays float32 (moved only)."""
-
-    def apply(t: torch.Tensor) -> torch.Tensor:
-        out = fn(t)
-        if t.dtype == torch.float32 and out.dtype in (torch.bfloat16, torch.float16):
-            return t.to(out.device)
-        return out
-
-    return apply
-
-
 class KeepsFloat32(nn.Module):
     """Stays float32 under `.to(bf16)`/`.half()`, as `from_pretrained(dtype=...)` keeps it
     (`_keep_in_fp32_modules_strict`), so a cast model equals the same model loaded in that dtype."""
@@ -195,7 +183,13 @@ class KeepsFloat32(nn.Module):
             for child in self.children():
                 child._apply(fn)
             recurse = False
-        return super()._apply(keep_float32(fn), recurse)
+
+        def keep(t: torch.Tensor) -> torch.Tensor:  # a float32 tensor fn would lower to bf16/fp16 is only moved
+            out = fn(t)
+            lowered = t.dtype == torch.float32 and out.dtype in (torch.bfloat16, torch.float16)
+            return t.to(out.device) if lowered else out
+
+        return super()._apply(keep, recurse)
 
 
 class SpikeWhaleRMSNorm(nn.Module):
@@ -214,8 +208,7 @@ def rope_inv_freq(rope_dim: int, theta: float, fractal: bool, gamma: float) -> t
     """Inverse frequencies θ^(−e_j): geometric e_j = 2j/rd, or exponents on the middle-thirds Cantor set.
 
     Cantor: band j's ternary digits are twice its binary digits (k_j ∈ {0, 2, 6, 8, 18, ...}), rescaled so the
-    first exponent is 0 and the last equals the geometric endpoint (rd−2)/rd; γ interpolates linearly.
-    """
+    first exponent is 0 and the last equals the geometric endpoint (rd−2)/rd; γ interpolates linearly."""
     n = rope_dim // 2
     if not fractal or gamma == 0:
         return 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.int64).float() / rope_dim))
@@ -275,8 +268,7 @@ class SegmentLayout:
     idx[b, t] of a block buffer [B, n_rel, width, ...] (block rel[b, t]; padding to the sink row n_rel·width), so it
     costs O(split·width); idx is None where it is 0..split-1 (the chunk itself, zero-padded to whole blocks).
     n_fin: the finished-segment entries a token may read; fin_readable: every token may read all of them. A `static`
-    layout reads no value on the host: block counts are bounds, padding and unreadable entries always assumed.
-    """
+    layout reads no value on the host: block counts are bounds, padding and unreadable entries always assumed."""
 
     base: torch.Tensor
     rel: torch.Tensor
@@ -324,10 +316,8 @@ class SegmentLayout:
         """This layout with its tensors on `device` (layers of a multi-device map each get their own copy)."""
         if self.rel.device == device:
             return self
-        return SegmentLayout(**{
-            f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor) else getattr(self, f.name)
-            for f in fields(self)
-        })
+        return replace(self, **{f.name: t.to(device) for f in fields(self)
+                                if isinstance(t := getattr(self, f.name), torch.Tensor)})
 
 
 @dataclass
@@ -385,8 +375,7 @@ class MemoryCacheBranch(KeepsFloat32):
     in two forms, as linear attention is: the chunk form (`_chunk`: any length, segment boundaries and padding
     inside) and the one-token step form (`_step`). Recording for `crop` is the chunk form, then steps. Segments are
     aligned to positions 0, L, 2L, ... Float32 with autocast off, from float32 weights under any load dtype
-    (`_keep_in_fp32_modules_strict`); an int8 load quantizes its projections unless `modules_to_not_convert` names them.
-    """
+    (`_keep_in_fp32_modules_strict`); int8 loads quantize its projections unless `modules_to_not_convert` names them."""
 
     eps = 1e-6
     read_floats = 1 << 18  # the most floats of weighted query rows `_read` builds at once
@@ -465,7 +454,7 @@ class MemoryCacheBranch(KeepsFloat32):
         """y_t [B, S, nh, hd], γ = softmax over the candidates' ⟨u_t, ḡ⁽ⁱ⁾⟩ and the own segment's ⟨u_t, own_g⟩/own_n.
 
         own: (φ(q_t)ᵀM_t, φ(q_t)·z_t, Σ W_k x, count) of the token's own segment so far, or None where `cands` ends
-        with it (step form). cands: (M [B, I, nh, hd, hd], z [B, I, nh, hd], ḡ [B, I, gd], readable [B, S, I] | None)."""
+        with it (step form). cands: (M [B, I, nh, hd, hd], z [B, I, nh, hd], ḡ [B, I, gd], readable [B, S, I]|None)."""
         if cands is None:
             num, den = own[0], own[1][..., None]
             if gu.requires_grad:
@@ -637,8 +626,7 @@ class MultiHeadHashLookup(KeepsFloat32):
     """r_t = mean over available n ≤ N and heads j of table_j[idx_{n,j}(t)], where h = Σ_k P_{n,k} c_{t−n+1+k}.
 
     Sign-bit LSH: idx = Σ_b [h_b > 0]·2^b over ⌈log2 T⌉ projections per head; legacy: idx = trunc(|h|) mod T.
-    The projections are random float32 buffers saved with the weights (loaded, never regenerated).
-    """
+    The projections are random float32 buffers saved with the weights (loaded, never regenerated)."""
 
     float32_children = False
 
@@ -665,10 +653,8 @@ class MultiHeadHashLookup(KeepsFloat32):
         if self.legacy:
             h = sum(window[:, :, k].float() @ getattr(self, f"hash_proj_n{n}_p{k}").float().T for k in range(n))
             return h.abs().long() % self.table_size
-        h = sum(
-            torch.einsum("bsc,jnc->bsjn", window[:, :, k].float(), getattr(self, f"hash_proj_n{n}_p{k}").float())
-            for k in range(n)
-        )
+        h = sum(torch.einsum("bsc,jnc->bsjn", window[:, :, k].float(), getattr(self, f"hash_proj_n{n}_p{k}").float())
+                for k in range(n))
         weights = 2 ** torch.arange(self.n_bits, device=h.device)
         return ((h > 0).long() * weights).sum(-1) % self.table_size
 
@@ -766,8 +752,7 @@ class DepthAttention:
     """ṽ_t = Σ_d softmax_d(⟨q̄_t, k_d(t)⟩/√hd) v_d(t);  v ← v + tanh(g)·(ṽ − v)   (across layers, per position).
 
     q̄: the mean of a KV group's query heads; sources d: this pass's earlier checkpoint layers (every
-    `depth_attention_stride`-th) plus the current one.
-    """
+    `depth_attention_stride`-th) plus the current one."""
 
     @staticmethod
     def mix(q, k, v, sources, tanh_gate) -> torch.Tensor:
@@ -856,13 +841,9 @@ def derf_attention(q, k, v, mask, is_causal, dropout, alpha, beta, gamma):
 
 
 def elo_attention(q, k, v, mask, is_causal, dropout, gain, k_factor, past_ratings, query_valid):
-    """Elo attention, float32: attn_t = softmax_j(s_tj + gain_h·K_h·R_tj), R_tj = Σ_{t'<t} Δ_t'j,
-    Δ_tj = softmax_j(s_tj) − [j visible]/n_t (a key's attention share minus the uniform one; padding queries add none).
-
-    The expected share ignores the ratings, so R is a prefix sum and the cache carries Σ Δ of its keys.
-    past_ratings: [B, nh, P] or None; query_valid: [B, S]. Returns (output, weights, ratings after the chunk
-    [B, nh, P+S], ratings after each query [B, nh, S, P+S]).
-    """
+    """Elo attention, float32: attn_t = softmax_j(s_tj + gain_h·K_h·R_tj), R_tj = Σ_{t'<t} Δ_t'j, Δ_tj = a key's
+    attention share minus the uniform one (padding queries add none): a prefix sum, so the cache carries Σ Δ per key.
+    Returns (output, weights, ratings after the chunk [B, nh, P+S], after each query [B, nh, S, P+S])."""
     s = _scores(q, k)
     B, nh, S, N = s.shape
     vis = _visible(mask, is_causal, S, N, s.device)
@@ -923,14 +904,15 @@ class SpikeWhaleAttention(nn.Module):
         """(output [B, nh, S, hd], weights or None, Elo ratings after the chunk and after each recorded token, or None).
         ratings: the cached keys' Elo ratings."""
         mask = _on(ctx.attn_mask, q.device) if ctx.attn_mask is not None else None
+        dropout = self.config.attention_dropout if self.training else 0.0
         if self.attn_kind != "elo":
             impl = ctx.attn_implementation
             if impl is not None and "flash" in impl and isinstance(ctx.past, torch.Tensor):
                 # A compiled step reads whole static buffers, which flash's 2D padding mask cannot describe.
                 impl = "sdpa"
             key_valid = _on(ctx.key_valid, q.device) if ctx.key_valid is not None else None
-            return (*self._attend_stateless(q, k, v, mask, ctx.is_causal, impl, key_valid, ctx.memo), None, None)
-        dropout = self.config.attention_dropout if self.training else 0.0
+            y, weights = self._attend_stateless(q, k, v, mask, ctx.is_causal, impl, key_valid, ctx.memo, dropout)
+            return y, weights, None, None
         y, weights, ratings, per_query = elo_attention(
             q, k, v, mask, ctx.is_causal, dropout, self.elo_gain, self.elo_k, ratings, ctx.valid.to(q.device)
         )
@@ -940,10 +922,9 @@ class SpikeWhaleAttention(nn.Module):
         steps = [per_query[:, :, j, : ctx.past + j + 1] for j in range(S - ctx.record, S)] if ctx.record else None
         return y.to(q.dtype), weights, ratings, steps
 
-    def _attend_stateless(self, q, k, v, mask, is_causal: bool, impl: str | None, key_valid, memo: dict) -> tuple:
+    def _attend_stateless(self, q, k, v, mask, is_causal: bool, impl: str | None, key_valid, memo: dict, dropout):
         """(output, weights or None) of DERF, or of softmax attention through `ALL_ATTENTION_FUNCTIONS[impl]` with
         the mask it expects (`kernel_mask`)."""
-        dropout = self.config.attention_dropout if self.training else 0.0
         if self.attn_kind == "derf":
             return derf_attention(q, k, v, mask, is_causal, dropout, self.derf_alpha, self.derf_bias, self.derf_gamma)
         impl = impl or "sdpa"
@@ -1060,8 +1041,7 @@ class SpikeWhaleMoE(nn.Module):
         w_i = s_i / Σ_{j∈I} s_j (`norm_topk_prob`) · `routed_scaling_factor`;  y = shared(u) + Σ_{i∈I} w_i expert_i(u)
 
     Padding is not routed (output 0). Load balance (learned routers): aux = E · Σ_e f_e P_e, f_e the share of routed
-    slots sent to e, P_e its mean normalised score.
-    """
+    slots sent to e, P_e its mean normalised score."""
 
     def __init__(self, config: SpikeWhaleConfig, hash_routing: bool):
         super().__init__()
@@ -1192,11 +1172,8 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
             a = F.dropout(a, self.hidden_dropout, True)
         X = self.hc_attn.post_op(X, a) if self.use_hc else X + a
         h = self.hc_ffn.pre_op(X) if self.use_hc else X
-        aux = None
-        if isinstance(self.ffn, SpikeWhaleMoE):
-            f, aux = self.ffn(self.ffn_norm(h), ctx)
-        else:
-            f = self.ffn(self.ffn_norm(h))
+        moe = isinstance(self.ffn, SpikeWhaleMoE)
+        f, aux = self.ffn(self.ffn_norm(h), ctx) if moe else (self.ffn(self.ffn_norm(h)), None)
         if self.training and self.hidden_dropout:
             f = F.dropout(f, self.hidden_dropout, True)
         X = self.hc_ffn.post_op(X, f) if self.use_hc else X + f
@@ -1743,8 +1720,7 @@ class SpikeWhaleCausalLMOutput(CausalLMOutputWithPast):
     """Causal-LM output. With labels, loss = lm_loss + zloss_coef·z_loss + mtp_loss_weight·mtp_loss + hrm_loss
     + abstain_loss_weight·abstain_loss + moe_aux_loss_coef·moe_aux_loss, each term also given un-weighted (None when
     off); targets -100 are skipped. `abstain_probs[b, t]`: P(the argmax at t is wrong); `abstain_mask`: it above
-    `abstain_threshold` (the config's).
-    """
+    `abstain_threshold` (the config's)."""
 
     lm_loss: torch.FloatTensor | None = None
     z_loss: torch.FloatTensor | None = None
@@ -1821,9 +1797,8 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             return False
         if generation_config.compile_config is not None:
             return True
-        return generation_config.cache_implementation == "static" and super()._valid_auto_compile_criteria(
-            model_kwargs, generation_config
-        )
+        return (generation_config.cache_implementation == "static"
+                and super()._valid_auto_compile_criteria(model_kwargs, generation_config))
 
     def create_masks_for_generate(self, attention_mask=None, inputs_embeds=None, **kwargs):
         """The chunk's own columns of the padding mask: the cache holds earlier keys' validity, and a fixed width keeps
@@ -1846,14 +1821,10 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         return self.__call__
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
-        """`GenerationMixin.generate` on the loop-slot cache, plus (`generation_utils.spike_whale_generate`):
-
-        - prompt + new tokens past the context raise before any work; `truncate_to_context=True` drops the oldest
-          prompt tokens (keeping `<bos>`).
-        - `use_mtp=True`: MTP self-speculative decoding, ids identical to greedy; `mtp_draft_tokens=k` and
-          `assistant_confidence_threshold=t` shape the drafts; statistics in `model.last_mtp_stats`.
-        - a conversation continues from a previous call's cache: the full ids and `cache=out.cache`.
-        """
+        """`GenerationMixin.generate` on the loop-slot cache (`spike_whale_generate`), plus: a prompt past the context
+        raises before any work (`truncate_to_context=True` drops its oldest tokens); `use_mtp=True` decodes MTP
+        self-speculatively, ids identical to greedy (`mtp_draft_tokens`, `assistant_confidence_threshold`); a
+        conversation continues from `cache=out.cache` given the full ids."""
         return spike_whale_generate(self, super().generate, inputs, generation_config, **kwargs)
 
     def compile_decode(self, enable: bool = True, **compile_kwargs) -> None:
@@ -1890,8 +1861,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         cache = cache if cache is not None else past_key_values
         if cache is not None and not isinstance(cache, SpikeWhaleCache):
             if isinstance(cache, Cache) and cache.get_seq_length() == 0:
-                cache = None
-                use_cache = True
+                cache, use_cache = None, True
             else:
                 raise TypeError(
                     f"spike_whale needs a SpikeWhaleCache (K/V per loop-plan slot plus Memory-Cache state); got "
@@ -1922,15 +1892,13 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         return dict(abstain_probs=probs, abstain_mask=probs > threshold, abstain_threshold=threshold)
 
     def _with_loss(self, h, out, labels, attention_mask, shift_labels=None, position_ids=None) -> SpikeWhaleCausalLMOutput:
-        """The objective of `SpikeWhaleCausalLMOutput`. Padding is neither target nor source, and no target crosses
+        """The objective of `SpikeWhaleCausalLMOutput`; padding is neither target nor source, and no target crosses
         into the next packed sequence.
-
         - lm_loss: CE of logits[:, t] against labels[:, t+1];  z_loss: mean logsumexp(logits)².
         - mtp_loss: mean over heads k of the CE of head k at t against labels[:, t+k+1].
         - hrm_loss: the summed CE of every refinement step before the last (deep supervision).
         - abstain_loss: BCE of the abstain head toward [argmax logits[:, t] != labels[:, t+1]] (`abstain_pos_weight`).
-        - moe_aux_loss: the mean load-balance loss of the learned-router layers.
-        """
+        - moe_aux_loss: the mean load-balance loss of the learned-router layers."""
         cfg = self.config
         logits = self.lm_head(h)
         S = logits.shape[1]
@@ -1963,28 +1931,21 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         counted = target != -100
         lm_loss = _cross_entropy(logits[:, :n_pred], target)
         loss = lm_loss
-        z_loss = None
+        z_loss = mtp_loss = hrm_loss = abstain_loss = None
         if cfg.zloss_coef:
             lse = torch.logsumexp(logits[:, :n_pred].float(), -1)
             z_loss = (lse.pow(2) * counted).sum() / counted.sum().clamp(min=1)
             loss = loss + cfg.zloss_coef * z_loss
-        mtp_loss = None
         if self.mtp_heads and cfg.mtp_loss_weight:
-            terms = []
-            for k, head in enumerate(self.mtp_heads, start=1):
-                t = shifted(k + 1)
-                if t.shape[1] < 1:
-                    continue
-                terms.append(_cross_entropy(self.lm_head(head(h[:, : t.shape[1]])), t))
+            terms = [_cross_entropy(self.lm_head(head(h[:, : t.shape[1]])), t)
+                     for k, head in enumerate(self.mtp_heads, start=1) if (t := shifted(k + 1)).shape[1] >= 1]
             if terms:
                 mtp_loss = torch.stack(terms).mean()
                 loss = loss + cfg.mtp_loss_weight * mtp_loss
-        hrm_loss = None
         steps = out.refinement_states or ()
         if cfg.use_hrm_refine and cfg.hrm_deep_supervision and len(steps) > 1:
             hrm_loss = torch.stack([_cross_entropy(self.lm_head(s[:, :n_pred]), target) for s in steps[:-1]]).sum()
             loss = loss + hrm_loss
-        abstain_loss = None
         if self.abstain_head is not None:
             a_logit = self.abstain_head(h[:, :n_pred]).squeeze(-1).float()
             wrong = (logits[:, :n_pred].detach().argmax(-1) != target).float().to(a_logit.device)
