@@ -1,9 +1,5 @@
 """SpikeWhale v2 / Byrne: a looped MLA decoder with depth attention, Hyper-Connections, Engram and a Memory Cache.
 
-The module tree and state-dict names follow the blueprint (`architecture.md` §2). Names the blueprint could
-only guess are listed in `GUESSED_KEYS`, and `CHECKPOINT_KEY_RENAMES` maps a released checkpoint's names onto
-ours once a real header is read; nothing else in the code depends on them.
-
 Every forward works on a chunk of positions with optional state carried in a `SpikeWhaleCache`, so a full
 recompute, a prefill and any mix of multi-token decode steps compute the same function.
 """
@@ -54,7 +50,7 @@ from .generation_utils import (
 logger = logging.get_logger(__name__)
 
 
-# transformers ships its own from 5.13, but 5.13/5.14's takes one child name, not a list: this one serves them all.
+# transformers ships its own from 5.13 (one child name only until 5.15).
 def force_accelerate_hooks(child_module_names: list[str]):
     """Fire the accelerate hooks of children whose weights a forward reads directly (not via their forward)."""
 
@@ -75,78 +71,11 @@ def force_accelerate_hooks(child_module_names: list[str]):
     return decorator
 
 
-# Released checkpoint name (regex) -> our name. Empty until a real Byrne header is read (blueprint §14).
+# Released checkpoint name (regex) -> our name, applied at load; empty until a real Byrne header is read.
 CHECKPOINT_KEY_RENAMES: dict[str, str] = {}
 
-# Our names for tensors whose released names the blueprint could not see ([U] in architecture.md §2.2).
-GUESSED_KEYS: tuple[str, ...] = (
-    r"model\.layers\.\d+\.hc_(attn|ffn)\.(pre_logits|post_scale)",
-    r"model\.hc_out_mix\.mix_logits",
-    r"model\.engram\.gate\.(proj\.weight|proj\.bias|alpha|beta|gamma)",
-    r"model\.engram\.lookup\.hash_proj_n\d+_p\d+",
-    r"model\.loop_pass_embed\.weight",
-    r"model\.layers\.\d+\.attn\.depth_gate",
-    r"model\.layers\.\d+\.attn\.mc\.(qkv_proj\.(weight|bias)|o_proj\.(weight|bias)|gate_proj\.weight|gate_bias|feature_scale|mc_gate)",
-    # Mechanisms off in the 114M checkpoints (MoE, Elo, value embeddings, Engram fusion, abstain head).
-    r"model\.layers\.\d+\.ffn\.(gate\.weight|experts\.\d+\.(gate|up|down)_proj\.weight|shared_experts\.(gate|up|down)_proj\.weight)",
-    r"model\.layers\.\d+\.attn\.(elo_gain|elo_k)",
-    r"model\.layers\.\d+\.engram_fusion\.(norm\.weight|q_proj\.weight|k_proj\.weight|o_proj\.weight)",
-    r"abstain_head\.(weight|bias)",
-)
 
-
-def rename_checkpoint_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Apply `CHECKPOINT_KEY_RENAMES` to a released state dict (identity while the table is empty)."""
-    out = {}
-    for key, value in state_dict.items():
-        for pattern, repl in CHECKPOINT_KEY_RENAMES.items():
-            key = re.sub(pattern, repl, key)
-        out[key] = value
-    return out
-
-
-def checkpoint_key_report(checkpoint_shapes: dict, model_shapes: dict) -> dict:
-    """How a checkpoint's names ({name: shape or None}) meet the model's ({name: shape}), so that a real header that
-    differs from our guesses gets a useful report instead of a bare "missing keys" list: `matched`, `unexpected`
-    (no place in the model), `missing` (absent; `guessed` are those `GUESSED_KEYS` names), for each unexpected tensor
-    the missing ones of the same shape (`candidates`), the unambiguous renames (`rename_map`), and the text `lines`."""
-    unexpected = sorted(set(checkpoint_shapes) - set(model_shapes))
-    missing = sorted(set(model_shapes) - set(checkpoint_shapes))
-    guessed = [k for k in missing if any(re.fullmatch(p, k) for p in GUESSED_KEYS)]
-    candidates = {k: [m for m in missing if checkpoint_shapes[k] is not None
-                      and tuple(model_shapes[m]) == tuple(checkpoint_shapes[k])] for k in unexpected}
-    claims: dict[str, int] = {}
-    for options in candidates.values():
-        for m in options:
-            claims[m] = claims.get(m, 0) + 1
-    rename_map = {k: c[0] for k, c in candidates.items() if len(c) == 1 and claims[c[0]] == 1}
-    matched = len(set(checkpoint_shapes) & set(model_shapes))
-    lines = [f"checkpoint names vs the model: {matched} of {len(model_shapes)} model tensors matched, "
-             f"{len(unexpected)} checkpoint tensors unplaceable, {len(missing)} model tensors absent "
-             f"({len(guessed)} of them guessed names, GUESSED_KEYS in modeling_spike_whale.py)"]
-    lines += [f"  absent: {k}{'  (guessed name)' if k in guessed else ''}" for k in missing]
-    for k in unexpected:
-        options = candidates[k]
-        lines.append(f"  unplaceable: {k} -> same-shape candidates: {', '.join(options[:6]) or 'none'}"
-                     f"{' ...' if len(options) > 6 else ''}")
-    if rename_map:
-        lines.append(f"  a rename map for these (spike-whale convert --rename-map, or CHECKPOINT_KEY_RENAMES): "
-                     f"'{json.dumps(rename_map)}'")
-    return {"matched": matched, "expected": len(model_shapes), "unexpected": unexpected, "missing": missing,
-            "guessed": guessed, "candidates": candidates, "rename_map": rename_map, "lines": lines}
-
-
-def _stored_shapes(folder: str) -> dict[str, tuple]:
-    """Every tensor's shape from the safetensors header(s) in a local model folder (read without the tensors)."""
-    shapes = {}
-    for path in sorted(glob.glob(os.path.join(str(folder), "*.safetensors"))):
-        with safe_open(path, "pt") as handle:
-            shapes.update({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
-    return shapes
-
-
-# Config fields that size the model, each with the checkpoint tensors that show what the file holds: a count of
-# modules (the distinct numbers in the names) or one dimension of a tensor; with the flag that builds them.
+# Config field -> (checkpoint name regex, dimension or None: count the distinct numbers, the flag that builds it).
 SIZE_FIELDS: dict[str, tuple[str, int | None, str | None]] = {
     "num_hidden_layers": (r"model\.layers\.(\d+)\.", None, None),
     "n_routed_experts": (r"\.ffn\.experts\.(\d+)\.", None, "use_moe"),
@@ -162,49 +91,67 @@ SIZE_FIELDS: dict[str, tuple[str, int | None, str | None]] = {
     "engram_table_size": (r"model\.engram\.lookup\.tables\.\d+\.weight", 0, "use_engram"),
     "hrm_refine_dim": (r"model\.hrm_refine\.down\.weight", 0, "use_hrm_refine"),
 }
-# How many times what the weights hold a config may ask for (new layers to train, say) before loading refuses.
-OVERSIZE_FACTOR = 4
 
 
-def oversized_fields(values: dict, shapes: dict[str, tuple]) -> list[str]:
-    """The `SIZE_FIELDS` of `values` (config fields) asking for more than `OVERSIZE_FACTOR` times what the checkpoint
-    tensors `shapes` hold, as "field=value (the weights hold n)": plain arithmetic on the header, so that a config
-    asking for a million layers is refused before a module is built (a meta-device build grows with the layers)."""
+def refuse_oversized_config(folder: str, kwargs: dict) -> None:
+    """Refuse a config (config.json, `config=` or field kwargs) asking for over 4× what the local safetensors headers
+    hold in a `SIZE_FIELDS` field, before a module is built (a meta build still grows with the layers)."""
+    shapes = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        with safe_open(path, "pt") as handle:
+            shapes.update({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
+    if not shapes:
+        return
+    config = kwargs.get("config")
+    names = {*SIZE_FIELDS, *(flag for _, _, flag in SIZE_FIELDS.values() if flag is not None)}
+    if isinstance(config, SpikeWhaleConfig):
+        values = {name: getattr(config, name, None) for name in names}
+    else:
+        path = config if isinstance(config, (str, os.PathLike)) else os.path.join(folder, "config.json")
+        try:
+            with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as f:
+                values = json.load(f)
+        except (OSError, ValueError):
+            return  # transformers reports a missing or unreadable config itself
+        if not isinstance(values, dict):
+            return
+        values.update({k: v for k, v in kwargs.items() if k in names})
     found = []
     for name, (pattern, dim, flag) in SIZE_FIELDS.items():
         value = values.get(name)
         if not isinstance(value, int) or (flag is not None and not values.get(flag, True)):
             continue
-        matches = [(re.search(pattern, key), shape) for key, shape in shapes.items()]
-        matches = [(m, shape) for m, shape in matches if m is not None]
+        matches = [(m, shape) for key, shape in shapes.items() if (m := re.search(pattern, key)) is not None]
         if dim is None:
             held = len({m.group(1) for m, _ in matches})
         elif matches:
             held = max(shape[dim] if len(shape) > dim else 0 for _, shape in matches)
         else:
             continue
-        if value > OVERSIZE_FACTOR * max(held, 1):
+        if value > 4 * max(held, 1):
             found.append(f"{name}={value} (the weights hold {held})")
-    return found
+    if found:
+        raise ValueError(
+            f"{folder}: the config asks for {', '.join(found)}, far more than its safetensors weights hold; "
+            "fix these fields in config.json (or pass the checkpoint's own config) to load it."
+        )
 
 
 def reads_values_free(device: torch.device) -> bool:
-    """Whether eager code may read a tensor's value on the host at no cost: on the CPU the value is there; elsewhere
-    the read waits for every queued kernel, so a decode step there reads none and assumes the worst instead."""
+    """Whether eager code may read tensor values on the host for free: elsewhere than the CPU a read waits for every
+    queued kernel, so a decode step there reads none and assumes the worst."""
     return device.type == "cpu"
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`t.to(dtype)` without the dispatch when it already has that dtype (a decode step makes thousands)."""
+    """`t.to(dtype)` without the dispatch when it already has that dtype."""
     return t if t.dtype == dtype else t.to(dtype)
 
 
 def derived(module: nn.Module, key, fn, *params: torch.Tensor) -> torch.Tensor:
-    """fn(), a few tiny ops on `params` (an HC softmax, a gate's tanh), kept on `module` under `key` while no gradient
-    is recorded and none of `params` has changed (the same tensors, storage and in-place version): a decode step would
-    otherwise run them again in each of its 48 slots. Computed afresh with gradients on (a kept value, maybe made in
-    inference mode, is never saved for a backward), under torch.compile (the graph holds them) and for inference
-    tensors (which count no versions)."""
+    """fn() of `params` (an HC softmax, a gate's tanh), kept on `module` while `params` are unchanged (same tensors,
+    storage and version), so a decode step does not redo it in every slot. Recomputed with gradients on, under
+    torch.compile and for inference tensors (which count no versions)."""
     if torch.is_grad_enabled() or torch.compiler.is_compiling() or any(p.is_inference() for p in params):
         return fn()
     tag = tuple((id(p), p._version, p.data_ptr()) for p in params)
@@ -225,32 +172,24 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t if t.device == device else t.to(device)
 
 
-def keep_float32(fn):
-    """`nn.Module._apply`'s per-tensor fn, except that a float32 tensor it would lower to bfloat16 or float16 stays
-    float32 (on the device fn moves it to): converted from the original, never back from the rounded copy."""
-
-    def apply(t: torch.Tensor) -> torch.Tensor:
-        out = fn(t)
-        if t.dtype == torch.float32 and out.dtype in (torch.bfloat16, torch.float16):
-            return t.to(out.device)
-        return out
-
-    return apply
-
-
 class KeepsFloat32(nn.Module):
-    """A module that stays float32 when the model is cast to bf16/fp16 (`.to(torch.bfloat16)`, `.half()`,
-    `.bfloat16()`), as `from_pretrained(dtype=...)` keeps it (`_keep_in_fp32_modules_strict`). Without this a cast
-    model rounded these weights, unlike the same model loaded in that dtype, and cast them back on every step."""
+    """Stays float32 under `.to(bf16)`/`.half()`, as `from_pretrained(dtype=...)` keeps it
+    (`_keep_in_fp32_modules_strict`), so a cast model equals the same model loaded in that dtype."""
 
-    float32_children = True  # False: only the module's own parameters and buffers; its submodules follow the model
+    float32_children = True  # False: its submodules follow the model
 
     def _apply(self, fn, recurse=True):
         if recurse and not self.float32_children:
             for child in self.children():
                 child._apply(fn)
             recurse = False
-        return super()._apply(keep_float32(fn), recurse)
+
+        def keep(t: torch.Tensor) -> torch.Tensor:  # a float32 tensor fn would lower to bf16/fp16 is only moved
+            out = fn(t)
+            lowered = t.dtype == torch.float32 and out.dtype in (torch.bfloat16, torch.float16)
+            return t.to(out.device) if lowered else out
+
+        return super()._apply(keep, recurse)
 
 
 class SpikeWhaleRMSNorm(nn.Module):
@@ -269,8 +208,7 @@ def rope_inv_freq(rope_dim: int, theta: float, fractal: bool, gamma: float) -> t
     """Inverse frequencies θ^(−e_j): geometric e_j = 2j/rd, or exponents on the middle-thirds Cantor set.
 
     Cantor: band j's ternary digits are twice its binary digits (k_j ∈ {0, 2, 6, 8, 18, ...}), rescaled so the
-    first exponent is 0 and the last equals the geometric endpoint (rd−2)/rd; γ interpolates linearly.
-    """
+    first exponent is 0 and the last equals the geometric endpoint (rd−2)/rd; γ interpolates linearly."""
     n = rope_dim // 2
     if not fractal or gamma == 0:
         return 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.int64).float() / rope_dim))
@@ -282,15 +220,14 @@ def rope_inv_freq(rope_dim: int, theta: float, fractal: bool, gamma: float) -> t
 
 
 class SpikeWhaleRotaryEmbedding(KeepsFloat32):
-    """Partial rotate-half RoPE on the last `qk_rope_head_dim` dims; caches are persistent (they are in the files)."""
+    """Partial rotate-half RoPE on the last `qk_rope_head_dim` dims; the caches are persistent (in the files)."""
 
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__()
         self.config = config
         half = config.qk_rope_head_dim // 2
         P = config.max_position_embeddings
-        # float32 whatever the default dtype (`_from_config(dtype=...)` builds under it): see _keep_in_fp32_modules_strict
-        f32 = torch.float32
+        f32 = torch.float32  # whatever the default dtype (`_from_config(dtype=...)`)
         self.register_buffer("inv_freq", torch.empty(half, dtype=f32), persistent=True)
         self.register_buffer("cos_cache", torch.empty(P, half, dtype=f32), persistent=True)
         self.register_buffer("sin_cache", torch.empty(P, half, dtype=f32), persistent=True)
@@ -324,25 +261,19 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 
 @dataclass
 class SegmentLayout:
-    """Where each token of a chunk falls in the Memory-Cache segments; built once per forward, shared by all slots.
+    """Where each chunk token falls in the Memory-Cache segments; built once per forward, shared by all slots.
 
-    rel[b, t]: the segment row b is in after token t, relative to its segment before the chunk, `base[b]` (a padding
-    token keeps the row's last one). The chunk's first `split` tokens go through the chunk form, the rest through the
-    step form (`MemoryCacheBranch`). The chunk form puts token t at row idx[b, t] of an aligned block buffer
-    [B, n_rel, width, ...]: block rel[b, t], in the order of the block's real tokens (padding goes to the sink row
-    n_rel·width), so a chunk costs O(split·width) with width = min(split, segment length). idx is None where it is
-    0..split-1 (no padding, and every block but the last full: a prompt's prefill, a chunk inside one segment):
-    the buffer is then the chunk itself, zero-padded to whole blocks.
-    n_fin: the finished-segment entries a token may read (all of them under torch.compile: those not finished yet are
-    masked); fin_readable: every token of every row may read all n_fin. A `static` layout reads no value on the host
-    (under torch.compile, and in decode steps on an accelerator): block counts are bounds, padding and unreadable
-    entries are always assumed.
-    """
+    rel[b, t]: row b's segment after token t, relative to `base[b]`, its segment before the chunk (padding keeps the
+    last). The first `split` tokens take the chunk form, the rest the step form. The chunk form puts token t at row
+    idx[b, t] of a block buffer [B, n_rel, width, ...] (block rel[b, t]; padding to the sink row n_rel·width), so it
+    costs O(split·width); idx is None where it is 0..split-1 (the chunk itself, zero-padded to whole blocks).
+    n_fin: the finished-segment entries a token may read; fin_readable: every token may read all of them. A `static`
+    layout reads no value on the host: block counts are bounds, padding and unreadable entries always assumed."""
 
     base: torch.Tensor
     rel: torch.Tensor
     valid_f: torch.Tensor
-    padded: bool  # some token is padding (always assumed under torch.compile: no host sync)
+    padded: bool  # some token is padding (always assumed when static)
     n_rel: int  # blocks: relative segments the chunk touches
     n_fin: int
     fin_readable: bool
@@ -385,16 +316,13 @@ class SegmentLayout:
         """This layout with its tensors on `device` (layers of a multi-device map each get their own copy)."""
         if self.rel.device == device:
             return self
-        return SegmentLayout(**{
-            f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor) else getattr(self, f.name)
-            for f in fields(self)
-        })
+        return replace(self, **{f.name: t.to(device) for f in fields(self)
+                                if isinstance(t := getattr(self, f.name), torch.Tensor)})
 
 
 @dataclass
 class ForwardContext:
-    """Per-forward inputs shared by every block and slot (built once in `SpikeWhaleModel.forward`). The slots' states
-    are not in it: each block gets its own (`SlotState`) and hands back its update (`SlotUpdate`)."""
+    """Per-forward inputs shared by every block and slot; each slot's state travels apart (`SlotState`/`SlotUpdate`)."""
 
     positions: torch.Tensor
     valid: torch.Tensor
@@ -406,9 +334,7 @@ class ForwardContext:
     past: int | torch.Tensor = 0  # positions cached before this chunk (a 0-d tensor under torch.compile)
     max_cache_len: int = 0  # positions each slot's K/V buffers hold (0: no cache)
     n_mc_segments: int = 0  # finished-segment entries of a Memory-Cache state
-    # Recurrent states are kept after each of the chunk's last `record` tokens (a crop removes fewer); at most the
-    # chunk's length, so a recording decode step always has 1 (one compiled graph, whatever bound was asked for).
-    record: int = 0
+    record: int = 0  # recurrent states are kept after each of the last `record` tokens (for crop); at most S
     need_weights: bool = False  # output_attentions: every slot returns its attention map
     attn_implementation: str | None = None  # config._attn_implementation, read once per forward
     keep_streams: bool = False  # output_hidden_states: every slot returns its residual streams
@@ -420,8 +346,7 @@ class ForwardContext:
         return self.max_cache_len > 0
 
     def segments_on(self, device: torch.device) -> SegmentLayout:
-        """The segment layout with its tensors on `device`: copied once per forward for each device of a
-        multi-device map, not in every slot."""
+        """The segment layout on `device`, copied once per forward per device of a device map."""
         if self.segments.rel.device == device:
             return self.segments
         key = ("segments", device)
@@ -430,8 +355,7 @@ class ForwardContext:
         return self.memo[key]
 
     def rope_tables(self, rope: "SpikeWhaleRotaryEmbedding", device: torch.device, dtype: torch.dtype) -> tuple:
-        """rope's cos and sin at this chunk's positions, in `dtype`: looked up once per forward for each layer, whose
-        slot in every loop pass reads the same."""
+        """rope's (cos, sin) at the chunk's positions in `dtype`, once per forward per layer (every pass reads them)."""
         if torch.compiler.is_compiling():
             return tuple(_as(t, dtype) for t in rope(_on(self.positions, device)))
         key = (id(rope), device, dtype)
@@ -448,20 +372,13 @@ class MemoryCacheBranch(KeepsFloat32):
         γ_{t,i} = softmax_{i≤s} ⟨u_t, ḡ⁽ⁱ⁾⟩,   u_t = W_u x_t + b,   ḡ⁽ⁱ⁾ = mean_{m∈i} W_k x_m (running mean for i = s)
         y_t = Σ_i γ_{t,i} φ(q_t)ᵀM⁽ⁱ⁾ / (Σ_i γ_{t,i} φ(q_t)·z⁽ⁱ⁾ + ε)        (one global normaliser)
 
-    computed in two forms, as linear attention usually is: the chunk form (`_chunk`: any length, segment boundaries
-    and padding inside) and the one-token step form (`_step`: a decode step). A forward that keeps the state after
-    each of its last `ctx.record` tokens (for `crop`) runs the chunk form on the tokens before them, then steps.
-    Both in float32 with autocast off, from float32 weights under any load dtype (`_keep_in_fp32_modules_strict`;
-    created float32 for `_from_config(dtype=...)`), so a low-precision model casts no weight of it per step. A
-    weight-only int8 load (`TorchAoConfig`) quantizes its three projections as it does every Linear, dequantized to
-    float32 (transformers' torchao route skips `_keep_in_fp32_modules` only); `modules_to_not_convert=[r".*attn\\.mc"]`
-    keeps them float32.
-    Segments are aligned to each row's positions 0, L, 2L, ...
-    Parameter layout (8 tensors, 492,769 at 114M) is our [U] choice; see GUESSED_KEYS.
-    """
+    in two forms, as linear attention is: the chunk form (`_chunk`: any length, segment boundaries and padding
+    inside) and the one-token step form (`_step`). Recording for `crop` is the chunk form, then steps. Segments are
+    aligned to positions 0, L, 2L, ... Float32 with autocast off, from float32 weights under any load dtype
+    (`_keep_in_fp32_modules_strict`); int8 loads quantize its projections unless `modules_to_not_convert` names them."""
 
     eps = 1e-6
-    read_floats = 1 << 18  # the most floats of candidate-weighted query rows `_read` builds at once
+    read_floats = 1 << 18  # the most floats of weighted query rows `_read` builds at once
 
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__()
@@ -479,11 +396,10 @@ class MemoryCacheBranch(KeepsFloat32):
         return F.elu(x * _as(self.feature_scale, torch.float32)) + 1.0
 
     def forward(self, u: torch.Tensor, ctx: ForwardContext, state: MemoryCacheState | None, proj: tuple | None = None):
-        """(output [B, S, H], the slot's state after the chunk and after each chunk token while recording; both None
-        without a cache). state: the slot's state before the chunk (None: nothing read yet); proj: see `_features`."""
+        """(output [B, S, H], the state after the chunk, the states after each recorded token); states are None
+        without a cache. state: the state before the chunk (None: empty); proj: see `_features`."""
         lay = ctx.segments_on(u.device)
-        # Autocast is turned off only where it is on: its enter/exit nodes in a compiled graph keep AOTAutograd from
-        # caching the graph on disk.
+        # Autocast is turned off only where it is on: its nodes keep AOTAutograd from caching a compiled graph.
         on = torch.is_autocast_enabled(u.device.type)
         with torch.autocast(device_type=u.device.type, enabled=False) if on else contextlib.nullcontext():
             y, new_state, per_pos = self._memory_readout(_as(u, torch.float32), lay, state, ctx, proj)
@@ -493,9 +409,8 @@ class MemoryCacheBranch(KeepsFloat32):
         return _as(out, u.dtype), new_state, per_pos
 
     def _features(self, x: torch.Tensor, proj: tuple | None = None):
-        """φ(q), φ(k), v ([B, S, nh, hd]) and the gate query u / gate key W_k x ([B, S, gd]) of float32 x.
-
-        proj: x's (qkv_proj, gate_proj) outputs where the attention computed them with its own input projections."""
+        """φ(q), φ(k), v [B, S, nh, hd] and the gate query u / key W_k x [B, S, gd]; proj: precomputed
+        (qkv_proj(x), gate_proj(x))."""
         B, S, _ = x.shape
         qkv, g = proj if proj is not None else self.input_projections(x)
         qkv = qkv.view(B, S, 3, self.nh, self.hd)
@@ -514,8 +429,7 @@ class MemoryCacheBranch(KeepsFloat32):
         return derived(self, "gate", lambda: torch.tanh(_as(self.mc_gate, torch.float32)), self.mc_gate) * out
 
     def _memory_readout(self, x, lay: SegmentLayout, state: MemoryCacheState | None, ctx: ForwardContext, proj):
-        """y [B, S, nh·hd], the state after the chunk and the states after each of its last `ctx.record` tokens (None
-        without a cache or a recording): the chunk form on the first `lay.split` tokens, the step form on the rest."""
+        """y [B, S, nh·hd] and the states of `forward`: the chunk form on the first `lay.split` tokens, then steps."""
         B, S, _ = x.shape
         feats = self._features(x, proj)
         if lay.padded:  # padding adds nothing
@@ -537,18 +451,14 @@ class MemoryCacheBranch(KeepsFloat32):
         return y, state, (steps if ctx.record else None)
 
     def _read(self, fq, gu, own: tuple | None, cands: tuple | None) -> torch.Tensor:
-        """y_t = Σ_i γ_{t,i} φ(q_t)ᵀM⁽ⁱ⁾ / (Σ_i γ_{t,i} φ(q_t)·z⁽ⁱ⁾ + ε), γ = softmax over the candidates' ⟨u_t, ḡ⁽ⁱ⁾⟩
-        and the own segment's ⟨u_t, own_g⟩/own_n; [B, S, nh, hd].
+        """y_t [B, S, nh, hd], γ = softmax over the candidates' ⟨u_t, ḡ⁽ⁱ⁾⟩ and the own segment's ⟨u_t, own_g⟩/own_n.
 
-        own: (φ(q_t)ᵀM_t, φ(q_t)·z_t, Σ W_k x, token count) of each token's own segment so far, or None where `cands`
-        ends with its totals (the step form). cands: (M [B, I, nh, hd, hd], z [B, I, nh, hd], ḡ [B, I, gd],
-        readable [B, S, I] or None: all) or None."""
+        own: (φ(q_t)ᵀM_t, φ(q_t)·z_t, Σ W_k x, count) of the token's own segment so far, or None where `cands` ends
+        with it (step form). cands: (M [B, I, nh, hd, hd], z [B, I, nh, hd], ḡ [B, I, gd], readable [B, S, I]|None)."""
         if cands is None:
             num, den = own[0], own[1][..., None]
             if gu.requires_grad:
-                # The own segment's softmax weight over no other candidate is exactly 1, so no value changes, but the
-                # gate's parameters stay in the graph (with a zero gradient): DDP requires every parameter to take
-                # part whatever the length.
+                # A weight of exactly 1 that keeps the gate in the graph: DDP needs every parameter to take part.
                 g_own = torch.softmax((gu * own[2]).sum(-1, keepdim=True) / own[3].clamp(min=1)[..., None], -1)
                 num, den = g_own[..., None] * num, g_own[..., None] * den
             return num / (den + self.eps)
@@ -562,11 +472,9 @@ class MemoryCacheBranch(KeepsFloat32):
             own_num, own_den, own_g, own_n = own
             scores = torch.cat([scores, (gu * own_g).sum(-1, keepdim=True) / own_n.clamp(min=1)[..., None]], -1)
         gamma = torch.softmax(scores, dim=-1)
-        # Σ_i γ_{t,i} φ(q_t)ᵀ[M⁽ⁱ⁾ | z⁽ⁱ⁾] as one GEMM per head: the rows [γ_{t,1}φ(q_t), …, γ_{t,I}φ(q_t)] times the
-        # stacked [M⁽ⁱ⁾ | z⁽ⁱ⁾], so no token builds its own mixed hd × hd memory. φ(q) goes head-major first, so those
-        # rows (I times larger) are born in the GEMM's layout instead of being copied into it. A long chunk builds them
-        # `read_floats` at a time: all at once, a long prefill makes tens of MiB of them per slot, which glibc's malloc
-        # hands out as fresh pages, faulted in again by every call.
+        # Σ_i γ_{t,i} φ(q_t)ᵀ[M⁽ⁱ⁾ | z⁽ⁱ⁾] as one GEMM per head: rows [γ_{t,1}φ(q_t), …, γ_{t,I}φ(q_t)] times the
+        # stacked [M⁽ⁱ⁾ | z⁽ⁱ⁾], so no token builds its own hd × hd memory; built `read_floats` at a time, as a long
+        # prefill's would otherwise be tens of MiB of fresh pages per slot.
         g_cand = gamma[..., :I] if own is not None else gamma
         fq_heads = fq.transpose(1, 2).contiguous()
         Mz = torch.cat([cand_M, cand_z[..., None]], -1).transpose(1, 2).reshape(B, nh, I * hd, hd + 1)
@@ -584,10 +492,9 @@ class MemoryCacheBranch(KeepsFloat32):
 
     def _chunk(self, fq, fk, v, gu, gk, lay: SegmentLayout, state: MemoryCacheState | None, ctx: ForwardContext):
         """The chunk form on the first n = `lay.split` tokens: y [B, n, nh, hd] and the state after them (None without
-        a cache). In the aligned block buffer [B, n_rel, W, ...] (`SegmentLayout`), in O(n·W): per block the causal
-        sums Σ_{m≤t} (φq_t·φk_m) v_m, φq_t·φk_m, W_k x_m and 1 (a triangular mask) and the totals M, z, Σ W_k x and
-        count; the cache's running sums join block 0. A token reads the cache's finished segments below `base`, the
-        chunk's blocks before its own and its own block's causal sums."""
+        a cache). Per block of the buffer (`SegmentLayout`), in O(n·W): the causal sums Σ_{m≤t} (φq_t·φk_m) v_m,
+        φq_t·φk_m, W_k x_m and 1, and the totals M, z, Σ W_k x, count (the cache's running sums join block 0). A token
+        reads the cache's finished segments, the chunk's earlier blocks and its own block's causal sums."""
         B, n = fq.shape[:2]
         R, W = lay.n_rel, lay.width
         rel, vf = lay.rel[:, :n], lay.valid_f[:, :n]
@@ -652,10 +559,8 @@ class MemoryCacheBranch(KeepsFloat32):
         running = dict(run_M=seg_M[rows, last], run_z=seg_z[rows, last], run_g=seg_g[rows, last],
                        run_n=seg_n[rows, last])
         if R > 1:
-            # fin_* are written in place and shared with the states recorded for rollback. That is safe because a
-            # row only ever reads entries below its current segment, and an entry is written only once its segment
-            # is finished (the running segment, blocks past it and padding-only rows write to the sink); a rollback
-            # to an earlier segment masks the later entries until they are finished, and rewritten, again.
+            # fin_* are written in place and shared with recorded states: a row reads only entries below its segment
+            # and an entry is written once finished (others go to the sink row), so a rollback masks later entries.
             r = torch.arange(R, device=fq.device)[None, :]
             at = torch.where(r < last[:, None], lay.base[:, None] + r, torch.full_like(r, state.fin_M.shape[1] - 1))
             at_rows = rows[:, None].expand_as(at)
@@ -665,10 +570,9 @@ class MemoryCacheBranch(KeepsFloat32):
         return y, replace(state, **running)
 
     def _step(self, j: int, fq, fk, v, gu, gk, lay: SegmentLayout, state: MemoryCacheState):
-        """The step form on chunk token j ([B, 1, ...] features): y [B, 1, nh, hd] and the state after it. Its
-        running sums gain φ(k)vᵀ, φ(k), W_k x and 1, after becoming finished entry `base + rel` where the token starts
-        a segment; it reads the finished entries below its segment, and its running totals as one more candidate (with
-        their mean gate key as ḡ). No host sync: one graph for every decode step."""
+        """The step form on chunk token j: y [B, 1, nh, hd] and the state after it. Where the token starts a segment
+        the running sums become finished entry `base + rel`; they then gain φ(k)vᵀ, φ(k), W_k x and 1. It reads the
+        finished entries below its segment and its running totals as one more candidate. No host sync."""
         B = fq.shape[0]
         run_M, run_z, run_g, run_n = state.run_M, state.run_z, state.run_g, state.run_n
         if lay.n_rel > 1:  # a token of the chunk starts a segment (fin_* in place: see `_chunk`)
@@ -699,8 +603,7 @@ class MemoryCacheBranch(KeepsFloat32):
 
 
 class FrozenLinear(nn.Linear):
-    """nn.Linear whose parameters never train, also when a loader swaps new ones in (transformers' `from_pretrained`
-    materialises fresh `nn.Parameter`s, which would otherwise come back with requires_grad=True)."""
+    """nn.Linear whose parameters never train, also those a loader swaps in (`from_pretrained` makes new ones)."""
 
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
         if param is not None:
@@ -722,11 +625,8 @@ class TokenCompressor(nn.Module):
 class MultiHeadHashLookup(KeepsFloat32):
     """r_t = mean over available n ≤ N and heads j of table_j[idx_{n,j}(t)], where h = Σ_k P_{n,k} c_{t−n+1+k}.
 
-    Sign-bit LSH (default): idx = Σ_b [h_b > 0]·2^b over ⌈log2 T⌉ projections per head (scale-invariant).
-    Legacy (`engram_legacy_hash`): one projection per head, idx = trunc(|h|) mod T (the pre-v3 hash).
-    The projections are random buffers saved with the weights: they must be loaded, never regenerated; they stay
-    float32 (the tables follow the model's dtype).
-    """
+    Sign-bit LSH: idx = Σ_b [h_b > 0]·2^b over ⌈log2 T⌉ projections per head; legacy: idx = trunc(|h|) mod T.
+    The projections are random float32 buffers saved with the weights (loaded, never regenerated)."""
 
     float32_children = False
 
@@ -738,6 +638,8 @@ class MultiHeadHashLookup(KeepsFloat32):
         self.n_bits = max(1, math.ceil(math.log2(self.table_size)))
         eh, cd = config.engram_num_heads, config.engram_compress_dim
         self.tables = nn.ModuleList(nn.Embedding(self.table_size, config.hidden_size) for _ in range(eh))
+        for table in self.tables:
+            table._spike_init_std = 0.01
         shape = (eh, cd) if self.legacy else (eh, self.n_bits, cd)
         for n in range(1, self.max_ngram + 1):
             for k in range(n):
@@ -751,10 +653,8 @@ class MultiHeadHashLookup(KeepsFloat32):
         if self.legacy:
             h = sum(window[:, :, k].float() @ getattr(self, f"hash_proj_n{n}_p{k}").float().T for k in range(n))
             return h.abs().long() % self.table_size
-        h = sum(
-            torch.einsum("bsc,jnc->bsjn", window[:, :, k].float(), getattr(self, f"hash_proj_n{n}_p{k}").float())
-            for k in range(n)
-        )
+        h = sum(torch.einsum("bsc,jnc->bsjn", window[:, :, k].float(), getattr(self, f"hash_proj_n{n}_p{k}").float())
+                for k in range(n))
         weights = 2 ** torch.arange(self.n_bits, device=h.device)
         return ((h > 0).long() * weights).sum(-1) % self.table_size
 
@@ -801,9 +701,8 @@ class EngramMemory(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, prefix: torch.Tensor | None,
                 hash_source: torch.Tensor | None = None):
-        """Returns (engram output, the chunk's compressed codes for the cache, the raw lookup r for fusion).
-
-        hash_source: the token embeddings the n-gram hash reads when x is something else (soft prompts)."""
+        """(engram output, the chunk's codes for the cache, the lookup r for fusion); hash_source: the token
+        embeddings the hash reads when x is something else (soft prompts)."""
         c = self.compressor(x if hash_source is None else hash_source)
         n_prefix = self.lookup.max_ngram - 1
         if prefix is None:
@@ -823,7 +722,7 @@ class HyperConnection(nn.Module):
     def pre_op(self, X: torch.Tensor) -> torch.Tensor:
         two = X.shape[1] == 2
         w = derived(self, ("pre", X.dtype, two), lambda: self._pre_weights(X.dtype, two), self.pre_logits)
-        if two:  # X₀ + w₁(X₁ − X₀), the weights summing to 1: one pass, where a K=2 GEMM is slower
+        if two:  # X₀ + w₁(X₁ − X₀): one pass instead of a K=2 GEMM
             return torch.lerp(X[:, 0], X[:, 1], w)
         return torch.matmul(w, X.flatten(2)).view(X.shape[0], *X.shape[2:])
 
@@ -833,7 +732,6 @@ class HyperConnection(nn.Module):
         return w[1] if two else w
 
     def post_op(self, X: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        # one pass over the m streams (X + b·out as two ops writes an m-stream temporary first)
         b = derived(self, ("post", X.dtype), lambda: _as(self.post_scale, X.dtype).view(-1, 1, 1), self.post_scale)
         return torch.addcmul(X, b, out[:, None])
 
@@ -853,9 +751,8 @@ class HCOutputMix(nn.Module):
 class DepthAttention:
     """ṽ_t = Σ_d softmax_d(⟨q̄_t, k_d(t)⟩/√hd) v_d(t);  v ← v + tanh(g)·(ṽ − v)   (across layers, per position).
 
-    q̄ is the mean of a KV group's query heads; the sources d are the checkpoint layers earlier in this pass
-    (every `depth_attention_stride`-th layer) plus the current layer. Parameter-free apart from the gate.
-    """
+    q̄: the mean of a KV group's query heads; sources d: this pass's earlier checkpoint layers (every
+    `depth_attention_stride`-th) plus the current one."""
 
     @staticmethod
     def mix(q, k, v, sources, tanh_gate) -> torch.Tensor:
@@ -876,8 +773,7 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, **kwargs):
-    """softmax(q·kᵀ·scaling + mask)·v in float32 softmax, transformers' eager convention: additive float mask,
-    output [B, S, nh, hd] and the attention weights."""
+    """softmax(q·kᵀ·scaling + mask)·v, softmax in float32; transformers' convention: additive mask, [B, S, nh, hd]."""
     key, value = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
     weights = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
@@ -888,15 +784,10 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling: 
 
 
 def kernel_mask(impl: str, mask, is_causal: bool, key_valid, q, k, memo: dict) -> tuple:
-    """(mask, is_causal) in the form each attention kernel expects, from the boolean [B|1, 1, S, N] "query may read
-    key" mask (None: `is_causal` alone, or no mask at all). The form follows the mask function transformers'
-    `AttentionMaskInterface` holds for `impl`, as in-library models build theirs (a registered kernel declares its
-    form by registering one of these):
-
-    `sdpa_mask`: the boolean mask;  `flash_attention_mask`: the [B, N] padding mask of real keys (None without
-    padding) with is_causal, since flash unpads the keys and aligns causality bottom-right;  `flex_attention_mask`:
-    a `BlockMask`;  anything else (`eager_mask`, none registered): the additive float mask (0 where visible, the
-    dtype's min elsewhere). Each is built once per forward (`memo`) and shared by every slot."""
+    """(mask, is_causal) in the form `impl`'s registered mask function (`AttentionMaskInterface`) implies, from the
+    boolean [B|1, 1, S, N] "query may read key" mask (None: `is_causal` alone): sdpa the boolean mask; flash the
+    [B, N] padding mask of real keys with is_causal (it unpads and aligns causality bottom-right); flex a `BlockMask`;
+    anything else the additive float mask. Built once per forward (`memo`) for every slot."""
     form = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(impl)
     if form is sdpa_mask or (mask is None and not is_causal):
         return mask, is_causal
@@ -940,10 +831,7 @@ def _read_values(w, v, dropout: float) -> torch.Tensor:
 
 def derf_attention(q, k, v, mask, is_causal, dropout, alpha, beta, gamma):
     """DERF: w = γ_h·(erf(α_h·s + β_h) + 1)/2 on the visible scores (0 elsewhere), renormalised by (Σ w + 1e-8).
-
-    As in the reference the per-head γ_h multiplies numerator and denominator, so it only matters through the
-    1e-8 floor; it is kept for checkpoint compatibility.
-    """
+    γ_h cancels except through the 1e-8 floor; it is kept for checkpoint compatibility."""
     s = _scores(q, k)
     vis = _visible(mask, is_causal, s.shape[2], s.shape[3], s.device)
     a, b, g = (t.float()[None, :, None, None] for t in (alpha, beta, gamma))
@@ -953,23 +841,9 @@ def derf_attention(q, k, v, mask, is_causal, dropout, alpha, beta, gamma):
 
 
 def elo_attention(q, k, v, mask, is_causal, dropout, gain, k_factor, past_ratings, query_valid):
-    """Elo / Bradley-Terry attention with persistent key ratings (all in float32).
-
-    Every query t plays one "match" among the keys it can see: key j's actual score is its content attention
-    share p_tj = softmax_j(s_tj) and its expected score is the uniform share 1/n_t, so the rating step is
-    Δ_tj = p_tj − [j visible]/n_t (zero-sum per match; padding queries play none). A key's rating is the sum of
-    its steps over all EARLIER queries, R_tj = Σ_{t'<t} Δ_t'j, and biases the logits of later queries:
-
-        attn_t = softmax_j( s_tj + gain_h · K_h · R_tj )
-
-    with the per-head gain zero-initialised (exact softmax attention at init) and K_h (`elo_k`) starting at
-    `elo_k_init`. Because the expected score does not depend on the ratings, the update is a prefix sum over
-    queries (parallel in training) and the cache only has to carry the un-scaled ratings Σ Δ of the cached keys.
-
-    past_ratings: [B, nh, P] ratings of the P cached keys (None without a cache), query_valid: [B, S].
-    Returns (output, attention weights, ratings after the chunk [B, nh, P+S], ratings after each chunk query
-    [B, nh, S, P+S]).
-    """
+    """Elo attention, float32: attn_t = softmax_j(s_tj + gain_h·K_h·R_tj), R_tj = Σ_{t'<t} Δ_t'j, Δ_tj = a key's
+    attention share minus the uniform one (padding queries add none): a prefix sum, so the cache carries Σ Δ per key.
+    Returns (output, weights, ratings after the chunk [B, nh, P+S], after each query [B, nh, S, P+S])."""
     s = _scores(q, k)
     B, nh, S, N = s.shape
     vis = _visible(mask, is_causal, S, N, s.device)
@@ -987,17 +861,15 @@ def elo_attention(q, k, v, mask, is_causal, dropout, gain, k_factor, past_rating
     return _read_values(w, v, dropout), w, after[:, :, -1], after
 
 
-
 class SpikeWhaleAttention(nn.Module):
-    """MLA attention: low-rank Q, direct GQA K/V, QK-norm before partial RoPE, XSA, low-rank output,
-    depth mixing of V before caching, and the Memory Cache branch added to the output."""
+    """MLA attention: low-rank Q, GQA K/V, QK-norm then partial RoPE, depth mixing of V, XSA, low-rank output, plus
+    the Memory Cache branch."""
 
     def __init__(self, config: SpikeWhaleConfig, layer_idx: int):
         super().__init__()
         H, nh, kvh, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.config = config
-        self.nh, self.kvh, self.hd = nh, kvh, hd
-        # What transformers' attention functions read from the module.
+        self.hd = hd
         self.layer_idx, self.is_causal = layer_idx, True
         self.num_key_value_groups, self.scaling = nh // kvh, hd**-0.5
         self.q_a_proj = nn.Linear(H, config.q_lora_rank, bias=False)
@@ -1012,14 +884,9 @@ class SpikeWhaleAttention(nn.Module):
             self.q_norm = SpikeWhaleRMSNorm(hd, config.rms_norm_eps)
             self.k_norm = SpikeWhaleRMSNorm(hd, config.rms_norm_eps)
         self.rope = SpikeWhaleRotaryEmbedding(config)
-        stride = config.depth_attention_stride
-        self.is_depth_checkpoint = config.use_depth_attention and layer_idx % stride == 0
-        if config.use_depth_attention and layer_idx > 0:
-            self.depth_gate = nn.Parameter(torch.zeros(1))
-        else:
-            self.depth_gate = None
+        self.is_depth_checkpoint = config.use_depth_attention and layer_idx % config.depth_attention_stride == 0
+        self.depth_gate = nn.Parameter(torch.zeros(1)) if config.use_depth_attention and layer_idx > 0 else None
         self.mc = MemoryCacheBranch(config) if config.use_memory_cache else None
-        # Attention weights: softmax (SDPA / eager), DERF, or Elo (which takes precedence over DERF).
         self.attn_kind = "elo" if config.use_elo else ("derf" if config.use_derf else "softmax")
         if self.attn_kind == "derf":
             self.derf_alpha = nn.Parameter(torch.ones(nh))
@@ -1030,23 +897,22 @@ class SpikeWhaleAttention(nn.Module):
             self.elo_k = nn.Parameter(torch.full((nh,), float(config.elo_k_init)))
 
     def input_projections(self, u: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The projections that read the layer input u: (q_a_proj(u), k_proj(u), v_proj(u)). A drop-in may add the
-        Memory Cache's (qkv_proj, gate_proj) outputs as two more (`MemoryCacheBranch.input_projections`)."""
+        """(q_a_proj(u), k_proj(u), v_proj(u)); a drop-in may append the Memory Cache's two (`MemoryCacheBranch`)."""
         return self.q_a_proj(u), self.k_proj(u), self.v_proj(u)
 
     def _attend(self, q, k, v, ctx: ForwardContext, ratings: torch.Tensor | None):
-        """(attention output [B, nh, S, hd], attention weights or None, Elo ratings after the chunk and after each
-        chunk token while recording, or None). Softmax attention goes through transformers' `AttentionInterface`,
-        DERF and Elo are the config's own kernels. ratings: the cached keys' Elo ratings."""
+        """(output [B, nh, S, hd], weights or None, Elo ratings after the chunk and after each recorded token, or None).
+        ratings: the cached keys' Elo ratings."""
         mask = _on(ctx.attn_mask, q.device) if ctx.attn_mask is not None else None
+        dropout = self.config.attention_dropout if self.training else 0.0
         if self.attn_kind != "elo":
             impl = ctx.attn_implementation
             if impl is not None and "flash" in impl and isinstance(ctx.past, torch.Tensor):
                 # A compiled step reads whole static buffers, which flash's 2D padding mask cannot describe.
                 impl = "sdpa"
             key_valid = _on(ctx.key_valid, q.device) if ctx.key_valid is not None else None
-            return (*self._attend_stateless(q, k, v, mask, ctx.is_causal, impl, key_valid, ctx.memo), None, None)
-        dropout = self.config.attention_dropout if self.training else 0.0
+            y, weights = self._attend_stateless(q, k, v, mask, ctx.is_causal, impl, key_valid, ctx.memo, dropout)
+            return y, weights, None, None
         y, weights, ratings, per_query = elo_attention(
             q, k, v, mask, ctx.is_causal, dropout, self.elo_gain, self.elo_k, ratings, ctx.valid.to(q.device)
         )
@@ -1056,12 +922,9 @@ class SpikeWhaleAttention(nn.Module):
         steps = [per_query[:, :, j, : ctx.past + j + 1] for j in range(S - ctx.record, S)] if ctx.record else None
         return y.to(q.dtype), weights, ratings, steps
 
-    def _attend_stateless(self, q, k, v, mask, is_causal: bool, impl: str | None, key_valid, memo: dict) -> tuple:
-        """(output, weights or None) of softmax attention through transformers' `AttentionInterface` (`impl`: the
-        forward's `config._attn_implementation`, or eager for a call that returns the weights; eager, sdpa,
-        flash_attention_*, flex_attention or a registered function), or DERF: everything but Elo, whose ratings are
-        state. Each kernel gets the mask it expects (`kernel_mask`)."""
-        dropout = self.config.attention_dropout if self.training else 0.0
+    def _attend_stateless(self, q, k, v, mask, is_causal: bool, impl: str | None, key_valid, memo: dict, dropout):
+        """(output, weights or None) of DERF, or of softmax attention through `ALL_ATTENTION_FUNCTIONS[impl]` with
+        the mask it expects (`kernel_mask`)."""
         if self.attn_kind == "derf":
             return derf_attention(q, k, v, mask, is_causal, dropout, self.derf_alpha, self.derf_bias, self.derf_gamma)
         impl = impl or "sdpa"
@@ -1078,20 +941,17 @@ class SpikeWhaleAttention(nn.Module):
         return y.transpose(1, 2), weights
 
     def _project(self, u: torch.Tensor, ctx: ForwardContext, proj: tuple):
-        """q [B, nh, S, hd] and k, v [B, kvh, S, hd] from u's (q_a, k, v) projections `proj`: low-rank Q, QK-norm,
-        then partial RoPE on q and k."""
+        """q [B, nh, S, hd], k, v [B, kvh, S, hd] from (q_a, k, v) projections: low-rank Q, QK-norm, partial RoPE."""
         B, S, _ = u.shape
         q_lat, k, v = proj
-        # -1 heads: under tensor parallelism each rank's projections hold only its share of the heads.
+        # -1 heads: under tensor parallelism a rank holds its share of them.
         q = self.q_b_proj(self.q_a_norm(q_lat)).view(B, S, -1, self.hd)
         k = k.view(B, S, -1, self.hd)
         if self.use_qk_norm:
-            # On the projections' own layout (contiguous in a prefill), before the heads go first: RMSNorm of the
-            # transposed view is slower, for the same values bit for bit.
+            # before the transpose: the same values, on a contiguous layout
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, S, -1, self.hd).transpose(1, 2)
         cos, sin = ctx.rope_tables(self.rope, u.device, q.dtype)
-        # q's and k's heads rotated in one pass: the same element-wise ops, half the calls (a decode step's are tiny)
         q, k = apply_partial_rope(torch.cat([q, k], 1), cos, sin).split([q.shape[1], k.shape[1]], 1)
         return q, k, v
 
@@ -1112,9 +972,8 @@ class SpikeWhaleAttention(nn.Module):
         return self.o_b_proj(self.o_a_proj(y.transpose(1, 2).reshape(B, S, nh * hd)))
 
     def forward(self, u: torch.Tensor, ctx: ForwardContext, state: SlotState | None, depth_sources: tuple):
-        """(output [B, S, H], this layer's depth entry or None, attention weights or None, the slot's `SlotUpdate` or
-        None without a cache). state: what the slot carries (None without a cache); its K/V buffers are written in
-        place at `ctx.past`."""
+        """(output [B, S, H], depth entry or None, weights or None, the slot's `SlotUpdate` or None). state: the slot's
+        cache state (None without a cache); its K/V buffers are written in place at `ctx.past`."""
         proj = self.input_projections(u)
         q, k, v = self._project(u, ctx, proj[:3])
         v, depth_entry = self._mix_depth(q, k, v, depth_sources)
@@ -1145,7 +1004,6 @@ class SpikeWhaleAttention(nn.Module):
         return torch.addcmul(yg, (yg * vhat).sum(-1, keepdim=True), vhat, value=-1).view(B, nh, S, hd)
 
 
-
 class SpikeWhaleMLP(nn.Module):
     """Dense SwiGLU: down(silu(gate(u)) ⊙ up(u)); also one MoE expert (and the fused shared experts)."""
 
@@ -1160,8 +1018,7 @@ class SpikeWhaleMLP(nn.Module):
         return self.gate_proj(u), self.up_proj(u)
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
-        # Without autograd, silu and ⊙ run in place on the gate projection's output: a long prefill's [S, F]
-        # temporaries are fresh page-faulted buffers each, which cost about as much as the ops.
+        # Without autograd, in place: a long prefill's [S, F] temporaries cost about as much as the ops.
         inplace = not torch.is_grad_enabled()
         gate, up = self.input_projections(u)
         h = F.silu(gate, inplace=inplace)
@@ -1169,11 +1026,8 @@ class SpikeWhaleMLP(nn.Module):
 
 
 def hash_expert_ids(token_ids: torch.Tensor, n_experts: int, top_k: int) -> torch.Tensor:
-    """Hash routing: a fixed function of the token id → `top_k` distinct experts, [N] → [N, top_k].
-
-    e₀ = mix(id) mod E with mix a Knuth multiplicative hash folded by a xor-shift, then e_j = (e₀ + j) mod E.
-    Nothing is learned or stored, so the choice is identical for every occurrence of a token id.
-    """
+    """Hash routing [N] → [N, top_k]: e₀ = mix(id) mod E (Knuth multiplicative hash, xor-shift fold),
+    e_j = (e₀ + j) mod E."""
     h = (token_ids.long() * 2654435761 + 0x9E3779B9) % (1 << 32)
     h = h ^ (h >> 16)
     first = h % n_experts
@@ -1181,19 +1035,13 @@ def hash_expert_ids(token_ids: torch.Tensor, n_experts: int, top_k: int) -> torc
 
 
 class SpikeWhaleMoE(nn.Module):
-    """MoE FFN: `n_shared_experts` always-on experts (fused into one SwiGLU of n_shared·F) plus the top-k of
-    `n_routed_experts` routed SwiGLU experts of width F = `moe_intermediate_size`:
+    """MoE FFN: shared experts (one fused SwiGLU) plus the top-k of `n_routed_experts` SwiGLU experts:
 
-        s = sqrt(softplus(W_g u))  (`scoring_func="sqrtsoftplus"`)  or  softmax(W_g u)  ("softmax")
-        I = top-k(s)  — or, in hash layers, I = hash(token id) (`hash_expert_ids`; the router then only weighs)
-        w_i = s_i / Σ_{j∈I} s_j  if `norm_topk_prob` else s_i;   w ← w · `routed_scaling_factor`
-        y = shared(u) + Σ_{i∈I} w_i · expert_i(u)
+        s = sqrt(softplus(W_g u)) or softmax(W_g u);  I = top-k(s), or hash(token id) in hash layers
+        w_i = s_i / Σ_{j∈I} s_j (`norm_topk_prob`) · `routed_scaling_factor`;  y = shared(u) + Σ_{i∈I} w_i expert_i(u)
 
-    Dispatch sorts the (token, slot) pairs by expert and runs each expert once on its contiguous group, so
-    the work is proportional to the tokens an expert receives. Padding tokens are not routed (output 0).
-    Load balance (learned-router layers only): aux = E · Σ_e f_e · P_e with f_e the fraction of routed slots
-    sent to e and P_e the mean normalised score of e over the real tokens (1.0 when perfectly balanced).
-    """
+    Padding is not routed (output 0). Load balance (learned routers): aux = E · Σ_e f_e P_e, f_e the share of routed
+    slots sent to e, P_e its mean normalised score."""
 
     def __init__(self, config: SpikeWhaleConfig, hash_routing: bool):
         super().__init__()
@@ -1204,9 +1052,7 @@ class SpikeWhaleMoE(nn.Module):
         self.gate = nn.Linear(config.hidden_size, self.n_experts, bias=False)
         self.experts = nn.ModuleList(SpikeWhaleMLP(config) for _ in range(self.n_experts))
         n_shared = config.n_shared_experts
-        self.shared_experts = (
-            SpikeWhaleMLP(config, width=n_shared * config.moe_intermediate_size) if n_shared else None
-        )
+        self.shared_experts = SpikeWhaleMLP(config, n_shared * config.moe_intermediate_size) if n_shared else None
 
     def route(self, x: torch.Tensor, token_ids: torch.Tensor | None):
         """x [N, H] → (expert ids [N, k], weights [N, k] (float32), scores [N, E] (float32))."""
@@ -1227,7 +1073,7 @@ class SpikeWhaleMoE(nn.Module):
         return idx, w * self.routed_scaling_factor, scores
 
     def dispatch(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Σ_j w_j · expert_{idx_j}(x), grouping the (token, slot) pairs by expert."""
+        """Σ_j w_j · expert_{idx_j}(x), each expert run once on its (token, slot) pairs sorted together."""
         flat = idx.flatten()
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.n_experts).tolist()
@@ -1241,13 +1087,10 @@ class SpikeWhaleMoE(nn.Module):
         """u [B, S, H] → (output [B, S, H], load-balance loss or None)."""
         B, S, H = u.shape
         flat = u.reshape(B * S, H)
-        if ctx is not None:
-            real = ctx.valid.to(u.device).reshape(-1).nonzero().squeeze(1)
-        else:
-            real = torch.arange(B * S, device=u.device)
-        token_ids = None
-        if ctx is not None and ctx.token_ids is not None:
-            token_ids = ctx.token_ids.to(u.device).reshape(-1)[real]
+        real = (ctx.valid.to(u.device).reshape(-1).nonzero().squeeze(1) if ctx is not None
+                else torch.arange(B * S, device=u.device))
+        ids = ctx.token_ids if ctx is not None else None
+        token_ids = ids.to(u.device).reshape(-1)[real] if ids is not None else None
         x = flat[real]
         idx, w, scores = self.route(x, token_ids)
         y = self.dispatch(x, idx, w)
@@ -1263,13 +1106,8 @@ class SpikeWhaleMoE(nn.Module):
 
 
 class EngramFusion(nn.Module):
-    """Mid-stack Engram re-injection (after Nanbeige's NgramLayerFusion), gated by key/state agreement:
-
-        k = W_k r_t,  q = W_q RMSNorm(h_t)   (both `engram_fusion_dim` wide; r = the n-gram lookup of t)
-        out_t = W_o( σ(⟨q, k⟩/√D) · k )      (W_o zero-init: exact no-op at init)
-
-    h is the mean of the residual streams at the start of the layer; out is added to every stream.
-    """
+    """Mid-stack Engram re-injection: out_t = W_o(σ(⟨q, k⟩/√D) · k), k = W_k r_t, q = W_q RMSNorm(h_t), with r the
+    n-gram lookup and h the streams' mean; W_o zero-init (a no-op at init); out is added to every stream."""
 
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__()
@@ -1288,12 +1126,8 @@ class EngramFusion(nn.Module):
 
 
 class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
-    """One block: attention then FFN, each pre-normed and routed through Hyper-Connections (or a plain residual).
-
-    Optional per-layer extras: Engram fusion at the block input (`engram_fusion_layers`), the value-embedding
-    residual h += tanh(ve_gate)·token_embed on the attention input (`use_value_embed`), an MoE FFN
-    (`moe_layers`), and dropout `hidden_dropout` on both sub-layer outputs while training.
-    """
+    """Attention then FFN (or MoE), each pre-normed through Hyper-Connections (or a plain residual); optionally
+    Engram fusion at the input and the value embedding h += tanh(ve_gate)·token_embed on the attention input."""
 
     def __init__(self, config: SpikeWhaleConfig, layer_idx: int):
         super().__init__()
@@ -1315,13 +1149,9 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
     @force_accelerate_hooks(["hc_attn", "hc_ffn"])
     def forward(self, X: torch.Tensor, token_embed=None, engram_r=None, *depth_flat, ctx: ForwardContext = None,
                 state: SlotState | None = None):
-        """X: the residual stream(s); token_embed / engram_r: the raw token embeddings and Engram lookup (used by
-        the value embedding and Engram fusion); depth_flat: k₀, v₀, k₁, v₁, ... of this pass's depth checkpoints;
-        state: what this loop-plan slot carries in the cache (None without one).
-
-        Tensors that need gradients are positional, so re-entrant activation checkpointing sees them too.
-        Returns (X, MoE load-balance loss or None, depth k or None, depth v or None, attention weights or None,
-        the slot's `SlotUpdate` or None)."""
+        """depth_flat: k₀, v₀, k₁, v₁, ... of this pass's depth checkpoints; state: the slot's cache state or None.
+        Tensors that need gradients are positional, for re-entrant activation checkpointing. Returns (X, MoE loss,
+        depth k, depth v, attention weights, `SlotUpdate`), each but X possibly None."""
         depth_sources = tuple(zip(depth_flat[0::2], depth_flat[1::2]))
         X, aux, (depth_entry, weights, update) = self.block(
             X, token_embed, engram_r, lambda u: self.attn(u, ctx, state, depth_sources), ctx
@@ -1330,8 +1160,7 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
         return X, aux, dk, dv, weights, update
 
     def block(self, X, token_embed, engram_r, attention, ctx: ForwardContext | None):
-        """The block around an attention callable u -> (output, *extras): Engram fusion, HC pre/post (or the
-        plain residual), value embedding, pre-norms, FFN or MoE, dropout. Returns (X, MoE aux loss, extras)."""
+        """The block around an attention callable u -> (output, *extras); returns (X, MoE aux loss, extras)."""
         if self.engram_fusion is not None:
             fused = self.engram_fusion(X.mean(1) if self.use_hc else X, engram_r)
             X = X + (fused[:, None] if self.use_hc else fused)
@@ -1343,11 +1172,8 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
             a = F.dropout(a, self.hidden_dropout, True)
         X = self.hc_attn.post_op(X, a) if self.use_hc else X + a
         h = self.hc_ffn.pre_op(X) if self.use_hc else X
-        aux = None
-        if isinstance(self.ffn, SpikeWhaleMoE):
-            f, aux = self.ffn(self.ffn_norm(h), ctx)
-        else:
-            f = self.ffn(self.ffn_norm(h))
+        moe = isinstance(self.ffn, SpikeWhaleMoE)
+        f, aux = self.ffn(self.ffn_norm(h), ctx) if moe else (self.ffn(self.ffn_norm(h)), None)
         if self.training and self.hidden_dropout:
             f = F.dropout(f, self.hidden_dropout, True)
         X = self.hc_ffn.post_op(X, f) if self.use_hc else X + f
@@ -1355,11 +1181,9 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
 
 
 def walk_run(layers: tuple, X, pass_embed, token_embed, engram_r, ctx: ForwardContext, states: tuple):
-    """One run of the loop plan (a loop pass, or the layers before the loop): X plus the pass embedding, then each
-    layer with its slot's state (`SlotState`, or None without a cache), reading this run's depth checkpoints. The one
-    walk of the plan, for every chunk size (`SpikeWhaleModel._run_slots`); `compile_decode` compiles it for decode
-    steps, so it touches no cache object: the slots' updates come back. Returns (X, per slot: (its residual streams
-    if `ctx.keep_streams` else None, MoE load-balance loss or None, attention weights or None, `SlotUpdate` or None))."""
+    """One run of the loop plan (a pass, or the layers before the loop): X plus the pass embedding, then each layer
+    with its slot's state. Compiled for decode steps, so it touches no cache object. Returns (X, per slot: (streams
+    if `ctx.keep_streams`, MoE loss, attention weights, `SlotUpdate`), each possibly None)."""
     if pass_embed is not None:
         X = X + pass_embed
     depth, outs = [], []
@@ -1385,18 +1209,15 @@ def compile_blocker(model: "SpikeWhaleModel") -> str | None:
 
 
 def compiled_decode_guards(entries) -> list[bool]:
-    """The dynamo guards `compile_decode` keeps: all but those on built-in modules (`nn.Linear`, ...) and the tensor
-    checks of module parameters, which only change when the model is re-typed or moved (`SpikeWhaleModel._run_slots`
-    checks that itself) or its weights are replaced; guards on structure, the slot states and the inputs all stay.
-    A quantized parameter (a tensor subclass: torchao's int8) keeps its type check but not the checks of its
-    metadata, which call its `__tensor_flatten__` in Python on every call."""
+    """The dynamo guards `compile_decode` keeps: all but those on built-in modules and on parameter tensors (their
+    metadata too, for tensor subclasses such as int8), which change only when the model is moved or re-typed
+    (checked by `_decode_step_compiles`) or its weights replaced."""
     return [
         not (e.orig_guard.source.is_unspecialized_builtin_nn_module()
              or (e.guard_type in ("TENSOR_MATCH", "TENSOR_SUBCLASS_METADATA_MATCH", "EQUALS_MATCH")
                  and "._parameters[" in e.name))
         for e in entries
     ]
-
 
 
 def check_decode_compiles(model: "SpikeWhaleModel") -> None:
@@ -1410,9 +1231,7 @@ def check_decode_compiles(model: "SpikeWhaleModel") -> None:
 
 
 def compile_walk(options: dict, compile_kwargs: dict):
-    """`walk_run` through `torch.compile` with these options (`decode_compile_options`). The blocks' Python floats
-    (RMSNorm eps, ...) are constants of the model: traced as constants, they are guarded in C++ rather than by
-    per-call Python shape guards."""
+    """`walk_run` through `torch.compile`; the blocks' Python floats (eps, ...) are traced as constants."""
     compiled = torch.compile(walk_run, options=options, **compile_kwargs)
 
     def compiled_run(*args):
@@ -1423,9 +1242,8 @@ def compile_walk(options: dict, compile_kwargs: dict):
 
 
 def decode_compile_options(device: torch.device, compile_kwargs: dict) -> tuple[dict, dict]:
-    """(inductor options, torch.compile kwargs) of a compiled decode walk: dynamic shapes, the guards
-    `compiled_decode_guards` keeps, no per-call asserts (dynamo's guards already pin every input's size and stride),
-    `mode` turned into options (torch.compile takes one or the other), CUDA graphs only on CUDA."""
+    """(inductor options, torch.compile kwargs) of a compiled decode walk: dynamic shapes, `compiled_decode_guards`, no
+    per-call asserts (the guards pin sizes and strides), `mode` as options, CUDA graphs only on CUDA."""
     compile_kwargs = {"dynamic": True, **compile_kwargs}
     options = {"guard_filter_fn": compiled_decode_guards, "size_asserts": False, "alignment_asserts": False,
                "scalar_asserts": False}
@@ -1446,10 +1264,11 @@ class HRMRefinement(nn.Module):
         self.norm = SpikeWhaleRMSNorm(H, config.rms_norm_eps)
         self.down = nn.Linear(2 * H, D, bias=False)
         self.up = nn.Linear(D, H, bias=False)
+        self.up._spike_zero_init = True
         self.gate = nn.Parameter(torch.full((config.hrm_refine_steps,), float(config.hrm_gate_init)))
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """All refinement steps' outputs; the last is the model's, the others feed deep supervision."""
+        """Every step's output; the last is the model's, the others feed deep supervision."""
         h, steps = x, []
         for t in range(self.gate.shape[0]):
             h = h + torch.tanh(self.gate[t]).to(x.dtype) * self.up(F.silu(self.down(torch.cat([self.norm(h), x], -1))))
@@ -1463,6 +1282,7 @@ class MTPHead(nn.Module):
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__()
         self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.proj._spike_zero_init = True
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.proj(h)
@@ -1472,7 +1292,6 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
     config_class = SpikeWhaleConfig
     config: SpikeWhaleConfig
     base_model_prefix = "model"
-    main_input_name = "input_ids"
     supports_gradient_checkpointing = True
     _no_split_modules = ["SpikeWhaleDecoderLayer", "MTPHead"]
     _skip_keys_device_placement = ["cache", "past_key_values"]
@@ -1480,131 +1299,63 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
     _supports_flash_attn = True  # each kernel gets its own mask form (`kernel_mask`)
     _supports_flex_attn = True
     _supports_attention_backend = True  # softmax attention goes through ALL_ATTENTION_FUNCTIONS
-    # torch.compile(model, fullgraph=True) holds for prefill and decode steps on the loop-slot cache (no host syncs
-    # under compile); configs with MoE layers still sync (their expert dispatch groups tokens on the host).
-    _can_compile_fullgraph = True
-    # The loop-slot cache rolls back exactly (`crop` restores the Memory-Cache state), so assisted decoding and
-    # prompt lookup are allowed (transformers < 5.25 refuse them for stateful models; 5.25 dropped the flag).
+    _can_compile_fullgraph = True  # except MoE configs, whose dispatch groups tokens on the host
+    # `crop` restores the Memory-Cache state exactly, so assisted decoding is allowed (transformers < 5.25 checks this)
     _is_stateful = False
-    # RoPE caches, the Engram hash projections and the Memory-Cache branch stay float32 under a bf16/fp16 load:
-    # rounding the hash projections would move tokens between n-gram buckets, and the branch computes in float32
-    # (bf16 weights were cast on every slot of every step). Entries name whole dotted components (the RoPE module,
-    # each projection buffer, each layer's branch), as transformers matches them; these tensors are also created
-    # float32, which is what keeps them so under `_from_config(dtype=...)`.
+    # Float32 under a bf16/fp16 load: rounded hash projections would move n-grams between buckets, and the branch
+    # computes in float32.
     _keep_in_fp32_modules_strict = ["rope", r"hash_proj_n\d+_p\d+", r"attn\.mc"]
 
     def post_init(self):
-        # An instance lists only the optional modules its config builds, as in-library models set the list per
-        # instance.
+        # Only the optional modules this config builds, as in-library models set the list per instance.
         built = {r"hash_proj_n\d+_p\d+": self.config.use_engram, r"attn\.mc": self.config.use_memory_cache}
         self._keep_in_fp32_modules_strict = [m for m in type(self)._keep_in_fp32_modules_strict if built.get(m, True)]
         super().post_init()
-        if not isinstance(self, SpikeWhaleModel):  # the head tensors are the causal LM's own: it reports those it lacks
+        if not isinstance(self, SpikeWhaleModel):  # the causal LM reports missing heads
             ignored = set(self._keys_to_ignore_on_load_unexpected or ())  # None before transformers 5.9
             self._keys_to_ignore_on_load_unexpected = ignored - set(SpikeWhaleModel._keys_to_ignore_on_load_unexpected)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, with `CHECKPOINT_KEY_RENAMES` applied to the file's names (transformers'
-        `key_mapping`) once a released header has filled the table (a caller's own `key_mapping` wins), and, when
-        names still differ, `checkpoint_key_report` logged: which expected names are guesses, and for each unplaceable
-        tensor the absent ones of the same shape."""
+        """`PreTrainedModel.from_pretrained`, with `CHECKPOINT_KEY_RENAMES` as its `key_mapping` (a caller's own wins)
+        and a config far larger than the local weights refused before anything is built."""
         if CHECKPOINT_KEY_RENAMES and kwargs.get("key_mapping") is None:
             kwargs["key_mapping"] = dict(CHECKPOINT_KEY_RENAMES)
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         folder = os.path.join(str(source), *([kwargs["subfolder"]] if kwargs.get("subfolder") else [])) \
             if source is not None else None
-        if folder is not None and os.path.isdir(folder) and (shapes := _stored_shapes(folder)):
-            cls._check_config_fits(folder, kwargs, shapes)
-        want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        missing, unexpected = set(info.get("missing_keys") or ()), set(info.get("unexpected_keys") or ())
-        if missing or unexpected:
-            model_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-            checkpoint = {k: shape for k, shape in model_shapes.items() if k not in missing}
-            stored = _stored_shapes(model.config._name_or_path) if os.path.isdir(model.config._name_or_path) else {}
-            checkpoint.update({k: stored.get(k) for k in unexpected})
-            logger.warning("\n".join(checkpoint_key_report(checkpoint, model_shapes)["lines"]))
-        return (model, info) if want_info else model
-
-    @classmethod
-    def _check_config_fits(cls, folder: str, kwargs: dict, shapes: dict[str, tuple]) -> None:
-        """Refuse, before anything is built, a config (config.json, a `config` passed in, or config fields passed as
-        keyword arguments) that asks for far more than the local weights hold (`oversized_fields`)."""
-        config = kwargs.get("config")
-        names = {*SIZE_FIELDS, *(flag for _, _, flag in SIZE_FIELDS.values() if flag is not None)}
-        if isinstance(config, SpikeWhaleConfig):
-            values = {name: getattr(config, name, None) for name in names}
-        else:
-            path = config if isinstance(config, (str, os.PathLike)) else os.path.join(folder, "config.json")
-            try:
-                with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as f:
-                    values = json.load(f)
-            except (OSError, ValueError):
-                return  # transformers reports a missing or unreadable config itself
-            if not isinstance(values, dict):
-                return
-            values.update({k: v for k, v in kwargs.items() if k in names})
-        found = oversized_fields(values, shapes)
-        if found:
-            raise ValueError(
-                f"{folder}: the config asks for {', '.join(found)}, far more than its safetensors weights hold; "
-                "fix these fields in config.json (or pass the checkpoint's own config) to load it."
-            )
+        if folder is not None and os.path.isdir(folder):
+            refuse_oversized_config(folder, kwargs)
+        return super().from_pretrained(*args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            zero = getattr(module, "_spike_zero_init", False)
-            (init.zeros_ if zero else init.normal_)(module.weight, **({} if zero else {"mean": 0.0, "std": std}))
-            if module.bias is not None:
-                init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding) and getattr(module, "_spike_zero_init", False):
+        """transformers' normal(initializer_range) Linear/Embedding and unit norms, except the `_spike_zero_init`
+        modules and `_spike_init_std` tables; every other parameter gets its constructor's value."""
+        cfg = self.config
+        if getattr(module, "_spike_zero_init", False):
             init.zeros_(module.weight)
-        elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, mean=0.0, std=getattr(module, "_spike_init_std", std))
-        elif isinstance(module, SpikeWhaleRMSNorm):
-            init.ones_(module.weight)
+        elif isinstance(module, nn.Embedding) and hasattr(module, "_spike_init_std"):
+            init.normal_(module.weight, mean=0.0, std=module._spike_init_std)
         elif isinstance(module, SpikeWhaleRotaryEmbedding):
-            for buf, value in zip((module.inv_freq, module.cos_cache, module.sin_cache), module.compute()):
-                init.copy_(buf, value)
+            module.reset_caches()
         elif isinstance(module, MultiHeadHashLookup):
             for _, _, buf in module.projections():
                 w = torch.randn(buf.shape, dtype=torch.float32)
                 init.copy_(buf, w / w.norm(dim=-1, keepdim=True))
-        elif isinstance(module, DERFContextGate):
-            init.ones_(module.alpha)
-            init.constant_(module.beta, self.config.engram_gate_init_bias)
-            init.ones_(module.gamma)
-        elif isinstance(module, HyperConnection):
-            init.zeros_(module.pre_logits)
-            init.ones_(module.post_scale)
-        elif isinstance(module, HCOutputMix):
-            init.zeros_(module.mix_logits)
-        elif isinstance(module, HRMRefinement):
-            init.constant_(module.gate, float(self.config.hrm_gate_init))
-        elif isinstance(module, SpikeWhaleAttention):
-            if module.depth_gate is not None:
-                init.zeros_(module.depth_gate)
-            if module.attn_kind == "derf":
-                init.ones_(module.derf_alpha)
-                init.zeros_(module.derf_bias)
-                init.ones_(module.derf_gamma)
-            elif module.attn_kind == "elo":
-                init.zeros_(module.elo_gain)
-                init.constant_(module.elo_k, float(self.config.elo_k_init))
-        elif isinstance(module, SpikeWhaleDecoderLayer) and module.ve_gate is not None:
-            init.zeros_(module.ve_gate)
-        elif isinstance(module, MemoryCacheBranch):
-            init.zeros_(module.gate_bias)
-            init.ones_(module.feature_scale)
-            init.zeros_(module.mc_gate)
+        elif isinstance(module, (nn.Linear, nn.Embedding, SpikeWhaleRMSNorm)):
+            super()._init_weights(module)
+        fills = dict(alpha=1, beta=cfg.engram_gate_init_bias, gamma=1, pre_logits=0, post_scale=1, mix_logits=0,
+                     gate=cfg.hrm_gate_init, depth_gate=0, derf_alpha=1, derf_bias=0, derf_gamma=1, elo_gain=0,
+                     elo_k=cfg.elo_k_init, ve_gate=0, gate_bias=0, feature_scale=1, mc_gate=0)
+        for name, param in module.named_parameters(recurse=False):
+            if name in fills:
+                init.constant_(param, float(fills[name]))
 
 
 @dataclass
 class SpikeWhaleModelOutput(BaseModelOutputWithPast):
-    """Backbone output; `refinement_states` are the normed HRM step outputs (the last is `last_hidden_state`)."""
+    """Backbone output; `refinement_states`: the normed HRM step outputs (the last is `last_hidden_state`)."""
 
     refinement_states: tuple[torch.Tensor, ...] | None = None
     moe_aux_loss: torch.FloatTensor | None = None
@@ -1616,7 +1367,6 @@ class SpikeWhaleModelOutput(BaseModelOutputWithPast):
 class SpikeWhaleModel(SpikeWhalePreTrainedModel):
     """Embeddings + Engram, the looped block stack walked by the loop plan, HC output mix, HRM and final norm."""
 
-    # A causal LM's checkpoint holds its heads beside the backbone; the backbone alone passes over them.
     _keys_to_ignore_on_load_unexpected = [r"^(lm_head|mtp_heads|abstain_head)\."]
 
     def __init__(self, config: SpikeWhaleConfig):
@@ -1632,20 +1382,9 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         self.gradient_checkpointing = False
         self._compiled_run = None  # `walk_run` compiled for decode steps, set by compile_decode()
         self._compiled_for: tuple[torch.dtype, torch.device] | None = None
-        if self.engram is not None:
-            for table in self.engram.lookup.tables:
-                table._spike_init_std = 0.01
-        if self.hrm_refine is not None:
-            self.hrm_refine.up._spike_zero_init = True
         if self.loop_pass_embed is not None:
             self.loop_pass_embed._spike_zero_init = True
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
 
     def _check_inputs(self, input_ids, inputs_embeds, static: bool):
         if input_ids is None and inputs_embeds is None:
@@ -1666,7 +1405,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                 )
 
     def _check_token_ids(self, input_ids: torch.Tensor, static: bool) -> None:
-        """Ids outside the vocabulary raise; without host reads (`static`) the check is a device-side assert."""
+        """Ids outside the vocabulary raise; a device-side assert when `static`."""
         V = self.config.vocab_size
         inside = (input_ids >= 0) & (input_ids < V)
         if static:
@@ -1678,8 +1417,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             )
 
     def _check_positions(self, positions: torch.Tensor, static: bool) -> None:
-        """Positions must lie in [0, max_position_embeddings): this model raises instead of wrapping. Without host reads
-        (`static`) the check is a device-side assert."""
+        """Positions must lie in [0, max_position_embeddings) (no wrapping); a device-side assert when `static`."""
         limit = self.config.max_position_embeddings
         inside = (positions >= 0) & (positions < limit)
         if static:
@@ -1701,7 +1439,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
 
     @staticmethod
     def _check_attention_mask(attention_mask, B: int, S: int, cache: SpikeWhaleCache | None) -> None:
-        """The mask is a 2D padding mask over the cache's and the chunk's tokens; checked before anything reads it."""
+        """The mask must be a 2D padding mask over the cache's and the chunk's tokens."""
         if attention_mask is None:
             return
         compiling = torch.compiler.is_compiling()
@@ -1717,7 +1455,6 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             )
 
     def _context(self, B, S, device, attention_mask, position_ids, cache, static: bool) -> ForwardContext:
-        # Under torch.compile the cache's length is read as a tensor, so one graph serves every decode step.
         compiling = torch.compiler.is_compiling()
         past = (cache.length.to(device) if compiling else cache.seq_len) if cache is not None else 0
         if attention_mask is not None:
@@ -1770,11 +1507,8 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         segments = None
         if self.config.use_memory_cache:
             L = self.config.mc_segment_len
-            # The Memory Cache's step form takes a one-token chunk on a cache and the recorded tokens (see
-            # `MemoryCacheBranch`), the chunk form the rest.
             steps = 0 if cache is None else (1 if S == 1 else record)
             if cache is not None and cache.mc_segment is not None:
-                # Compiled: every finished-segment entry is read, those not finished yet masked.
                 n_fin = cache.n_mc_segments if compiling else min(cache.n_mc_segments,
                                                                   (past + S - 1 if steps else past) // L)
                 base = cache.mc_segment.to(device)
@@ -1794,8 +1528,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         return tuple(self.layers[layer_idx] for layer_idx, _ in self.loop_plan.entries[lo:hi])
 
     def run_pass_embedding(self, loop_pass: int | None, X: torch.Tensor) -> torch.Tensor | None:
-        """The loop-pass embedding added to the streams at the start of a run (None for a run that starts no pass),
-        [1, H] like X."""
+        """The loop-pass embedding [1, H] added at the start of a run (None for a run that starts no pass)."""
         if loop_pass is None or self.loop_pass_embed is None:
             return None
         index = torch.full((1,), loop_pass, dtype=torch.long, device=X.device)
@@ -1803,17 +1536,14 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
 
     def _run_slots(self, X, token_embed, engram_r, ctx: ForwardContext, cache: SpikeWhaleCache | None,
                    hidden_states: list | None, attentions: list | None):
-        """Every run of the loop plan through `walk_run` (compiled for decode steps after `compile_decode`), each slot
-        reading its state from the cache and storing its update back. Returns (X, the MoE load-balance losses);
-        appends each slot's output (streams read out like the final one) and attention weights to the lists given."""
+        """Every run of the loop plan through `walk_run` (compiled for decode steps), each slot's update stored in the
+        cache. Returns (X, MoE losses); appends each slot's read-out streams and attention weights to the lists."""
         aux_terms = []
         end = ctx.past + X.shape[-2]
         compiled = self._compiled_run is not None and self._decode_step_compiles(ctx, cache)
         X = X.contiguous()  # the streams start as an expanded view; one memory layout means one compiled graph
-        # A no-grad chunk on a warm cache (a decode step, a verify chunk, a later prompt chunk) walks in inference
-        # mode: no version counters or view tracking on the thousands of small view ops of a step. What outlives it
-        # is copied into the cache's buffers, which stay normal tensors (Elo ratings are kept as made: not then);
-        # X is read outside, so every output is normal.
+        # A no-grad chunk on a warm cache walks in inference mode (no version counters on a step's many small ops);
+        # its states are copied into normal buffers (Elo ratings are kept as made: not with Elo).
         inference = (not torch.compiler.is_compiling() and cache is not None and ctx.past > 0 and not compiled
                      and not torch.is_grad_enabled() and hidden_states is None and attentions is None
                      and not self.config.use_elo)
@@ -1838,9 +1568,8 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         return X, aux_terms
 
     def _decode_step_compiles(self, ctx: ForwardContext, cache: SpikeWhaleCache | None) -> bool:
-        """Whether this chunk runs through the compiled `walk_run`: one token per row staying in its current
-        Memory-Cache segment, on a warm cache, in eval, returning no per-slot outputs. Everything else runs eagerly
-        through the same walk (the compiled graph is traced for these shapes only)."""
+        """Whether this chunk runs the compiled `walk_run`: one token per row in its current Memory-Cache segment, on a
+        warm cache, in eval, with no per-slot outputs."""
         seg = ctx.segments
         if cache is None or ctx.past == 0 or ctx.positions.shape[1] != 1 or self.training:
             return False
@@ -1856,16 +1585,14 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
 
     @staticmethod
     def packed_sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:
-        """[B, S] bool, True where a sequence starts: column 0 and wherever positions do not continue by one (padding-free
-        packing, as `DataCollatorWithFlattening` writes it: position_ids restarting at 0 inside a row)."""
+        """[B, S] bool, True at column 0 and wherever positions do not continue by one (padding-free packing)."""
         starts = torch.ones_like(position_ids, dtype=torch.bool)
         starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
         return starts
 
     def _forward_packed(self, input_ids, inputs_embeds, position_ids, starts, output_hidden_states: bool):
-        """Padding-free packing: the sequences of every row run as one right-padded batch, so each computes exactly
-        the function it computes alone (attention, Memory-Cache segments, Engram window, depth attention), and the
-        outputs are packed back into the rows."""
+        """Padding-free packing: the rows' sequences run as one right-padded batch, each exactly as alone, and the
+        outputs are packed back."""
         B, S, H = inputs_embeds.shape
         seq_id = starts.flatten().long().cumsum(0) - 1  # [B·S]: the sequence of each token
         n = int(seq_id[-1]) + 1
@@ -1907,21 +1634,15 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         output_hidden_states: bool | None = None,
         **kwargs,
     ) -> SpikeWhaleModelOutput:
-        """`hidden_states` (with `output_hidden_states=True`): the embedding output (after Engram) and then one entry
-        per loop-plan slot (1 + 48 for the 114M preset: the counts follow slots, not layers), each the residual
-        streams read out as `hc_out_mix` reads the last one, before HRM and the final norm. `attentions` (with
-        `output_attentions=True`, eager, DERF or Elo attention): one [B, heads, S, past + S] map per slot.
-
-        Both `input_ids` and `inputs_embeds` may be given: the embeddings are the input, the ids only route the
-        hash-routed MoE layers and give Engram its n-gram hash (soft prompts, prompt tuning)."""
+        """`hidden_states`: the embedding output (after Engram), then one entry per loop-plan slot, the streams read out
+        by `hc_out_mix` (before HRM and the norm). `attentions`: one [B, heads, S, past + S] map per slot. Given both
+        `input_ids` and `inputs_embeds`, the embeddings are the input and the ids feed hash routing and Engram."""
         cfg = self.config
         output_attentions = output_attentions if output_attentions is not None else cfg.output_attentions
         output_hidden_states = output_hidden_states if output_hidden_states is not None else cfg.output_hidden_states
         if use_cache is None:
             use_cache = cache is not None or (cfg.use_cache and not self.training)
         first = input_ids if input_ids is not None else inputs_embeds
-        # A decode step on an accelerator reads no value on the host (`reads_values_free`); under torch.compile
-        # nothing does.
         static = torch.compiler.is_compiling() or (
             first is not None and not reads_values_free(first.device) and isinstance(cache, SpikeWhaleCache)
             and bool(use_cache) and cache.seq_len > 0)
@@ -1962,10 +1683,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                     "non-empty cache: packed rows are supported as DataCollatorWithFlattening writes them, with "
                     "position_ids only. Drop the attention_mask, or pad the sequences into separate rows."
                 )
-        if use_cache and cache is None:
-            cache = SpikeWhaleCache(cfg)
-        if not use_cache:
-            cache = None
+        cache = (cache if cache is not None else SpikeWhaleCache(cfg)) if use_cache else None
         ctx = self._context(B, S, device, attention_mask, position_ids, cache, static)
         ctx.token_ids, ctx.need_weights, ctx.keep_streams = input_ids, bool(output_attentions), bool(output_hidden_states)
         if eager_weights:
@@ -1999,21 +1717,10 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
 
 @dataclass
 class SpikeWhaleCausalLMOutput(CausalLMOutputWithPast):
-    """Causal-LM output.
-
-    With `labels` the training objective is
-
-        loss = lm_loss + zloss_coef·z_loss + mtp_loss_weight·mtp_loss + hrm_loss
-               + abstain_loss_weight·abstain_loss + moe_aux_loss_coef·moe_aux_loss
-
-    and every term is also reported un-weighted in its own field so it can be logged (None when its mechanism
-    is off or, for all of them, without labels). Every term skips targets equal to -100.
-
-    Abstain head (`use_abstain_head`): `abstain_probs[b, t]` is the head's probability that the model's argmax
-    prediction at position t (of token t+1, like `logits[b, t]`) is wrong; `abstain_mask` is
-    `abstain_probs > abstain_threshold` and `abstain_threshold` echoes `config.abstain_threshold` (0.6 by
-    default). All three are None without the head.
-    """
+    """Causal-LM output. With labels, loss = lm_loss + zloss_coef·z_loss + mtp_loss_weight·mtp_loss + hrm_loss
+    + abstain_loss_weight·abstain_loss + moe_aux_loss_coef·moe_aux_loss, each term also given un-weighted (None when
+    off); targets -100 are skipped. `abstain_probs[b, t]`: P(the argmax at t is wrong); `abstain_mask`: it above
+    `abstain_threshold` (the config's)."""
 
     lm_loss: torch.FloatTensor | None = None
     z_loss: torch.FloatTensor | None = None
@@ -2041,7 +1748,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
     """SpikeWhale language model: backbone, tied `lm_head` and the MTP heads (no `model.` prefix on the heads)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    _tp_plan = {"lm_head": "colwise_rep"}  # split by vocabulary, gathered (the name every transformers 5.x registers)
+    _tp_plan = {"lm_head": "colwise_rep"}  # split by vocabulary, gathered
     _auto_class = "AutoModelForCausalLM"
     # The loss is a per-batch mean of several terms; let `Trainer` average it over accumulation steps.
     accepts_loss_kwargs = False
@@ -2051,48 +1758,36 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         self.model = SpikeWhaleModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp_heads = nn.ModuleList(MTPHead(config) for _ in range(config.num_nextn_predict_layers))
-        for head in self.mtp_heads:
-            head.proj._spike_zero_init = True
-        # Abstain head: one logit per position, σ(·) = P(the argmax prediction here is wrong).
         self.abstain_head = nn.Linear(config.hidden_size, 1, bias=True) if config.use_abstain_head else None
         self.post_init()
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """`PreTrainedModel.save_pretrained`; once registered for an auto class, `auto_map` also names the backbone
-        for `AutoModel` (transformers' `custom_object_save` records only the class being saved)."""
+        """`PreTrainedModel.save_pretrained`, with the backbone also in `auto_map` as `AutoModel`."""
         if self._auto_class is not None:
             auto_map = dict(getattr(self.config, "auto_map", None) or {})
             auto_map.setdefault("AutoModel", f"{SpikeWhaleModel.__module__.split('.')[-1]}.{SpikeWhaleModel.__name__}")
             self.config.auto_map = auto_map
         return super().save_pretrained(save_directory, *args, **kwargs)
 
-    def optimizer_param_groups(self, lr: float, **kwargs) -> list[dict]:
-        """The "three-tier optimizer" parameter groups; see `three_tier_param_groups`."""
-        return three_tier_param_groups(self, lr, **kwargs)
-
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
 
     def _prepare_generation_config(self, generation_config=None, *args, **kwargs):
-        """transformers' merge of the caller's settings over `generation_config.json`, except that a caller's
-        `max_length` also replaces the serving default `max_new_tokens` (`caller_length_wins`)."""
+        """transformers' merge, except that a caller's `max_length` also replaces the default `max_new_tokens`."""
         config, model_kwargs = super()._prepare_generation_config(generation_config, *args, **kwargs)
         return caller_length_wins(config, generation_config, kwargs), model_kwargs
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """A `SpikeWhaleCache` before the prefill (`prepare_generation_cache`), so that generate sees a compileable
-        cache; `cache_implementation="static"` sizes it to the call. `args`: transformers' generation mode, batch size
-        and the positions the call feeds (`inputs_embeds` counted, which `max_length` leaves out)."""
+        """A `SpikeWhaleCache` before the prefill (`prepare_generation_cache`); args: transformers' generation mode,
+        batch size and the positions the call feeds."""
         fed = kwargs.get("max_cache_length", args[2] if len(args) > 2 else None)
         if not prepare_generation_cache(self, generation_config, model_kwargs, fed):
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
-        """When generate compiles the decode step. A `compile_config` given explicitly compiles on any device (the
-        decode step's compile was built and measured on CPU, where transformers would skip it); without one, as for
-        in-library models, only a static cache (`cache_implementation="static"`) on an accelerator does. Never where
-        decode steps cannot compile (`compile_blocker`)."""
+        """An explicit `compile_config` compiles on any device (CPU included); without one, as in-library, a static
+        cache on an accelerator does. Never where `compile_blocker` objects."""
         if generation_config.disable_compile or not isinstance(model_kwargs.get(CACHE_FIELD), SpikeWhaleCache):
             return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
         reason = compile_blocker(self.model)
@@ -2102,26 +1797,19 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             return False
         if generation_config.compile_config is not None:
             return True
-        return generation_config.cache_implementation == "static" and super()._valid_auto_compile_criteria(
-            model_kwargs, generation_config
-        )
+        return (generation_config.cache_implementation == "static"
+                and super()._valid_auto_compile_criteria(model_kwargs, generation_config))
 
     def create_masks_for_generate(self, attention_mask=None, inputs_embeds=None, **kwargs):
-        """generate's mask hook for compileable caches: the 2D padding mask of the chunk's own tokens (its last S
-        columns). The cache holds the validity of every earlier key, from which the forward builds the attention mask
-        and the Memory-Cache segment layout; a width that does not grow keeps a whole-forward compiled step one graph."""
+        """The chunk's own columns of the padding mask: the cache holds earlier keys' validity, and a fixed width keeps
+        a whole-forward compiled step one graph."""
         if attention_mask is None or inputs_embeds is None:
             return attention_mask
         return attention_mask[:, -inputs_embeds.shape[1]:]
 
     def get_compiled_call(self, compile_config):
-        """transformers' compile switch (`generate(..., compile_config=CompileConfig(...))`, or the same in
-        `generation_config`): compiles the one-token decode step, one graph per loop-plan run (`compile_decode`,
-        traced once per config), and returns the model's call; prefill and multi-token chunks stay eager.
-
-        transformers' own `PreTrainedModel.get_compiled_call` (`torch.compile(model.__call__)`) works too: the whole
-        decode step is one graph with static shapes (tested). It is not the default because it unrolls every slot of
-        every loop pass into one graph, which compiles several times longer and decoded slower (docs/performance.md)."""
+        """`generate(..., compile_config=...)`: compiles the one-token decode step per loop-plan run (`compile_decode`)
+        rather than the whole forward, which would unroll every slot of every pass into one graph."""
         if compile_blocker(self.model) is not None:
             return self.__call__
         config = compile_config.to_dict() if compile_config is not None else {}
@@ -2133,53 +1821,23 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         return self.__call__
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
-        """`GenerationMixin.generate` (greedy, sampling, beams, processors, stopping criteria, streamers, ...) with
-        the exact loop-slot cache, plus:
-
-        - the context check: prompt (padded width) + new tokens beyond `max_position_embeddings` (or a passed
-          cache's `max_cache_len`) raises `ValueError` before any work; `truncate_to_context=True` instead drops
-          the oldest prompt tokens (keeping `<bos>`).
-        - `use_mtp=True`: greedy MTP self-speculative decoding, ids identical to `do_sample=False`; the draft
-          statistics are in `model.last_mtp_stats` and, with `return_dict_in_generate=True`, in
-          `mtp_acceptance_rate` / `mtp_drafted_tokens` / `mtp_accepted_tokens` of the output.
-          `mtp_draft_tokens=k` drafts k tokens per step, MTP head j the j-th and, past the heads, the first head
-          chained on the previous draft's final norm (default: transformers' `num_assistant_tokens` from the call or
-          generation_config.json, else one per head);
-          `assistant_confidence_threshold=t` drafts only where the MTP head's top probability is above t (unset: every
-          step).
-        - a conversation continues from a previous call's cache: pass the full ids and `cache=out.cache`.
-        The work is done in `generation_utils.spike_whale_generate`.
-        """
+        """`GenerationMixin.generate` on the loop-slot cache (`spike_whale_generate`), plus: a prompt past the context
+        raises before any work (`truncate_to_context=True` drops its oldest tokens); `use_mtp=True` decodes MTP
+        self-speculatively, ids identical to greedy (`mtp_draft_tokens`, `assistant_confidence_threshold`); a
+        conversation continues from `cache=out.cache` given the full ids."""
         return spike_whale_generate(self, super().generate, inputs, generation_config, **kwargs)
 
     def compile_decode(self, enable: bool = True, **compile_kwargs) -> None:
-        """Run one-token decode steps through `torch.compile`, the call behind `generate(...,
-        compile_config=CompileConfig(...))` (`get_compiled_call`); direct calls serve forwards outside generate.
-
-        The walk of one run of the loop plan (`walk_run`, a loop pass) becomes one graph with dynamic shapes, traced on
-        the first decode step and reused by every pass and step: the weights are shared, so one graph serves the loop.
-        Prefill and multi-token chunks run the same walk eagerly. `compile_kwargs` go to `torch.compile`; a `mode`
-        becomes inductor options (CUDA graphs only on CUDA), under explicit `options`. Guards on built-in modules and
-        parameter tensors are skipped (`compiled_decode_guards`), so moving or re-typing the model raises until this
-        is called again. `enable=False` returns to eager decoding."""
+        """Run one-token decode steps through `torch.compile`: one graph of `walk_run` (a loop pass; the weights are
+        shared) serves every pass and step; other chunks run the same walk eagerly. `compile_kwargs` go to
+        `torch.compile`. Parameter guards are skipped, so moving or re-typing the model raises until this is called
+        again. `enable=False` returns to eager decoding."""
         if not enable:
             self.model._compiled_run, self.model._compiled_for = None, None
             return
         check_decode_compiles(self.model)
         self.model._compiled_run = compile_walk(*decode_compile_options(self.device, compile_kwargs))
         self.model._compiled_for = (self.model.embed_tokens.weight.dtype, self.model.embed_tokens.weight.device)
-
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, value):
-        self.lm_head = value
 
     @can_return_tuple
     def forward(
@@ -2198,15 +1856,12 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         shift_labels: torch.LongTensor | None = None,
         **kwargs,
     ) -> SpikeWhaleCausalLMOutput:
-        """See `SpikeWhaleModel.forward` for the inputs and `SpikeWhaleCausalLMOutput` for the loss. `shift_labels`
-        (already shifted: shift_labels[:, t] is the target of position t, as accelerate's context parallelism and
-        `Trainer` pass it) replaces the shifting of `labels`; `return_dict=False` returns transformers' tuple
-        (loss, logits, cache, hidden_states, attentions, ...; None entries left out)."""
+        """See `SpikeWhaleModel.forward` and `SpikeWhaleCausalLMOutput`. `shift_labels[:, t]`, the target of position
+        t (as `Trainer` and context parallelism pass it), replaces the shifting of `labels`."""
         cache = cache if cache is not None else past_key_values
         if cache is not None and not isinstance(cache, SpikeWhaleCache):
             if isinstance(cache, Cache) and cache.get_seq_length() == 0:
-                cache = None
-                use_cache = True
+                cache, use_cache = None, True
             else:
                 raise TypeError(
                     f"spike_whale needs a SpikeWhaleCache (K/V per loop-plan slot plus Memory-Cache state); got "
@@ -2237,27 +1892,17 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         return dict(abstain_probs=probs, abstain_mask=probs > threshold, abstain_threshold=threshold)
 
     def _with_loss(self, h, out, labels, attention_mask, shift_labels=None, position_ids=None) -> SpikeWhaleCausalLMOutput:
-        """labels = the input ids (HF style, shifted here), or `shift_labels` already shifted (shift_labels[:, t] is
-        the target of position t, so the last position has one too). See `SpikeWhaleCausalLMOutput` for the objective.
-
-        Padding (attention_mask 0) is never a target nor a source: the first real token after left padding is
-        not predicted from a pad position. In padding-free packed rows (position_ids restarting) no target crosses
-        into the next sequence, for the MTP heads either.
-
-        - lm_loss: CE of logits[:, t] against labels[:, t+1].
-        - z_loss: mean over counted targets of logsumexp(logits)².
-        - mtp_loss: mean over MTP heads k = 1..K of the CE of head k at t against labels[:, t+k+1].
-        - hrm_loss: deep supervision — the CE of every refinement step before the last (each through the final
-          norm and lm_head), summed, so every step carries the same weight as the last one (which is lm_loss).
-        - abstain_loss: BCE-with-logits of the abstain head at t toward [argmax logits[:, t] != labels[:, t+1]],
-          positive class weighted by `abstain_pos_weight`, averaged over counted targets.
-        - moe_aux_loss: the load-balance loss averaged over every learned-router MoE layer application.
-        """
+        """The objective of `SpikeWhaleCausalLMOutput`; padding is neither target nor source, and no target crosses
+        into the next packed sequence.
+        - lm_loss: CE of logits[:, t] against labels[:, t+1];  z_loss: mean logsumexp(logits)².
+        - mtp_loss: mean over heads k of the CE of head k at t against labels[:, t+k+1].
+        - hrm_loss: the summed CE of every refinement step before the last (deep supervision).
+        - abstain_loss: BCE of the abstain head toward [argmax logits[:, t] != labels[:, t+1]] (`abstain_pos_weight`).
+        - moe_aux_loss: the mean load-balance loss of the learned-router layers."""
         cfg = self.config
         logits = self.lm_head(h)
         S = logits.shape[1]
         if shift_labels is not None:
-            # Position t's target sits at t, so "k steps ahead of the next token" is column t + k.
             shifted_by, labels = 0, shift_labels.to(logits.device)
         else:
             shifted_by, labels = 1, labels.to(logits.device)
@@ -2271,8 +1916,7 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             seq_id = self.model.packed_sequence_starts(position_ids.to(labels.device).expand(h.shape[:2])).cumsum(1)
 
         def shifted(k: int) -> torch.Tensor:
-            """Targets k steps past position t's input token, aligned from t = 0; a padding position predicts nothing
-            (its output depends on the pad) and no target lies in another packed sequence."""
+            """Targets k steps past position t's input token; none from padding or across packed sequences."""
             d = k - 1 + shifted_by
             t = labels[:, d:]
             if source_pad is not None:
@@ -2287,28 +1931,21 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         counted = target != -100
         lm_loss = _cross_entropy(logits[:, :n_pred], target)
         loss = lm_loss
-        z_loss = None
+        z_loss = mtp_loss = hrm_loss = abstain_loss = None
         if cfg.zloss_coef:
             lse = torch.logsumexp(logits[:, :n_pred].float(), -1)
             z_loss = (lse.pow(2) * counted).sum() / counted.sum().clamp(min=1)
             loss = loss + cfg.zloss_coef * z_loss
-        mtp_loss = None
         if self.mtp_heads and cfg.mtp_loss_weight:
-            terms = []
-            for k, head in enumerate(self.mtp_heads, start=1):
-                t = shifted(k + 1)
-                if t.shape[1] < 1:
-                    continue
-                terms.append(_cross_entropy(self.lm_head(head(h[:, : t.shape[1]])), t))
+            terms = [_cross_entropy(self.lm_head(head(h[:, : t.shape[1]])), t)
+                     for k, head in enumerate(self.mtp_heads, start=1) if (t := shifted(k + 1)).shape[1] >= 1]
             if terms:
                 mtp_loss = torch.stack(terms).mean()
                 loss = loss + cfg.mtp_loss_weight * mtp_loss
-        hrm_loss = None
         steps = out.refinement_states or ()
         if cfg.use_hrm_refine and cfg.hrm_deep_supervision and len(steps) > 1:
             hrm_loss = torch.stack([_cross_entropy(self.lm_head(s[:, :n_pred]), target) for s in steps[:-1]]).sum()
             loss = loss + hrm_loss
-        abstain_loss = None
         if self.abstain_head is not None:
             a_logit = self.abstain_head(h[:, :n_pred]).squeeze(-1).float()
             wrong = (logits[:, :n_pred].detach().argmax(-1) != target).float().to(a_logit.device)
@@ -2327,48 +1964,6 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             moe_aux_loss=moe_aux_loss, last_hidden_state=h,
             **self._abstain_fields(h),
         )
-
-
-# Parameters of the "embedding / table" tier of `three_tier_param_groups`.
-_EMBEDDING_TIER = re.compile(r"(^|\.)(embed_tokens|engram\.lookup\.tables\.\d+|loop_pass_embed)\.weight$")
-
-
-def three_tier_param_groups(
-    model: nn.Module,
-    lr: float,
-    embedding_lr_scale: float = 0.1,
-    weight_decay: float = 0.1,
-) -> list[dict]:
-    """The seed's "three-tier optimizer" as `torch.optim` parameter groups (e.g. `AdamW(groups)`).
-
-    1. "embedding": the token embedding (= the tied lm_head), the Engram n-gram tables and the loop-pass
-       embeddings, at `lr * embedding_lr_scale` and no weight decay — they are lookup tables whose rows
-       see few updates each, so they train at a lower LR (the seed: "embed/table params trained at lower LR").
-    2. "matrix": every other parameter with 2+ dims (projections, experts, heads) at `lr` with `weight_decay`.
-    3. "scalar": vectors and scalars (norm weights, biases, gates, DERF/Elo/HC parameters) at `lr`, no decay.
-
-    The frozen Engram compressor (and anything else with requires_grad=False) is left out, so it stays frozen
-    whatever the optimizer does; tied parameters appear once. The 0.1 LR scale and the decay split are this
-    port's defaults [U]: the seed names the tiers' purpose, not their numbers.
-    """
-    groups = {"embedding": [], "matrix": [], "scalar": []}
-    seen = set()
-    for name, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        if _EMBEDDING_TIER.search(name) or name.endswith("lm_head.weight"):
-            groups["embedding"].append(p)
-        elif p.dim() >= 2:
-            groups["matrix"].append(p)
-        else:
-            groups["scalar"].append(p)
-    settings = {
-        "embedding": dict(lr=lr * embedding_lr_scale, weight_decay=0.0),
-        "matrix": dict(lr=lr, weight_decay=weight_decay),
-        "scalar": dict(lr=lr, weight_decay=0.0),
-    }
-    return [dict(params=ps, name=tier, **settings[tier]) for tier, ps in groups.items() if ps]
 
 
 SpikeWhaleLM = SpikeWhaleForCausalLM

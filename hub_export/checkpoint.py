@@ -23,7 +23,7 @@ import torch
 
 from ..configuration_spike_whale import SpikeWhaleConfig
 from ..modeling_spike_whale import (
-    SpikeWhaleForCausalLM, SpikeWhaleRotaryEmbedding, checkpoint_key_report, rename_checkpoint_keys, rope_inv_freq,
+    CHECKPOINT_KEY_RENAMES, SpikeWhaleForCausalLM, SpikeWhaleRotaryEmbedding, rope_inv_freq,
 )
 from ..tokenization_spike import BOS_ID, EOS_ID, PAD_ID
 
@@ -330,10 +330,67 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# Our names for tensors whose released names the blueprint could not see ([U] in architecture.md §2.2).
+GUESSED_KEYS: tuple[str, ...] = (
+    r"model\.layers\.\d+\.hc_(attn|ffn)\.(pre_logits|post_scale)",
+    r"model\.hc_out_mix\.mix_logits",
+    r"model\.engram\.gate\.(proj\.weight|proj\.bias|alpha|beta|gamma)",
+    r"model\.engram\.lookup\.hash_proj_n\d+_p\d+",
+    r"model\.loop_pass_embed\.weight",
+    r"model\.layers\.\d+\.attn\.depth_gate",
+    r"model\.layers\.\d+\.attn\.mc\.(qkv_proj\.(weight|bias)|o_proj\.(weight|bias)|gate_proj\.weight|gate_bias|feature_scale|mc_gate)",
+    # Mechanisms off in the 114M checkpoints (MoE, Elo, value embeddings, Engram fusion, abstain head).
+    r"model\.layers\.\d+\.ffn\.(gate\.weight|experts\.\d+\.(gate|up|down)_proj\.weight|shared_experts\.(gate|up|down)_proj\.weight)",
+    r"model\.layers\.\d+\.attn\.(elo_gain|elo_k)",
+    r"model\.layers\.\d+\.engram_fusion\.(norm\.weight|q_proj\.weight|k_proj\.weight|o_proj\.weight)",
+    r"abstain_head\.(weight|bias)",
+)
+
+
+def rename_checkpoint_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Apply `CHECKPOINT_KEY_RENAMES` to a released state dict (identity while the table is empty)."""
+    out = {}
+    for key, value in state_dict.items():
+        for pattern, repl in CHECKPOINT_KEY_RENAMES.items():
+            key = re.sub(pattern, repl, key)
+        out[key] = value
+    return out
+
+
+def checkpoint_key_report(checkpoint_shapes: dict, model_shapes: dict) -> dict:
+    """How a checkpoint's names ({name: shape or None}) meet the model's ({name: shape}), so that a real header that
+    differs from our guesses gets a useful report instead of a bare "missing keys" list: `matched`, `unexpected`
+    (no place in the model), `missing` (absent; `guessed` are those `GUESSED_KEYS` names), for each unexpected tensor
+    the missing ones of the same shape (`candidates`), the unambiguous renames (`rename_map`), and the text `lines`."""
+    unexpected = sorted(set(checkpoint_shapes) - set(model_shapes))
+    missing = sorted(set(model_shapes) - set(checkpoint_shapes))
+    guessed = [k for k in missing if any(re.fullmatch(p, k) for p in GUESSED_KEYS)]
+    candidates = {k: [m for m in missing if checkpoint_shapes[k] is not None
+                      and tuple(model_shapes[m]) == tuple(checkpoint_shapes[k])] for k in unexpected}
+    claims: dict[str, int] = {}
+    for options in candidates.values():
+        for m in options:
+            claims[m] = claims.get(m, 0) + 1
+    rename_map = {k: c[0] for k, c in candidates.items() if len(c) == 1 and claims[c[0]] == 1}
+    matched = len(set(checkpoint_shapes) & set(model_shapes))
+    lines = [f"checkpoint names vs the model: {matched} of {len(model_shapes)} model tensors matched, "
+             f"{len(unexpected)} checkpoint tensors unplaceable, {len(missing)} model tensors absent "
+             f"({len(guessed)} of them guessed names, GUESSED_KEYS in hub_export/checkpoint.py)"]
+    lines += [f"  absent: {k}{'  (guessed name)' if k in guessed else ''}" for k in missing]
+    for k in unexpected:
+        options = candidates[k]
+        lines.append(f"  unplaceable: {k} -> same-shape candidates: {', '.join(options[:6]) or 'none'}"
+                     f"{' ...' if len(options) > 6 else ''}")
+    if rename_map:
+        lines.append(f"  a rename map for these (spike-whale convert --rename-map, or CHECKPOINT_KEY_RENAMES): "
+                     f"'{json.dumps(rename_map)}'")
+    return {"matched": matched, "expected": len(model_shapes), "unexpected": unexpected, "missing": missing,
+            "guessed": guessed, "candidates": candidates, "rename_map": rename_map, "lines": lines}
+
+
 @dataclass
 class KeyReport:
-    """`modeling_spike_whale.checkpoint_key_report` of a checkpoint against the model (the one implementation,
-    shared with `from_pretrained`'s load report)."""
+    """`checkpoint_key_report` of a checkpoint against the model."""
 
     matched: int
     expected: int

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 from .output_paths import (DestinationChanged, check_destination, discard, keep_folder, remove_stale_temps,
@@ -74,10 +75,52 @@ def process_share(features: list, index: int, count: int) -> list:
     return features[index * size: (index + 1) * size]
 
 
+# Parameters of the "embedding / table" tier of `three_tier_param_groups`.
+_EMBEDDING_TIER = re.compile(r"(^|\.)(embed_tokens|engram\.lookup\.tables\.\d+|loop_pass_embed)\.weight$")
+
+
+def three_tier_param_groups(
+    model: nn.Module,
+    lr: float,
+    embedding_lr_scale: float = 0.1,
+    weight_decay: float = 0.1,
+) -> list[dict]:
+    """The seed's "three-tier optimizer" as `torch.optim` parameter groups (e.g. `AdamW(groups)`).
+
+    1. "embedding": the token embedding (= the tied lm_head), the Engram n-gram tables and the loop-pass
+       embeddings, at `lr * embedding_lr_scale` and no weight decay — they are lookup tables whose rows
+       see few updates each, so they train at a lower LR (the seed: "embed/table params trained at lower LR").
+    2. "matrix": every other parameter with 2+ dims (projections, experts, heads) at `lr` with `weight_decay`.
+    3. "scalar": vectors and scalars (norm weights, biases, gates, DERF/Elo/HC parameters) at `lr`, no decay.
+
+    The frozen Engram compressor (and anything else with requires_grad=False) is left out, so it stays frozen
+    whatever the optimizer does; tied parameters appear once. The 0.1 LR scale and the decay split are this
+    port's defaults [U]: the seed names the tiers' purpose, not their numbers.
+    """
+    groups = {"embedding": [], "matrix": [], "scalar": []}
+    seen = set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if _EMBEDDING_TIER.search(name) or name.endswith("lm_head.weight"):
+            groups["embedding"].append(p)
+        elif p.dim() >= 2:
+            groups["matrix"].append(p)
+        else:
+            groups["scalar"].append(p)
+    settings = {
+        "embedding": dict(lr=lr * embedding_lr_scale, weight_decay=0.0),
+        "matrix": dict(lr=lr, weight_decay=weight_decay),
+        "scalar": dict(lr=lr, weight_decay=0.0),
+    }
+    return [dict(params=ps, name=tier, **settings[tier]) for tier, ps in groups.items() if ps]
+
+
 def param_groups(model, lr: float) -> list[dict]:
     """The model's three-tier AdamW groups, the main (matrix) group first: the Trainer logs the first group's rate,
     which is then `--lr` itself, not the embeddings' scaled one."""
-    return sorted(model.optimizer_param_groups(lr), key=lambda group: group.get("name") != "matrix")
+    return sorted(three_tier_param_groups(model, lr), key=lambda group: group.get("name") != "matrix")
 
 
 class Diverged(RuntimeError):

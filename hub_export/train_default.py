@@ -41,6 +41,7 @@ from ..generation_utils import serving_generation_config
 from ..modeling_spike_whale import SpikeWhaleForCausalLM
 from ..tokenization_spike import dump_vocab_data, load_vocab_file
 from ..tokenization_spike_fast import SpikeTokenizerFast
+from .finetune import three_tier_param_groups
 from .folder import save_hub_folder
 from .output_paths import check_destination
 from .train_tokenizer import train_from_files
@@ -249,8 +250,8 @@ def train_lm(args, ids: torch.Tensor, held_ids: torch.Tensor, log) -> tuple[Spik
     config = SpikeWhaleConfig.from_preset("tiny", **SIZES[args.size])
     model = SpikeWhaleForCausalLM(config)
     eval_batch = held_out_batch(held_ids, args.seq_len, config.bos_token_id)
-    opt = torch.optim.AdamW(model.optimizer_param_groups(args.lr, embedding_lr_scale=args.embedding_lr_scale,
-                                                         weight_decay=args.weight_decay), betas=(0.9, 0.95),
+    opt = torch.optim.AdamW(three_tier_param_groups(model, args.lr, embedding_lr_scale=args.embedding_lr_scale,
+                                                   weight_decay=args.weight_decay), betas=(0.9, 0.95),
                             foreach=True)
     base_lrs = [group["lr"] / args.lr for group in opt.param_groups]
     ckpt_path = os.path.join(work, "checkpoint.pt")

@@ -1137,7 +1137,7 @@ def test_guessed_keys_name_real_state_dict_entries():
     import re
 
     from spike_whale import SpikeWhaleForCausalLM
-    from spike_whale.modeling_spike_whale import GUESSED_KEYS
+    from spike_whale.hub_export.checkpoint import GUESSED_KEYS
     from conftest import tiny_config
 
     everything_on = dict(use_moe=True, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_layers=[0, 1],

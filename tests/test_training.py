@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_model
-from spike_whale.hub_export.finetune import unsupported
-from spike_whale.modeling_spike_whale import three_tier_param_groups
+from spike_whale.hub_export.finetune import three_tier_param_groups, unsupported
 
 # Every loss term on: learned-router MoE layers (plus a hash layer), HRM deep supervision over 3 steps,
 # the abstain head, two MTP heads and the z-loss, on top of the tiny model's 114M mechanisms.
@@ -129,7 +128,7 @@ def test_three_tier_param_groups():
     assert id(model.model.loop_pass_embed.weight) in emb
     assert all(p.dim() >= 2 for p in by_name["matrix"]["params"])
     assert all(p.dim() <= 1 for p in by_name["scalar"]["params"])
-    assert model.optimizer_param_groups(1e-3)[0]["lr"] == pytest.approx(1e-4)
+    assert three_tier_param_groups(model, 1e-3)[0]["lr"] == pytest.approx(1e-4)
 
 
 def test_trainer_fine_tune_lowers_the_loss(tmp_path):
