@@ -1509,8 +1509,8 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             L = self.config.mc_segment_len
             steps = 0 if cache is None else (1 if S == 1 else record)
             if cache is not None and cache.mc_segment is not None:
-                n_fin = cache.n_mc_segments if compiling else min(cache.n_mc_segments,
-                                                                  (past + S - 1 if steps else past) // L)
+                n_fin = cache.n_mc_segments if static else min(cache.n_mc_segments,
+                                                               (past + S - 1 if steps else past) // L)
                 base = cache.mc_segment.to(device)
             else:
                 base, n_fin = torch.zeros(B, dtype=torch.long, device=device), 0
