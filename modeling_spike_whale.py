@@ -1643,9 +1643,11 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         if use_cache is None:
             use_cache = cache is not None or (cfg.use_cache and not self.training)
         first = input_ids if input_ids is not None else inputs_embeds
+        # No host reads (`static`): under torch.compile; in a decode step off the CPU (`reads_values_free`); and in a
+        # step the compiled walk may take, whose static sizes make one graph for every step, segment openings too.
         static = torch.compiler.is_compiling() or (
-            first is not None and not reads_values_free(first.device) and isinstance(cache, SpikeWhaleCache)
-            and bool(use_cache) and cache.seq_len > 0)
+            first is not None and isinstance(cache, SpikeWhaleCache) and bool(use_cache) and cache.seq_len > 0
+            and (not reads_values_free(first.device) or (self._compiled_run is not None and first.shape[1] == 1)))
         self._check_inputs(input_ids, inputs_embeds, static)
         impl = cfg._attn_implementation or "sdpa"
         eager_weights = output_attentions and not (cfg.use_derf or cfg.use_elo) and (

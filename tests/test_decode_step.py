@@ -555,18 +555,20 @@ def test_the_cache_keeps_one_length_and_static_buffers_updated_in_place(model):
         assert not any(t.any() for t in buffers())
 
 
-def test_compile_decode_off_the_cpu_compiles_every_step_segment_openings_included(model, monkeypatch):
-    """With no host reads (`reads_values_free` False, as on an accelerator) the layout of a decode step has static
-    sizes (two blocks, padding and unread entries assumed), so the compiled walk takes every step, those that open a
-    Memory-Cache segment too, in one graph that serves every pass and is traced once (every finished-segment entry is
-    read, those not finished yet masked); a left-padded batch across two boundaries decodes the ids and logits of the
-    CPU's eager path."""
+@pytest.mark.parametrize("on_cpu", [True, False])
+def test_compile_decode_compiles_every_step_segment_openings_included(model, monkeypatch, on_cpu):
+    """A step the compiled walk may take, on the CPU or off it (`reads_values_free` False, as on an accelerator), has a
+    layout of static sizes (two blocks, padding and unread entries assumed), so the compiled walk takes every step,
+    those that open a Memory-Cache segment too, in one graph that serves every pass and is traced once (every
+    finished-segment entry is read, those not finished yet masked); a left-padded batch across two boundaries decodes
+    the ids and logits of the CPU's eager path."""
     ids, mask = batch(seed=23)
     kw = dict(attention_mask=mask[:, :L - 2], max_new_tokens=2 * L, min_new_tokens=2 * L, pad_token_id=0,
               do_sample=False, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
         eager = model.generate(ids[:, :L - 2], **kw)
-    monkeypatch.setattr(msw, "reads_values_free", lambda device: False)
+    if not on_cpu:
+        monkeypatch.setattr(msw, "reads_values_free", lambda device: False)
     torch._dynamo.reset()
     calls = count_decode_steps(monkeypatch)
     torch._dynamo.utils.counters.clear()
