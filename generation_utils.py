@@ -139,14 +139,17 @@ def _mark_static(*tensors: torch.Tensor | None) -> None:
                 torch._dynamo.mark_static_address(t)
 
 
-def _select_into(t: torch.Tensor, fn) -> torch.Tensor:
+def _select_into(t: torch.Tensor, fn, filled: int | None = None) -> torch.Tensor:
     """A batch selection `fn` of buffer t: in place where the batch size stays (beam reordering keeps the static
-    addresses), a new buffer where it changes."""
-    new = fn(t)
-    if new.shape != t.shape:
-        _mark_static(new)
-        return new
-    return t.copy_(new)
+    addresses; of a K/V buffer only its `filled` positions move), a new buffer where it changes."""
+    part = t if filled is None else t[:, :, :filled]
+    new = fn(part)
+    if new.shape[0] == t.shape[0]:
+        part.copy_(new)
+        return t
+    new = fn(t) if filled is not None else new
+    _mark_static(new)
+    return new
 
 
 class LoopSlotLayer(CacheLayerMixin):
@@ -217,7 +220,8 @@ class LoopSlotLayer(CacheLayerMixin):
     def _select(self, fn) -> None:
         self.history = {}  # recorded states are of the old batch
         if self.is_initialized:
-            self.keys, self.values = _select_into(self.keys, fn), _select_into(self.values, fn)
+            n = self.get_seq_length()
+            self.keys, self.values = _select_into(self.keys, fn, n), _select_into(self.values, fn, n)
         if self.mc is not None:
             self.mc = self.mc.map(lambda t: _select_into(t, fn))
         if self.elo is not None:
