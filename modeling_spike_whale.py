@@ -1568,12 +1568,11 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         return X, aux_terms
 
     def _decode_step_compiles(self, ctx: ForwardContext, cache: SpikeWhaleCache | None) -> bool:
-        """Whether this chunk runs the compiled `walk_run`: one token per row in its current Memory-Cache segment, on a
-        warm cache, in eval, with no per-slot outputs."""
-        seg = ctx.segments
+        """Whether this chunk runs the compiled `walk_run`: one token per row on a warm cache, in eval, with no per-slot
+        outputs, and a layout of static sizes (which `forward` gives every such step once the walk is compiled)."""
         if cache is None or ctx.past == 0 or ctx.positions.shape[1] != 1 or self.training:
             return False
-        if ctx.need_weights or ctx.keep_streams or (seg is not None and seg.n_rel != 1 and not ctx.static):
+        if ctx.need_weights or ctx.keep_streams or not ctx.static:
             return False
         X = self.embed_tokens.weight
         if self._compiled_for != (X.dtype, X.device):
