@@ -441,12 +441,15 @@ def run(args) -> int:
             summary["diverged"] = str(diverged)
         if args.losses_json:
             write_file(args.losses_json, json.dumps(summary, indent=2))
+    main_process, processes, kind = accelerator.is_main_process, accelerator.num_processes, accelerator.distributed_type
+    # Leave the process group: a gloo thread still running at interpreter exit aborts the process.
+    accelerator.end_training()
     if diverged is not None:
         kept = (f"stopped and saved the weights after step {diverged.steps}, the last good ones, to {args.out_dir}"
                 if diverged.steps else f"stopped; no step gave good weights, nothing was written to {args.out_dir}")
         raise RuntimeError(f"training diverged at {diverged}; {kept} (try a lower --lr)")
-    if accelerator.is_main_process:
-        print(f"trained {args.steps} steps on {state.num_processes} process(es) ({state.distributed_type}): "
+    if main_process:
+        print(f"trained {args.steps} steps on {processes} process(es) ({kind}): "
               f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; wrote {args.out_dir}")
     return 0
 

@@ -101,6 +101,9 @@ for folder in sys.argv[2:]:
         mc_run_M=[s.mc.run_M for s in slots if s.mc is not None],
     )
 torch.save(results, f"{sys.argv[1]}/rank{dist.get_rank()}.pt")
+# Leave the group explicitly: a gloo thread still running at interpreter exit aborts the rank (SIGABRT).
+dist.barrier()
+dist.destroy_process_group()
 """
 
 
