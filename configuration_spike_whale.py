@@ -56,18 +56,9 @@ class LoopPlan:
             prefix = list(range(head))
             middle = list(range(head, head + width))
             suffix = list(range(head + width, n_layers))
-        entries, starts = [], []
-        for layer in prefix:
-            entries.append((layer, 0))
-            starts.append(False)
-        for p in range(loops):
-            for j, layer in enumerate(middle):
-                entries.append((layer, p))
-                starts.append(j == 0)
-        for layer in suffix:
-            entries.append((layer, loops - 1))
-            starts.append(False)
-        return cls(tuple(entries), tuple(starts))
+        passes = [(layer, p, j == 0) for p in range(loops) for j, layer in enumerate(middle)]
+        walk = [(layer, 0, False) for layer in prefix] + passes + [(layer, loops - 1, False) for layer in suffix]
+        return cls(tuple((layer, p) for layer, p, _ in walk), tuple(start for _, _, start in walk))
 
     def __len__(self) -> int:
         return len(self.entries)
