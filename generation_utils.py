@@ -265,7 +265,6 @@ class SpikeWhaleCache(_BatchSelection, Cache):
         self.num_real: torch.Tensor | None = None  # [B] long
         self.mc_segment: torch.Tensor | None = None  # [B] long
         self.engram_c: torch.Tensor | None = None  # [B, max_cache_len, cd]
-        self.record_past = False
         self.recurrent_states_to_keep: int | None = None  # see `activate_past_recording`
         self.min_states_to_keep = 0  # a floor under that bound (`generate` raises it for growing draft counts)
         self._history: dict[str, list] = {}  # "segment" -> [(length, each row's segment)]; slots keep their own
@@ -532,9 +531,6 @@ def serving_generation_config(config: SpikeWhaleConfig) -> GenerationConfig:
         bos_token_id=config.bos_token_id, pad_token_id=config.pad_token_id,
         eos_token_id=[i for i in CHAT_EOS_IDS if i < config.vocab_size],
         suppress_tokens=[i for i in RESERVED_IDS if i < config.vocab_size])
-
-
-# generate(): `SpikeWhaleForCausalLM.generate` calls `spike_whale_generate`; the rest is `GenerationMixin.generate`.
 
 
 @dataclass
@@ -899,13 +895,11 @@ def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processo
                              generation_config: GenerationConfig, mtp_streamer=None, mtp_draft_tokens: int = 1,
                              mtp_confidence_threshold: float = 0.0, **model_kwargs):
     """`generate(use_mtp=True)` (a `custom_generate`) with plain decoding's greedy ids or sampling law. A step feeds the
-    pending token and K drafts through one forward; the main head's choices are emitted as in `_sample` while they
-    equal the drafts in every unfinished row; the rest is cropped from the recording cache (exact Memory-Cache state).
-
-    MTP head k on the final hidden state that chose the pending token drafts the token k places past it; past the
-    heads, y_{k+1} = head_1(norm(y_k)). Greedy drafts take the square root of the repetition penalty (the heads learnt
-    part of it from the model's processed text). Sampling keeps a draft d ~ q with probability min(1, p(d)/q(d)), else
-    draws from norm(max(0, p - q)). The gate (`assistant_confidence_threshold`) stops drafting where a draft's top
+    pending token and K drafts (MTP head k drafts the token k places past it; past the heads, y_{k+1} =
+    head_1(norm(y_k))) through one forward; the main head's choices are emitted as in `_sample` while they equal the
+    drafts in every unfinished row; the rest is cropped from the recording cache. Greedy drafts take the square root of
+    the repetition penalty (the heads learnt part of it). Sampling keeps a draft d ~ q with probability min(1, p/q),
+    else draws from norm(max(0, p - q)). The gate (`assistant_confidence_threshold`) stops drafting where a draft's top
     probability is not above it in every unfinished row: it reads the context only, so the output law is unchanged."""
     streamer, K, threshold = mtp_streamer, mtp_draft_tokens, mtp_confidence_threshold
     heads, norm, do_sample = model.mtp_heads, model.model.norm, bool(generation_config.do_sample)
