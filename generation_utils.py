@@ -346,7 +346,7 @@ class SpikeWhaleCache(_BatchSelection, Cache):
             _mark_static(*update.kv)
             layer.is_initialized = True
         for kind in LoopSlotLayer.STATES:
-            value, steps = getattr(update, kind), getattr(update, f"{kind}_steps") or [None]
+            value, steps = getattr(update, kind), getattr(update, f"{kind}_steps") or []
             if value is None:
                 continue
             current = getattr(layer, kind)
@@ -452,8 +452,9 @@ class SpikeWhaleCache(_BatchSelection, Cache):
         # Every state is looked up before anything is touched, so a failed crop leaves the cache intact.
         restored = [(layer, kind, self._recorded(layer.history.get(kind, []), new_len))
                     for layer in self.layers for kind in LoopSlotLayer.STATES if getattr(layer, kind) is not None]
-        segment = self.mc_segment is not None and self.config.use_memory_cache
-        segment = self._recorded(self._history.get("segment", []), new_len) if segment else None
+        segment = None
+        if self.mc_segment is not None and self.config.use_memory_cache:
+            segment = self._recorded(self._history.get("segment", []), new_len)
         for layer, kind, state in restored:
             if kind == "mc":
                 layer.mc.copy_(state)  # None: back before the first chunk, the empty state
