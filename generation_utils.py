@@ -170,6 +170,7 @@ class LoopSlotLayer(_BatchSelection, CacheLayerMixin):
     # Blocks write these buffers in place at static shapes (see `compile_decode`).
     # Declared only from transformers 5.24: earlier 5.x refuse assisted decoding with any compileable cache layer.
     is_compileable = CACHE_FIELD == "cache"
+    is_sliding = False
     is_croppable = True
     STATES = ("mc", "elo")  # the slot's recurrent (not positional) states
 
