@@ -1,10 +1,7 @@
-"""The loop-slot cache of spike_whale: per loop-plan slot K/V plus Memory-Cache state, and the Engram prefix.
-
-A generic KV cache silently computes a different function for this model: the stack runs every layer
-`loop_count` times (so K/V are keyed by loop-plan slot, never by layer), the Memory Cache branch reads
-summaries of every earlier segment, and Engram reads an n-gram window that crosses the cache boundary.
-`SpikeWhaleCache` holds all of it, allocated lazily on the device of the first tensor written to each slot
-(so an accelerate `device_map` keeps every slot's state next to its layer).
+"""The loop-slot cache of spike_whale (per loop-plan slot K/V plus Memory-Cache state, and the Engram prefix) and its
+`generate`. A generic KV cache silently computes a different function for this model: the stack runs every layer
+`loop_count` times (so K/V are keyed by loop-plan slot, never by layer), the Memory Cache branch reads summaries of
+every earlier segment, and Engram reads an n-gram window that crosses the cache boundary.
 """
 
 from __future__ import annotations
@@ -44,7 +41,7 @@ class MemoryCacheState:
     fin_M[b, i] = Σ_{m∈seg i} φ(k_m) v_mᵀ, fin_z[b, i] = Σ φ(k_m), fin_g[b, i] = mean gate key of segment i
     (only i < the row's current segment is meaningful; the extra last entry is a write sink).
     run_* are the same sums over the current segment so far (run_g a sum, run_n its token count).
-    Each field's shape is declared with it: allocation, copies, batch selection and the footprint follow the fields.
+    Each field declares its shape: allocation, copies, batch selection, snapshots and the footprint follow the fields.
     """
 
     fin_M: torch.Tensor = _dims("entries", "nh", "hd", "hd")
@@ -72,11 +69,14 @@ class MemoryCacheState:
     def map(self, fn) -> "MemoryCacheState":
         return type(self)(**{name: fn(getattr(self, name)) for name in _MC_DIMS})
 
-    def copy_(self, other: "MemoryCacheState") -> None:
-        """Write `other` into these buffers, which keep their addresses (CUDA graphs replay on them). The
-        finished-segment summaries the branch wrote in place are these very tensors: nothing to copy."""
-        for mine, new in zip(self.tensors(), other.tensors()):
-            if mine is not new:
+    def copy_(self, other: "MemoryCacheState | None") -> None:
+        """Write `other` into these buffers (None: zero them, the empty state); they keep their addresses (CUDA graphs
+        replay on them). The finished-segment summaries the branch wrote in place are these very tensors: no copy."""
+        for name in _MC_DIMS:
+            mine, new = getattr(self, name), getattr(other, name, None)
+            if new is None:
+                mine.zero_()
+            elif mine is not new:
                 mine.copy_(new)
 
     def snapshot(self) -> "MemoryCacheState":
@@ -91,8 +91,7 @@ _MC_DIMS = {f.name: f.metadata["dims"] for f in fields(MemoryCacheState)}  # tor
 
 class SlotState(NamedTuple):
     """What one loop-plan slot carries from chunk to chunk, as its block reads it: static K/V buffers
-    [B, kvh, max_cache_len, hd] (None before the first write), the Memory-Cache state and the Elo ratings (None
-    where the mechanism is off or nothing was written yet)."""
+    [B, kvh, max_cache_len, hd], the Memory-Cache state and the Elo ratings (each None before it is first written)."""
 
     keys: torch.Tensor | None
     values: torch.Tensor | None
@@ -101,9 +100,9 @@ class SlotState(NamedTuple):
 
 
 class SlotUpdate(NamedTuple):
-    """What a block hands back for its slot after a chunk (stored by `SpikeWhaleCache.store_slot`): K/V buffers it
-    allocated (None when it wrote into the slot's own in place), the new Memory-Cache state and Elo ratings, and,
-    while recording for `crop`, those states after each chunk token."""
+    """What a block hands back for its slot after a chunk (`SpikeWhaleCache.store_slot`): K/V buffers it allocated
+    (None when it wrote the slot's own in place), the new recurrent states and, while recording, those after each
+    of the chunk's last tokens."""
 
     kv: tuple[torch.Tensor, torch.Tensor] | None
     mc: MemoryCacheState | None
@@ -113,12 +112,10 @@ class SlotUpdate(NamedTuple):
 
 
 def write_kv(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int | torch.Tensor):
-    """Write a chunk's K/V [B, kvh, S, hd] into a slot's static buffers at `start`, in place. The one K/V write
-    (`SpikeWhaleAttention.forward`, and `LoopSlotLayer.update` for callers of transformers' cache-layer API).
-
-    start an int (eager): returns views of everything written so far. start a 0-d tensor (under torch.compile, so
-    that the step's graph does not change with the length): returns the whole buffers, whose unwritten keys the
-    attention mask hides, as transformers' `StaticLayer` does."""
+    """Write a chunk's K/V [B, kvh, S, hd] into a slot's static buffers at `start`, in place: the one K/V write.
+    start an int (eager): returns views of everything written so far. start a 0-d tensor (under torch.compile, so that
+    the step's graph does not change with the length): returns the whole buffers, whose unwritten keys the attention
+    mask hides, as transformers' `StaticLayer` does."""
     if isinstance(start, torch.Tensor):
         at = start + torch.arange(k.shape[2], device=keys.device)
         keys.index_copy_(2, at, k)
@@ -131,8 +128,8 @@ def write_kv(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch
 
 
 def _mark_static(*tensors: torch.Tensor | None) -> None:
-    """Tell torch.compile these buffers keep their address from step to step, so CUDA graphs replay on them in place
-    (transformers' static cache layers do the same)."""
+    """Tell torch.compile these buffers keep their address, so CUDA graphs replay on them in place (as transformers'
+    static cache layers do)."""
     if not torch.compiler.is_compiling():
         for t in tensors:
             if t is not None:
@@ -152,19 +149,30 @@ def _select_into(t: torch.Tensor, fn, filled: int | None = None) -> torch.Tensor
     return new
 
 
-class LoopSlotLayer(CacheLayerMixin):
-    """One loop-plan slot and everything it carries: static K (after QK-norm and RoPE) / V (after depth mixing), the
-    Memory-Cache state (static buffers updated in place), the Elo ratings, and the rollback history of those two
-    (`history[kind]`: [(length, state)] recorded by `SpikeWhaleCache.set_slot_state`, read by `crop`). Its length is
-    the cache's: every slot holds the same positions."""
+class _BatchSelection:
+    """transformers' batch operations, each one selection `fn` of every batch-first buffer (`_select`)."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(lambda t: t[indices.to(t.device)])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select(lambda t: t.repeat_interleave(repeats, dim=0))
+
+
+class LoopSlotLayer(_BatchSelection, CacheLayerMixin):
+    """One loop-plan slot: static K (after QK-norm and RoPE) / V (after depth mixing), the Memory-Cache state (static
+    buffers updated in place), the Elo ratings, and the rollback history of those two (`history[kind]`: [(length,
+    state)], written by `SpikeWhaleCache.store_slot`, read by `crop`). Its length is the cache's."""
 
     # Blocks write these buffers in place at static shapes (see `compile_decode`).
     # Declared only from transformers 5.24: earlier 5.x refuse assisted decoding with any compileable cache layer.
     is_compileable = CACHE_FIELD == "cache"
     is_sliding = False
     is_croppable = True
-    # The slot's recurrent (not positional) states, read and written through `SpikeWhaleCache.set_slot_state`.
-    STATES = ("mc", "elo")
+    STATES = ("mc", "elo")  # the slot's recurrent (not positional) states
 
     def __init__(self, cache: "SpikeWhaleCache", max_cache_len: int):
         super().__init__()
@@ -183,8 +191,8 @@ class LoopSlotLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        """Write a chunk at the cache's length (`start` to override) and return views of everything so far; the length
-        advances once per forward, when the cache commits the chunk (`SpikeWhaleCache.commit`)."""
+        """transformers' cache-layer API: write a chunk at the cache's length (`start` to override) and return views
+        of everything so far; the length advances once per forward (`SpikeWhaleCache.commit`)."""
         start = kwargs.get("start", self.get_seq_length())
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -212,8 +220,7 @@ class LoopSlotLayer(CacheLayerMixin):
         """Zero the buffers in place (they keep their addresses) and forget the history."""
         super().reset()
         if self.mc is not None:
-            for t in self.mc.tensors():
-                t.zero_()
+            self.mc.copy_(None)
         self.elo = None
         self.history = {}
 
@@ -227,30 +234,19 @@ class LoopSlotLayer(CacheLayerMixin):
         if self.elo is not None:
             self.elo = fn(self.elo)
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select(lambda t: t[indices.to(t.device)])
+class SpikeWhaleCache(_BatchSelection, Cache):
+    """Cache of a SpikeWhale model: one `LoopSlotLayer` per loop-plan entry plus the state all slots share (`SHARED`:
+    padding mask, real-token counts, Memory-Cache segments, Engram compressed vectors, the n-gram prefix of the next
+    chunk) and one length. Each buffer is allocated once, on the device of the first tensor written to it (so an
+    accelerate `device_map` keeps each slot's state next to its layer), and updated in place, its address static.
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._select(lambda t: t.repeat_interleave(repeats, dim=0))
-
-
-class SpikeWhaleCache(Cache):
-    """Cache of a SpikeWhale model: one `LoopSlotLayer` per loop-plan entry plus state shared by all slots.
-
-    Shared state (identical for every slot, so kept once): the length, the key-validity mask (padding), each row's
-    number of real tokens, the Memory-Cache segment index of each row, and the Engram compressed vectors of every
-    cached position (the n-gram prefix of the next chunk). Every buffer is allocated once, on the device of the first
-    tensor written to it (so an accelerate `device_map` keeps each slot's state next to its layer), and updated in
-    place with its address marked static.
-
-    Rollback: `crop(-k)` removes the last `k` positions (transformers' convention). K/V and the Engram prefix are
-    positional; the Memory-Cache (and Elo) state is not, so while `record_past` is on (`activate_past_recording`)
-    every forward records the per-slot state at its start and at the lengths a crop may return to, and `crop`
-    restores the state recorded at the new length (and raises if none was recorded).
+    Rollback: `crop(-k)` removes the last `k` positions. K/V and the Engram prefix are positional; the Memory-Cache
+    and Elo states are not, so while recording (`activate_past_recording`) every forward records them at its start
+    and at the lengths a crop may return to, and `crop` restores those recorded at the new length.
     """
+
+    SHARED = ("key_valid", "num_real", "mc_segment", "engram_c")  # the batch-first buffers every slot shares
 
     def __init__(self, config: SpikeWhaleConfig, max_cache_len: int | None = None):
         max_cache_len = max_cache_len or config.max_position_embeddings
@@ -270,7 +266,6 @@ class SpikeWhaleCache(Cache):
         self.num_real: torch.Tensor | None = None  # [B] long
         self.mc_segment: torch.Tensor | None = None  # [B] long
         self.engram_c: torch.Tensor | None = None  # [B, max_cache_len, cd]
-        self.record_past = False
         self.recurrent_states_to_keep: int | None = None  # see `activate_past_recording`
         self.min_states_to_keep = 0  # a floor under that bound (`generate` raises it for growing draft counts)
         self._history: dict[str, list] = {}  # "segment" -> [(length, each row's segment)]; slots keep their own
@@ -284,20 +279,18 @@ class SpikeWhaleCache(Cache):
         return self._seq_len
 
     def _set_length(self, n: int | torch.Tensor) -> None:
-        """Set the cache's length: `length` in place and, for an int (eager), the host copy; under torch.compile (a
-        0-d tensor) the host copy is dropped, so eager code never reads a stale one."""
+        """Set `length` in place and, for an int (eager), the host copy; a 0-d tensor (compiled) drops the copy."""
         self.length.fill_(n)
         self._seq_len = n if isinstance(n, int) else None
 
     def _position(self, device=None):
-        """The current length: inside a compiled graph a copy of the tensor (on `device` if given), else the host int."""
+        """The length: in a compiled graph a copy of the tensor (on `device` if given), else the host int."""
         return self.length.to(device, copy=True) if torch.compiler.is_compiling() else self.seq_len
 
     @property
     def record_past(self) -> bool:
-        """Whether forwards record per-position states for `crop`: on after `activate_past_recording()`, off
-        again after `deactivate_past_recording()` or when the slots' `record_past` flags are cleared (which is
-        how transformers' own generation loops end a recording)."""
+        """Whether forwards record states for `crop`: every slot's flag (transformers' own generation loops end a
+        recording by clearing those)."""
         return all(layer.record_past for layer in self.layers)
 
     @record_past.setter
@@ -310,14 +303,8 @@ class SpikeWhaleCache(Cache):
         """Positions every slot holds (one length for all; read-only, as transformers' `Cache.max_cache_len`)."""
         return self.layers[0].max_cache_len
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.seq_len
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
+    def get_max_length(self, layer_idx: int | None = None) -> int:  # not on transformers < 5.2x's `Cache`
         return self.max_cache_len
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.seq_len + query_length, 0
 
     @property
     def batch_size(self) -> int:
@@ -350,47 +337,36 @@ class SpikeWhaleCache(Cache):
         return SlotState(*kv, *(self.slot_state(slot, kind) for kind in LoopSlotLayer.STATES))
 
     def store_slot(self, slot: int, update: SlotUpdate, end: int) -> None:
-        """Store what a block hands back for slot `slot` after a chunk that ends at `end` (see `SlotUpdate`)."""
+        """Store what a block hands back for slot `slot` after a chunk that ends at `end`. The recurrent states are not
+        positional (every token adds to them): while recording, the states at the chunk's start and after each of its
+        tokens in `*_steps` but the last (which is the live state) are kept for `crop`. A Memory-Cache state is copied
+        into the slot's buffers, allocated by its first chunk."""
         layer = self.layers[slot]
         if update.kv is not None:
             layer.keys, layer.values = update.kv
             _mark_static(*update.kv)
             layer.is_initialized = True
         for kind in LoopSlotLayer.STATES:
-            value = getattr(update, kind)
-            if value is not None:
-                self.set_slot_state(slot, kind, value, end, getattr(update, f"{kind}_steps"))
+            value, steps = getattr(update, kind), getattr(update, f"{kind}_steps") or []
+            if value is None:
+                continue
+            current = getattr(layer, kind)
+            hist = layer.history.setdefault(kind, [])
+            if layer.record_past:  # the slot's own flag (`record_past` of the cache is all of them)
+                hist.append((self._position(), current.snapshot() if kind == "mc" and current is not None else current))
+                hist.extend((end - len(steps) + 1 + j, st) for j, st in enumerate(steps[:-1]))
+            else:
+                hist.clear()
+            if kind == "elo":
+                layer.elo = value
+            elif current is None:
+                _mark_static(*value.tensors())
+                layer.mc = value
+            else:
+                current.copy_(value)
 
-    def set_slot_state(self, slot: int, kind: str, value, end: int, per_position: list | None = None) -> None:
-        """The one setter of a slot's recurrent state (see `slot_state`), after a chunk that ends at `end`;
-        `per_position` are the states after the chunk's last `len(per_position)` tokens (see
-        `get_recurrent_states_to_keep`). These states are not positional (every token adds to them), so while
-        recording `crop` restores them from the snapshots kept here: the chunk start and those positions but the last,
-        which is `value`, the live state (the next chunk's start). A Memory-Cache state is copied into the slot's
-        buffers, allocated by its first chunk."""
-        layer = self.layers[slot]
-        current = getattr(layer, kind)
-        hist = layer.history.setdefault(kind, [])
-        if layer.record_past:  # the slot's own flag (`record_past` of the cache is all of them)
-            hist.append((self._position(), current.snapshot() if kind == "mc" and current is not None else current))
-            first = end - len(per_position or ()) + 1
-            hist.extend((first + j, st) for j, st in enumerate((per_position or [None])[:-1]))
-        else:
-            hist.clear()
-        if kind == "mc" and current is not None:
-            current.copy_(value)
-            return
-        if kind == "mc":
-            _mark_static(*value.tensors())
-        setattr(layer, kind, value)
-
-    def commit(
-        self,
-        valid: torch.Tensor,
-        engram_c: torch.Tensor | None,
-        mc_segment: torch.Tensor | None,
-        mc_segment_per_position: torch.Tensor | None = None,
-    ) -> None:
+    def commit(self, valid: torch.Tensor, engram_c: torch.Tensor | None, mc_segment: torch.Tensor | None,
+               mc_segment_per_position: torch.Tensor | None = None) -> None:
         """Advance the shared state by one chunk once every slot has been written."""
         s = valid.shape[1]
         start = self._position()
@@ -407,8 +383,8 @@ class SpikeWhaleCache(Cache):
                 entries = self._history.setdefault("segment", [])
                 entries.append((start, self.mc_segment.clone()))
                 if mc_segment_per_position is not None:  # [B, the chunk's last n tokens]
-                    first = start + s - mc_segment_per_position.shape[1] + 1
-                    entries += [(first + j, mc_segment_per_position[:, j]) for j in range(mc_segment_per_position.shape[1])]
+                    n = mc_segment_per_position.shape[1]
+                    entries += [(start + s - n + 1 + j, mc_segment_per_position[:, j]) for j in range(n)]
             else:
                 self._history.clear()
             self.mc_segment.copy_(mc_segment)
@@ -423,11 +399,10 @@ class SpikeWhaleCache(Cache):
         return self.engram_c[:, at.clamp(min=0)] * (at >= 0)[None, :, None]
 
     def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
-        """Record the Memory-Cache (and Elo) state at the start of every following forward and at each of its last
+        """Record the recurrent states at the start of every following forward and at each of its last
         `recurrent_states_to_keep` lengths (every length when None), so that `crop` can remove up to that many of a
-        forward's tokens exactly. Stays on across crops (each crop drops the states it no longer needs) until
-        `deactivate_past_recording()` - transformers' semantics; transformers >= 5.25 passes the number of tokens its
-        loop may crop, so an assisted prefill records a few states, not one per prompt token in every slot."""
+        forward's tokens exactly. On across crops until `deactivate_past_recording()` (transformers' semantics);
+        transformers >= 5.25 passes the tokens its loop may crop, so an assisted prefill records only a few states."""
         if recurrent_states_to_keep is not None and recurrent_states_to_keep < 0:
             raise ValueError(
                 f"recurrent_states_to_keep must be >= 0 (or None: every length), got {recurrent_states_to_keep}")
@@ -437,9 +412,8 @@ class SpikeWhaleCache(Cache):
         self.recurrent_states_to_keep = recurrent_states_to_keep
 
     def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
-        """How many of a forward's last tokens a `crop` may remove (the states at those lengths are recorded): 0 when
-        not recording, every position the cache holds when recording without a bound. The same for every slot
-        (`layer_idx` is transformers' signature)."""
+        """How many of a forward's last tokens a `crop` may remove, the same for every slot: 0 when not recording,
+        every position the cache holds when recording without a bound."""
         if not self.record_past:
             return 0
         return self.max_cache_len if self.recurrent_states_to_keep is None else self.recurrent_states_to_keep
@@ -451,60 +425,49 @@ class SpikeWhaleCache(Cache):
         self._trim_history(lambda v: [])
 
     def _trim_history(self, keep) -> None:
-        """Apply `keep` ([(length, state)] -> the entries to keep) to every recorded history: the segment index's and
+        """Apply `keep` ([(length, state)] -> the entries to keep) to every recorded history, the segment index's and
         each slot's. Lengths recorded inside a compiled graph are tensors; they become ints here."""
         for hist in (self._history, *(layer.history for layer in self.layers)):
             for key, entries in hist.items():
                 hist[key] = keep([(int(p), s) for p, s in entries])
 
     def crop(self, max_length: int) -> None:
-        """Roll the cache back, with the `transformers` 5.x convention: `crop(-k)` removes the last `k`
-        positions, `crop(n)` with n > 0 keeps the first `n` (the legacy "crop to max_length" form), and
-        `crop(0)` removes nothing. Recorded states that can no longer be needed are dropped; an active
-        recording stays on (as in transformers: assisted decoding activates it once and crops every step).
-
-        K/V, padding and the Engram prefix are positional; the Memory-Cache (and Elo) state is restored from the state
-        recorded at the new length, which exists after `activate_past_recording(n)` at the start and the last n
-        positions of each recorded chunk (every position for n=None; else `ValueError`).
-        """
-        new_len = self.seq_len + max_length if max_length <= 0 else max_length
-        if not 0 <= new_len <= self.seq_len:
+        """Roll the cache back (transformers 5.x): `crop(-k)` removes the last `k` positions, `crop(n)` with n > 0
+        keeps the first `n`, `crop(0)` removes nothing. K/V, padding and the Engram prefix are positional; the
+        recurrent states are restored from those recorded at the new length (`ValueError` where none was). Records no
+        longer needed are dropped; a recording stays on (assisted decoding activates it once and crops every step)."""
+        old_len = self.seq_len
+        new_len = old_len + max_length if max_length <= 0 else max_length
+        if not 0 <= new_len <= old_len:
             raise ValueError(
-                f"Cannot crop a cache of length {self.seq_len} with crop({max_length}): crop(-k) removes k "
-                f"positions (0 <= k <= {self.seq_len}), crop(n) keeps the first n."
+                f"Cannot crop a cache of length {old_len} with crop({max_length}): crop(-k) removes k "
+                f"positions (0 <= k <= {old_len}), crop(n) keeps the first n."
             )
-        if new_len == self.seq_len:
+        if new_len == old_len:
             if self.record_past:  # keep the states at the last chunk's start and at the current length
-                keep = (int(self._chunk_start), self.seq_len)
+                keep = (int(self._chunk_start), old_len)
                 self._trim_history(lambda v: [(p, s) for p, s in v if p in keep][-2:])
             else:
                 self.deactivate_past_recording()
             return
-        old_len = self.seq_len
-        restored = {}  # look every state up before touching anything, so a failed crop leaves the cache intact
-        for slot, layer in enumerate(self.layers):
-            for kind in LoopSlotLayer.STATES:
-                if getattr(layer, kind) is not None:
-                    restored[(kind, slot)] = self._recorded(layer.history.get(kind, []), new_len)
+        # Every state is looked up before anything is touched, so a failed crop leaves the cache intact.
+        restored = [(layer, kind, self._recorded(layer.history.get(kind, []), new_len))
+                    for layer in self.layers for kind in LoopSlotLayer.STATES if getattr(layer, kind) is not None]
+        segment = None
         if self.mc_segment is not None and self.config.use_memory_cache:
-            restored["segment"] = self._recorded(self._history.get("segment", []), new_len)
-        for slot, layer in enumerate(self.layers):
-            if ("mc", slot) in restored:
-                state = restored[("mc", slot)]
-                if state is None:  # back before the first chunk: the empty state
-                    for t in layer.mc.tensors():
-                        t.zero_()
-                else:
-                    layer.mc.copy_(state)
-            if ("elo", slot) in restored:
-                layer.elo = restored[("elo", slot)]
+            segment = self._recorded(self._history.get("segment", []), new_len)
+        for layer, kind, state in restored:
+            if kind == "mc":
+                layer.mc.copy_(state)  # None: back before the first chunk, the empty state
+            else:
+                layer.elo = state
+        for layer in self.layers:
             if layer.is_initialized:
                 layer.keys[:, :, new_len:old_len] = 0
                 layer.values[:, :, new_len:old_len] = 0
-        if "segment" in restored:
-            self.mc_segment.copy_(restored["segment"])
-        dropped = self.key_valid[:, new_len:self.seq_len]
-        self.num_real -= dropped.sum(-1)
+        if segment is not None:
+            self.mc_segment.copy_(segment)
+        self.num_real -= self.key_valid[:, new_len:old_len].sum(-1)
         self.key_valid[:, new_len:old_len] = False
         if self.engram_c is not None:
             self.engram_c[:, new_len:old_len] = 0
@@ -523,25 +486,13 @@ class SpikeWhaleCache(Cache):
             "recurrent_states_to_keep at least the number of its tokens you may remove (None: all of them)."
         )
 
-    SHARED = ("key_valid", "num_real", "mc_segment", "engram_c")
-
-    def _select_shared(self, fn) -> None:
+    def _select(self, fn) -> None:
+        for layer in self.layers:
+            layer._select(fn)
         for name in self.SHARED:
             if getattr(self, name) is not None:
                 setattr(self, name, _select_into(getattr(self, name), fn))
         self._history = {}
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self._select_shared(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self._select_shared(lambda t: t[indices.to(t.device)])
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        self._select_shared(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def reset(self) -> None:
         """Empty the cache, keeping its buffers (zeroed in place) and their batch size."""
@@ -556,20 +507,17 @@ class SpikeWhaleCache(Cache):
 
 def cache_footprint(config: SpikeWhaleConfig, batch_size: int = 1, dtype: torch.dtype = torch.bfloat16,
                     max_cache_len: int | None = None) -> dict[str, int]:
-    """Bytes a full `SpikeWhaleCache` holds (computed, nothing allocated): K/V of every loop slot in `dtype`
-    (`kv`), the float32 Memory-Cache state of every slot (`memory_cache`: one (M, z, gate-mean) entry per segment
-    plus the running sums, O(segments)), the Engram codes (`engram`) and the padding/length bookkeeping
-    (`bookkeeping`). Elo attention ratings (`use_elo`, float32 [B, heads, length] per slot) are in `elo`."""
+    """Bytes a full `SpikeWhaleCache` holds, computed without allocating: K/V of every slot in `dtype` (`kv`), the
+    float32 Memory-Cache state (`memory_cache`, O(segments)), the Engram codes (`engram`), the Elo ratings (`elo`,
+    float32 [B, heads, length] per slot) and the padding/length bookkeeping (`bookkeeping`)."""
     P = max_cache_len or config.max_position_embeddings
     slots, B = config.num_loop_slots, batch_size
     item = torch.empty((), dtype=dtype).element_size()
-    out = {"kv": 2 * slots * B * config.num_key_value_heads * P * config.head_dim * item}
+    out = {"kv": 2 * slots * B * config.num_key_value_heads * P * config.head_dim * item, "memory_cache": 0}
     if config.use_memory_cache:
         n_seg = math.ceil(P / config.mc_segment_len)
         shapes = MemoryCacheState.shapes(n_seg, config.mc_num_heads, config.mc_head_dim, config.mc_gate_dim)
         out["memory_cache"] = slots * B * 4 * sum(math.prod(shape) for shape in shapes.values())
-    else:
-        out["memory_cache"] = 0
     out["engram"] = B * P * config.engram_compress_dim * item if config.use_engram else 0
     out["elo"] = slots * B * config.num_attention_heads * P * 4 if getattr(config, "use_elo", False) else 0
     out["bookkeeping"] = B * P + 2 * B * 8  # key_valid (bool), num_real and mc_segment (int64)
@@ -585,9 +533,6 @@ def serving_generation_config(config: SpikeWhaleConfig) -> GenerationConfig:
         bos_token_id=config.bos_token_id, pad_token_id=config.pad_token_id,
         eos_token_id=[i for i in CHAT_EOS_IDS if i < config.vocab_size],
         suppress_tokens=[i for i in RESERVED_IDS if i < config.vocab_size])
-
-
-# generate(): `SpikeWhaleForCausalLM.generate` calls `spike_whale_generate`; the rest is `GenerationMixin.generate`.
 
 
 @dataclass
@@ -952,13 +897,11 @@ def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processo
                              generation_config: GenerationConfig, mtp_streamer=None, mtp_draft_tokens: int = 1,
                              mtp_confidence_threshold: float = 0.0, **model_kwargs):
     """`generate(use_mtp=True)` (a `custom_generate`) with plain decoding's greedy ids or sampling law. A step feeds the
-    pending token and K drafts through one forward; the main head's choices are emitted as in `_sample` while they
-    equal the drafts in every unfinished row; the rest is cropped from the recording cache (exact Memory-Cache state).
-
-    MTP head k on the final hidden state that chose the pending token drafts the token k places past it; past the
-    heads, y_{k+1} = head_1(norm(y_k)). Greedy drafts take the square root of the repetition penalty (the heads learnt
-    part of it from the model's processed text). Sampling keeps a draft d ~ q with probability min(1, p(d)/q(d)), else
-    draws from norm(max(0, p - q)). The gate (`assistant_confidence_threshold`) stops drafting where a draft's top
+    pending token and K drafts (MTP head k drafts the token k places past it; past the heads, y_{k+1} =
+    head_1(norm(y_k))) through one forward; the main head's choices are emitted as in `_sample` while they equal the
+    drafts in every unfinished row; the rest is cropped from the recording cache. Greedy drafts take the square root of
+    the repetition penalty (the heads learnt part of it). Sampling keeps a draft d ~ q with probability min(1, p/q),
+    else draws from norm(max(0, p - q)). The gate (`assistant_confidence_threshold`) stops drafting where a draft's top
     probability is not above it in every unfinished row: it reads the context only, so the output law is unchanged."""
     streamer, K, threshold = mtp_streamer, mtp_draft_tokens, mtp_confidence_threshold
     heads, norm, do_sample = model.mtp_heads, model.model.norm, bool(generation_config.do_sample)
