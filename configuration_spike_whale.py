@@ -20,7 +20,7 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-# Token ids generation needs without loading the tokenizer (`tokenization_spike` keeps its own copies, tested equal).
+# Token ids of the serving defaults, known without the tokenizer (`tokenization_spike` keeps copies, tested equal).
 CHAT_EOS_IDS = (3, 16385)  # <eos>, <|im_end|>
 RESERVED_IDS = range(16401, 16512)  # <|reserved_special_0..110|>
 

@@ -45,7 +45,7 @@ def save_hub_folder(model, tokenizer, out_dir: str | os.PathLike) -> str:
     tokenizer (slow + fast: spike_vocab.json and tokenizer.json, config with its `auto_map`, ChatML template) and the
     serving `generation_config.json`.
     (The model and tokenizer modules are imported here, not at the top: `push` reads this module's file lists.)"""
-    from ..generation_utils import serving_generation_config
+    from .serving import serving_generation_config
     from ..tokenization_spike_fast import SpikeTokenizerFast
 
     register_auto_classes()

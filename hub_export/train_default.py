@@ -37,7 +37,7 @@ import time
 import torch
 
 from ..configuration_spike_whale import SpikeWhaleConfig
-from ..generation_utils import serving_generation_config
+from .serving import serving_generation_config
 from ..modeling_spike_whale import SpikeWhaleForCausalLM
 from ..tokenization_spike import dump_vocab_data, load_vocab_file
 from ..tokenization_spike_fast import SpikeTokenizerFast

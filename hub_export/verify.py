@@ -24,6 +24,7 @@ def run(args) -> int:
 
     from .cache_check import format_line, format_table, logits_scale, run_checks, slot_report, tolerance
     from .checkpoint import DTYPES
+    from .serving import cache_footprint
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -38,7 +39,6 @@ def run(args) -> int:
     print(f"model: {cfg.model_type}, {n_params:,} parameters, {args.dtype} on {args.device}")
     slots, slots_ok = slot_report(model)
     print(slots + ("" if slots_ok else "  FAIL"))
-    from ..generation_utils import cache_footprint
 
     fp = cache_footprint(cfg, 1, dtype)
     print(f"static cache per sequence at the full context ({cfg.num_loop_slots} slots x {cfg.max_position_embeddings} "

@@ -32,7 +32,8 @@ from transformers import (
 )
 
 from spike_whale import SpikeWhaleCache
-from spike_whale.generation_utils import CACHE_FIELD, MemoryCacheState, serving_generation_config
+from spike_whale.generation_utils import CACHE_FIELD, MemoryCacheState
+from spike_whale.hub_export.serving import serving_generation_config
 from spike_whale.tokenization_spike import CHAT_EOS_IDS, RESERVED_IDS
 
 from conftest import open_gates, run_fresh_python, tiny_model
@@ -728,7 +729,7 @@ def test_verify_cli_passes_on_a_good_folder_and_fails_on_a_broken_cache(tiny_fol
 
 def test_cache_footprint_matches_a_real_cache_and_the_card():
     from spike_whale import SpikeWhaleConfig
-    from spike_whale.generation_utils import cache_footprint
+    from spike_whale.hub_export.serving import cache_footprint
 
     m = tiny_model(seed=0)
     ids = prompt(20, batch=2)

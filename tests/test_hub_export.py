@@ -27,7 +27,7 @@ from spike_whale.hub_export.sources import load_checkpoint
 from spike_whale.hub_export.cli import build_parser, main
 from spike_whale.hub_export.folder import CODE_FILES, EXPORT_FILES, register_auto_classes
 from spike_whale.hub_export.gguf_io import ROUND_TRIP_BOUNDS
-from spike_whale.generation_utils import serving_generation_config
+from spike_whale.hub_export.serving import serving_generation_config
 from spike_whale.modeling_spike_whale import rope_inv_freq
 from spike_whale.hub_export.train_tokenizer import build_demo_tokenizer
 from spike_whale.tokenization_spike import dump_vocab_data

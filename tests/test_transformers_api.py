@@ -13,7 +13,8 @@ from packaging import version
 
 from conftest import tiny_config, tiny_model
 from spike_whale import SpikeWhaleConfig, SpikeWhaleForCausalLM
-from spike_whale.generation_utils import CACHE_FIELD, SpikeWhaleCache, serving_generation_config
+from spike_whale.generation_utils import CACHE_FIELD, SpikeWhaleCache
+from spike_whale.hub_export.serving import serving_generation_config
 
 # transformers < 5.24 warns on these calls for every model (an in-library Llama with the same generation_config too:
 # sampling flags next to do_sample=False, max_new_tokens next to max_length in its own assisted loop); from 5.24 none.
