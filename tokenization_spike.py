@@ -24,11 +24,7 @@ from collections.abc import Iterable, Mapping
 
 from transformers import PreTrainedTokenizer
 from transformers.tokenization_utils_base import (
-    AddedToken,
-    BatchEncoding,
-    PaddingStrategy,
-    PreTrainedTokenizerBase,
-    TruncationStrategy,
+    AddedToken, BatchEncoding, PaddingStrategy, PreTrainedTokenizerBase, TruncationStrategy,
 )
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -149,11 +145,6 @@ def apply_chat_template_safely(tokenizer, apply, conversation, kwargs: dict):
 def unused_token(index: int) -> str:
     """Placeholder token for an id in 260..16383 that the vocab file leaves undefined."""
     return f"\u27e8unused_{index}\u27e9"
-
-
-def _to_latin1(text: str) -> str:
-    """UTF-8 bytes of `text`, one latin-1 character per byte (strict: lone surrogates raise)."""
-    return text.encode("utf-8").decode("latin-1")
 
 
 def _latin1_to_bytes(text: str) -> bytes:
@@ -359,10 +350,18 @@ def dump_vocab_data(data: Mapping) -> str:
     return json.dumps({**data, "vocab": dict(sorted(data["vocab"].items(), key=lambda kv: kv[1]))}, ensure_ascii=True)
 
 
+def special_token(token):
+    """`token` as an atomic special token (a string is wrapped; None and AddedToken pass as they are)."""
+    if token is None or isinstance(token, AddedToken):
+        return token
+    return AddedToken(str(token), special=True, normalized=False, lstrip=False, rstrip=False, single_word=False)
+
+
 def special_token_kwargs(kwargs: dict, bos_token, eos_token, unk_token, pad_token) -> dict:
-    """`kwargs` with the layout's specials as extra special tokens (atomic, skipped by skip_special_tokens), the
-    ChatML template and no clean-up by default, for either class. <pad>/<unk>/<bos>/<eos> stay special even when the
-    user points eos/pad/unk elsewhere; a mapping of named extra tokens stays named (model_specific_special_tokens)."""
+    """`kwargs` for either class's base `__init__`: the named specials atomic, the layout's others as extra special
+    tokens (atomic, skipped by skip_special_tokens), the ChatML template and no clean-up by default. <pad>/<unk>/<bos>/
+    <eos> stay special even when the user points eos/pad/unk elsewhere; a mapping of named extra tokens stays named
+    (model_specific_special_tokens)."""
     kwargs.pop("special_tokens_pattern", None)
     kwargs.pop("backend", None)  # "tokenizers" in a config the fast class wrote
     kwargs.setdefault("chat_template", CHATML_TEMPLATE)
@@ -373,11 +372,11 @@ def special_token_kwargs(kwargs: dict, bos_token, eos_token, unk_token, pad_toke
         kwargs["model_specific_special_tokens"] = {**dict(kwargs.get("model_specific_special_tokens") or {}),
                                                    **dict(extra)}
         extra = []
-    named = {str(t) for t in (bos_token, eos_token, unk_token, pad_token) if t is not None}
-    ours = [AddedToken(tok, special=True, normalized=False, lstrip=False, rstrip=False, single_word=False)
-            for tok in SPECIAL_TOKENS + RESERVED_TOKENS + tuple(t for t in BASE_SPECIAL_TOKENS if t not in named)]
-    kwargs["extra_special_tokens"] = ours + [tok for tok in extra if str(tok) not in LAYOUT_SPECIALS]
-    return kwargs
+    named = {"bos_token": bos_token, "eos_token": eos_token, "unk_token": unk_token, "pad_token": pad_token}
+    kept = {str(t) for t in named.values() if t is not None}
+    ours = SPECIAL_TOKENS + RESERVED_TOKENS + tuple(t for t in BASE_SPECIAL_TOKENS if t not in kept)
+    kwargs["extra_special_tokens"] = [*map(special_token, ours), *(t for t in extra if str(t) not in LAYOUT_SPECIALS)]
+    return {**kwargs, **{key: special_token(token) for key, token in named.items()}}
 
 
 def check_special_ids(tokenizer) -> None:
@@ -394,6 +393,17 @@ def check_special_ids(tokenizer) -> None:
 class SpikeTokenizerMixin:
     """What both spike_whale tokenizer classes share: the vocab in file format, saving it, the chat template default
     and keeping ``add_bos_token`` on disk."""
+
+    model_input_names = ["input_ids", "attention_mask"]
+    padding_side = "left"
+    _auto_class = "AutoTokenizer"  # save_pretrained writes auto_map and copies the class's file
+
+    @classmethod
+    def _from_pretrained(cls, resolved_vocab_files, *args, **kwargs):
+        # the fast class reads tokenizer.json as a `tokenizers` file, so it needs a "model"
+        need_model = "tokenizer_file" in cls.vocab_files_names
+        check_tokenizer_file(resolved_vocab_files.get("tokenizer_file"), need_model=need_model)
+        return super()._from_pretrained(resolved_vocab_files, *args, **kwargs)
 
     @property
     def vocab_data(self) -> dict:
@@ -453,9 +463,6 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
     """
 
     vocab_files_names = {"vocab_file": VOCAB_FILE_NAME}
-    model_input_names = ["input_ids", "attention_mask"]
-    padding_side = "left"
-    _auto_class = "AutoTokenizer"  # save_pretrained writes auto_map and copies this file
 
     def __init__(self, vocab_file=None, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, unk_token=UNK_TOKEN,
                  pad_token=PAD_TOKEN, add_bos_token: bool = True, **kwargs):
@@ -464,7 +471,14 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
         tokenizer_file = kwargs.pop("tokenizer_file", None)
         source = vocab_file if vocab_file is not None else tokenizer_file
         self.vocab_file = None if source is None or isinstance(source, Mapping) else os.fspath(source)
-        self._set_vocab_data(read_vocab(source))
+        self._vocab_data = read_vocab(source)
+        by_id = {idx: token for token, idx in self._vocab_data["vocab"].items()}
+        # multi-byte ids the vocab leaves undefined get a placeholder, never produced and decoded to nothing
+        self._id_to_token = [by_id.get(i) or unused_token(i) for i in range(VOCAB_SIZE)]
+        self._unused_tokens = {unused_token(i) for i in range(VOCAB_SIZE) if i not in by_id}
+        self._token_to_id = {tok: i for i, tok in enumerate(self._id_to_token)}
+        self._greedy = greedy_tokens(self._vocab_data)
+        self._regex = self._added_split = None  # built on first use
         self._add_bos_token = bool(add_bos_token)
         kwargs = special_token_kwargs(kwargs, bos_token, eos_token, unk_token, pad_token)
         # transformers pops special_tokens_pattern before saving the init kwargs: set on every construction.
@@ -474,25 +488,8 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
         if kwargs.get("added_tokens_decoder"):
             kwargs["added_tokens_decoder"] = {i: t for i, t in kwargs["added_tokens_decoder"].items()
                                               if not BYTE_OFFSET <= int(i) < SPECIAL_START_ID}
-        super().__init__(bos_token=bos_token, eos_token=eos_token, unk_token=unk_token, pad_token=pad_token,
-                         add_bos_token=self._add_bos_token, **kwargs)
+        super().__init__(add_bos_token=self._add_bos_token, **kwargs)
         check_special_ids(self)
-
-    def _set_vocab_data(self, data: dict) -> None:
-        self._vocab_data = data
-        id_to_token = [None] * VOCAB_SIZE
-        for token, idx in data["vocab"].items():
-            id_to_token[idx] = token
-        self._unused_tokens = set()
-        for idx in range(FIRST_MULTIBYTE_ID, SPECIAL_START_ID):
-            if id_to_token[idx] is None:
-                id_to_token[idx] = unused_token(idx)
-                self._unused_tokens.add(id_to_token[idx])
-        self._id_to_token = id_to_token
-        self._token_to_id = {tok: i for i, tok in enumerate(id_to_token)}
-        self._greedy = greedy_tokens(data)
-        self._regex = None
-        self._added_split = None
 
     @property
     def vocab_size(self) -> int:
@@ -545,7 +542,8 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
     def _tokenize(self, text: str, **kwargs) -> list[str]:
         if self._regex is None:  # compiled on first use: seconds for a 16K vocabulary
             self._regex = compile_greedy_regex(self._greedy)
-        return self._regex.findall(_to_latin1(text)) if text else []
+        # the UTF-8 bytes, one latin-1 character per byte (strict: lone surrogates raise)
+        return self._regex.findall(text.encode("utf-8").decode("latin-1")) if text else []
 
     def _split_added_tokens(self, text: str) -> list[str] | None:
         """`text` cut into the text between added tokens (even items) and the added tokens (odd), leftmost-longest as
@@ -672,11 +670,6 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
             kwargs.setdefault("name_or_path", os.fspath(path))
             return cls(path, *init_inputs, **kwargs)
         return super().from_pretrained(pretrained_model_name_or_path, *init_inputs, **kwargs)
-
-    @classmethod
-    def _from_pretrained(cls, resolved_vocab_files, *args, **kwargs):
-        check_tokenizer_file(resolved_vocab_files.get("tokenizer_file"))
-        return super()._from_pretrained(resolved_vocab_files, *args, **kwargs)
 
 
 __all__ = [

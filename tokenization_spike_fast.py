@@ -25,28 +25,9 @@ from transformers import PreTrainedTokenizerFast
 from transformers.tokenization_utils_base import AddedToken, BatchEncoding
 
 from .tokenization_spike import (
-    BOS_TOKEN,
-    BYTE_OFFSET,
-    EOS_TOKEN,
-    FIRST_MULTIBYTE_ID,
-    LAYOUT_SPECIALS,
-    PAD_TOKEN,
-    SPECIAL_START_ID,
-    UNK_ID,
-    UNK_TOKEN,
-    VOCAB_FILE_NAME,
-    VOCAB_SIZE,
-    SpikeTokenizer,
-    SpikeTokenizerMixin,
-    check_special_ids,
-    check_tokenizer_file,
-    greedy_trie_pattern,
-    load_vocab_file,
-    normalize_vocab_data,
-    read_vocab,
-    special_token_kwargs,
-    unused_token,
-    with_leading_space,
+    BOS_TOKEN, BYTE_OFFSET, EOS_TOKEN, FIRST_MULTIBYTE_ID, LAYOUT_SPECIALS, PAD_TOKEN, SPECIAL_START_ID, UNK_ID,
+    UNK_TOKEN, VOCAB_FILE_NAME, VOCAB_SIZE, SpikeTokenizer, SpikeTokenizerMixin, check_special_ids, greedy_trie_pattern,
+    load_vocab_file, normalize_vocab_data, read_vocab, special_token_kwargs, unused_token, with_leading_space,
 )
 
 TOKENIZER_FILE_NAME = "tokenizer.json"
@@ -84,18 +65,6 @@ def crosses_a_character(token: str) -> bool:
     """A token (latin-1 string) that is not valid UTF-8 and has a character start after its first byte: part of one
     character and another, such as b"d \xe2\x80". The added-token matcher cannot find it (`build_backend`)."""
     return _text(token) is None and any(not 0x80 <= ord(ch) < 0xC0 for ch in token[1:])
-
-
-def needs_the_pieces(token: str) -> bool:
-    """A token that can put its vocab on the pieces alone (`build_backend`), which the trainer never takes: one across
-    a character boundary, or one whose text is spelled in the byte alphabet like other bytes a token may hold ("Ã©"
-    is the byte-level key of "é", "Ġthe" the key of " the")."""
-    if crosses_a_character(token):
-        return True
-    text = _text(token)
-    if text is None or len(text) < 2 or _decodes_as_itself(text):
-        return False
-    return not crosses_a_character("".join(map(_BYTE_LEVEL_TO_LATIN1.get, text)))
 
 
 def _decodes_as_itself(text: str) -> bool:
@@ -184,12 +153,6 @@ def _is_backend_file(path) -> bool:
     return '"version"' in head and not head.lstrip().startswith('{"vocab"')
 
 
-def _special(token):
-    if token is None or isinstance(token, AddedToken):
-        return token
-    return AddedToken(str(token), special=True, normalized=False, lstrip=False, rstrip=False, single_word=False)
-
-
 class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
     """Greedy longest-match byte tokenizer over a Length-MAX vocabulary on `tokenizers`: the arguments, ids, decodes,
     ``add_bos_token``, specials and chat template of `SpikeTokenizer`, plus offsets and batching in Rust.
@@ -202,10 +165,7 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
     """
 
     vocab_files_names = {"vocab_file": VOCAB_FILE_NAME, "tokenizer_file": TOKENIZER_FILE_NAME}
-    model_input_names = ["input_ids", "attention_mask"]
-    padding_side = "left"
     slow_tokenizer_class = SpikeTokenizer
-    _auto_class = "AutoTokenizer"
 
     def __init__(self, vocab_file=None, tokenizer_file=None, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
                  unk_token=UNK_TOKEN, pad_token=PAD_TOKEN, add_bos_token: bool = True, **kwargs):
@@ -225,14 +185,8 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
                                       if not t.special and i < SPECIAL_START_ID)
         kwargs = special_token_kwargs(kwargs, bos_token, eos_token, unk_token, pad_token)
         self._tokenizer = backend  # used as is (passing it as tokenizer_object would deep-copy it)
-        super().__init__(bos_token=_special(bos_token), eos_token=_special(eos_token), unk_token=_special(unk_token),
-                         pad_token=_special(pad_token), add_bos_token=bool(add_bos_token), **kwargs)
+        super().__init__(add_bos_token=bool(add_bos_token), **kwargs)
         check_special_ids(self)
-
-    @classmethod
-    def _from_pretrained(cls, resolved_vocab_files, *args, **kwargs):
-        check_tokenizer_file(resolved_vocab_files.get("tokenizer_file"), need_model=True)
-        return super()._from_pretrained(resolved_vocab_files, *args, **kwargs)
 
     @classmethod
     def convert_to_native_format(cls, trust_remote_code=False, **kwargs):
@@ -416,4 +370,4 @@ def _strip_leading_bos(text, text_pair):
 
 
 __all__ = ["SpikeTokenizerFast", "build_backend", "bytes_to_unicode", "crosses_a_character",
-           "needs_the_pieces", "piece_pattern", "TOKENIZER_FILE_NAME"]
+           "piece_pattern", "TOKENIZER_FILE_NAME"]

@@ -117,6 +117,20 @@ def _group(keys, *columns, sums: int):
     return out
 
 
+def needs_the_pieces(token: str) -> bool:
+    """A token that can put its vocab on the pieces alone (`build_backend`), which the trainer never takes: one across
+    a character boundary, or one whose text is spelled in the byte alphabet like other bytes a token may hold ("Ã©"
+    is the byte-level key of "é", "Ġthe" the key of " the")."""
+    from ..tokenization_spike_fast import _BYTE_LEVEL_TO_LATIN1, _decodes_as_itself, _text, crosses_a_character
+
+    if crosses_a_character(token):
+        return True
+    text = _text(token)
+    if text is None or len(text) < 2 or _decodes_as_itself(text):
+        return False
+    return not crosses_a_character("".join(map(_BYTE_LEVEL_TO_LATIN1.get, text)))
+
+
 class CandidateTable:
     """The scoreboard of one round: every run of n = 2..max_ngram consecutive tokens (at most max_token_len bytes)
     with ``score(s) = Σ (n − 1)`` over its occurrences (the tokens `s` would save) and ``freq(s)`` (occurrences).
@@ -240,10 +254,6 @@ class CandidateTable:
         """
         import numpy as np
 
-        # Never a token that would put the fast tokenizer on its pieces alone (`needs_the_pieces`): one across a
-        # character boundary (b"d \xe2\x80"), or text spelled like another token's byte-level key ("Ġthe").
-        from ..tokenization_spike_fast import needs_the_pieces
-
         order = self.ranked(min_freq)
         chosen: list[tuple[str, int]] = []
         cover: dict[str, int] = {}  # substring of a chosen string -> the highest freq of a chosen string holding it
@@ -257,6 +267,8 @@ class CandidateTable:
             for piece, value, freq in sorted(found, key=lambda item: (-item[1], item[0])):
                 if piece in exclude or freq < 2 * cover.get(piece, 0):
                     continue
+                # Never a token that would put the fast tokenizer on its pieces alone: one across a character
+                # boundary (b"d \xe2\x80"), or text spelled like another token's byte-level key ("Ġthe").
                 if not piece.isascii() and needs_the_pieces(piece):
                     continue
                 chosen.append((piece, value))
