@@ -58,8 +58,8 @@ ALGORITHM = "length-max"
 CHATML_TEMPLATE = (
     "{{- bos_token if bos_token else '' -}}\n"
     "{%- if tools -%}\n"
-    "    {{- raise_exception('This chat template has no tool-calling format (the spike_whale chat models were not trained "
-    "with one): pass tools=None, or a chat_template that defines one.') -}}\n"
+    "    {{- raise_exception('This chat template has no tool-calling format (the spike_whale chat models were not "
+    "trained with one): pass tools=None, or a chat_template that defines one.') -}}\n"
     "{%- endif -%}\n"
     "{%- for message in messages -%}\n"
     "    {%- set i = loop.index0 -%}\n"
@@ -68,8 +68,8 @@ CHATML_TEMPLATE = (
     "as {\"role\": \"user\", \"content\": \"...\"}.') -}}\n"
     "    {%- endif -%}\n"
     "    {%- if message['tool_calls'] is defined -%}\n"
-    "        {{- raise_exception('Message ' ~ loop.index0 ~ ' has tool_calls, which this chat template cannot write (no "
-    "tool-calling format); put the call in \\'content\\' or use a chat_template that defines one.') -}}\n"
+    "        {{- raise_exception('Message ' ~ loop.index0 ~ ' has tool_calls, which this chat template cannot write "
+    "(no tool-calling format); put the call in \\'content\\' or use a chat_template that defines one.') -}}\n"
     "    {%- endif -%}\n"
     "    {{- '<|im_start|>' + message['role'] + '\\n' -}}\n"
     "    {%- if message['content'] is string -%}\n"
@@ -96,50 +96,9 @@ CHATML_TEMPLATE = (
 )
 
 # transformers added `apply_chat_template(..., sanitize_control_tokens=...)` after 5.0; before, the control tokens in
-# the inputs are marked here and encoded as text (`apply_chat_template_safely`).
+# the inputs are marked here and encoded as text (`SpikeTokenizerMixin.apply_chat_template`).
 _HAS_SANITIZE = "sanitize_control_tokens" in inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
 _MARK_START, _MARK_END = "\U000f0000", "\U000f0001"  # private use: removed from user strings before marking
-
-
-def apply_chat_template_safely(tokenizer, apply, conversation, kwargs: dict):
-    """`apply` (the base class's apply_chat_template) with ``sanitize_control_tokens=True`` by default whenever the
-    output is tokenized without an assistant mask: special-token strings inside messages, tools and documents are
-    encoded as text, so a user message cannot open a system turn; the template's own markers stay special."""
-    sanitize = kwargs.pop("sanitize_control_tokens", None)
-    if sanitize is None:
-        sanitize = bool(kwargs.get("tokenize", True)) and not kwargs.get("return_assistant_tokens_mask", False)
-    if _HAS_SANITIZE or not sanitize:
-        return apply(conversation, **kwargs, **({"sanitize_control_tokens": sanitize} if _HAS_SANITIZE else {}))
-    opts = {k: kwargs.pop(k, default) for k, default in (("padding", False), ("truncation", False),
-                                                          ("max_length", None), ("return_tensors", None),
-                                                          ("return_dict", True), ("tokenizer_kwargs", None))}
-    kwargs.pop("tokenize", None)
-    control_re = re.compile("|".join(map(re.escape, sorted(tokenizer.all_special_tokens, key=len, reverse=True))))
-
-    def mark(obj):
-        if isinstance(obj, str):
-            obj = obj.replace(_MARK_START, "").replace(_MARK_END, "")
-            return control_re.sub(lambda m: _MARK_START + m.group(0) + _MARK_END, obj)
-        if isinstance(obj, Mapping):
-            return {key: mark(value) for key, value in obj.items()}
-        return [mark(value) for value in obj] if isinstance(obj, (list, tuple)) else obj
-
-    for key in ("tools", "documents"):
-        if kwargs.get(key) is not None:
-            kwargs[key] = mark(kwargs[key])
-    rendered = apply(mark(conversation), tokenize=False, **kwargs)
-    split_re = re.compile(re.escape(_MARK_START) + "(.*?)" + re.escape(_MARK_END), re.S)
-    batched = not isinstance(rendered, str)
-    ids = [[i for n, piece in enumerate(split_re.split(chat)) if piece
-            for i in tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=bool(n % 2))]
-           for chat in (rendered if batched else [rendered])]
-    if opts["truncation"] and opts["max_length"] is not None:
-        keep = opts["max_length"]
-        ids = [row[:keep] if tokenizer.truncation_side == "right" else row[-keep:] for row in ids]
-    out = tokenizer.pad({"input_ids": ids if batched else ids[0]}, padding=opts["padding"],
-                        max_length=opts["max_length"])
-    out = BatchEncoding(dict(out), tensor_type=opts["return_tensors"], prepend_batch_axis=not batched)
-    return out if opts["return_dict"] else out["input_ids"]
 
 
 def unused_token(index: int) -> str:
@@ -224,11 +183,6 @@ def _dispatch_groups(first_chars: list[str], alts: list[str], size: int, escape)
     return groups
 
 
-def compile_greedy_regex(tokens: Iterable[str]) -> re.Pattern:
-    """`greedy_trie_pattern` compiled with Python's ``re`` (the slow tokenizer's matcher)."""
-    return re.compile(greedy_trie_pattern(tokens))
-
-
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -294,8 +248,6 @@ def normalize_vocab_data(data, source: str = "vocab") -> dict:
             if bad is not None:
                 raise ValueError(f"{source}: token {token!r} (id {idx}) contains {bad!r} (U+{ord(bad):04X}); regular "
                                  "tokens must be latin-1 strings, one character per UTF-8 byte")
-        elif BYTE_OFFSET <= idx < FIRST_MULTIBYTE_ID and len(token) != 1:
-            raise ValueError(f"{source}: id {idx} is a byte slot but holds {token!r}")
     full = {**by_id, **{idx: tok for tok, idx in LAYOUT_SPECIALS.items()}}
     out = {"vocab": {full[i]: i for i in sorted(full)}, "max_token_len": max_token_len, "vocab_size": VOCAB_SIZE,
            "algorithm": data.get("algorithm", ALGORITHM), "special_tokens": list(SPECIAL_TOKENS)}
@@ -357,39 +309,6 @@ def special_token(token):
     return AddedToken(str(token), special=True, normalized=False, lstrip=False, rstrip=False, single_word=False)
 
 
-def special_token_kwargs(kwargs: dict, bos_token, eos_token, unk_token, pad_token) -> dict:
-    """`kwargs` for either class's base `__init__`: the named specials atomic, the layout's others as extra special
-    tokens (atomic, skipped by skip_special_tokens), the ChatML template and no clean-up by default. <pad>/<unk>/<bos>/
-    <eos> stay special even when the user points eos/pad/unk elsewhere; a mapping of named extra tokens stays named
-    (model_specific_special_tokens)."""
-    kwargs.pop("special_tokens_pattern", None)
-    kwargs.pop("backend", None)  # "tokenizers" in a config the fast class wrote
-    kwargs.setdefault("chat_template", CHATML_TEMPLATE)
-    kwargs.setdefault("clean_up_tokenization_spaces", False)
-    extra, legacy = kwargs.pop("extra_special_tokens", None), kwargs.pop("additional_special_tokens", None)
-    extra = (legacy if extra is None else extra) or []
-    if isinstance(extra, Mapping):
-        kwargs["model_specific_special_tokens"] = {**dict(kwargs.get("model_specific_special_tokens") or {}),
-                                                   **dict(extra)}
-        extra = []
-    named = {"bos_token": bos_token, "eos_token": eos_token, "unk_token": unk_token, "pad_token": pad_token}
-    kept = {str(t) for t in named.values() if t is not None}
-    ours = SPECIAL_TOKENS + RESERVED_TOKENS + tuple(t for t in BASE_SPECIAL_TOKENS if t not in kept)
-    kwargs["extra_special_tokens"] = [*map(special_token, ours), *(t for t in extra if str(t) not in LAYOUT_SPECIALS)]
-    return {**kwargs, **{key: special_token(token) for key, token in named.items()}}
-
-
-def check_special_ids(tokenizer) -> None:
-    """<bos> must be id 2 (every sequence was trained to start with it) and every layout special at its id."""
-    if tokenizer.bos_token_id != BOS_ID:
-        raise ValueError(f"bos_token resolves to id {tokenizer.bos_token_id}, the spike_whale layout requires {BOS_ID}")
-    for token, idx in LAYOUT_SPECIALS.items():
-        got = tokenizer.convert_tokens_to_ids(token)
-        if got != idx:
-            raise ValueError(f"special token {token!r} resolved to id {got}, the spike_whale layout requires {idx} "
-                             "(a stale added_tokens_decoder in tokenizer_config.json?)")
-
-
 class SpikeTokenizerMixin:
     """What both spike_whale tokenizer classes share: the vocab in file format, saving it, the chat template default
     and keeping ``add_bos_token`` on disk."""
@@ -397,6 +316,38 @@ class SpikeTokenizerMixin:
     model_input_names = ["input_ids", "attention_mask"]
     padding_side = "left"
     _auto_class = "AutoTokenizer"  # save_pretrained writes auto_map and copies the class's file
+
+    def __init__(self, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, unk_token=UNK_TOKEN, pad_token=PAD_TOKEN,
+                 add_bos_token: bool = True, **kwargs):
+        """The base class's `__init__` with the named specials atomic, the layout's others as extra special tokens
+        (atomic, skipped by skip_special_tokens), the ChatML template and no clean-up by default; <pad>/<unk>/<bos>/
+        <eos> stay special even when the user points eos/pad/unk elsewhere, and a mapping of named extra tokens
+        stays named (model_specific_special_tokens). Then every layout special is checked at its id."""
+        kwargs.pop("special_tokens_pattern", None)
+        kwargs.pop("backend", None)  # "tokenizers" in a config the fast class wrote
+        kwargs.setdefault("chat_template", CHATML_TEMPLATE)
+        kwargs.setdefault("clean_up_tokenization_spaces", False)
+        extra, legacy = kwargs.pop("extra_special_tokens", None), kwargs.pop("additional_special_tokens", None)
+        extra = (legacy if extra is None else extra) or []
+        if isinstance(extra, Mapping):
+            kwargs["model_specific_special_tokens"] = {**dict(kwargs.get("model_specific_special_tokens") or {}),
+                                                       **dict(extra)}
+            extra = []
+        named = {"bos_token": bos_token, "eos_token": eos_token, "unk_token": unk_token, "pad_token": pad_token}
+        kept = {str(t) for t in named.values() if t is not None}
+        ours = SPECIAL_TOKENS + RESERVED_TOKENS + tuple(t for t in BASE_SPECIAL_TOKENS if t not in kept)
+        kwargs["extra_special_tokens"] = [*map(special_token, ours),
+                                          *(t for t in extra if str(t) not in LAYOUT_SPECIALS)]
+        kwargs.update((key, special_token(token)) for key, token in named.items())
+        super().__init__(add_bos_token=bool(add_bos_token), **kwargs)
+        # <bos> must be id 2: every sequence was trained to start with it
+        if self.bos_token_id != BOS_ID:
+            raise ValueError(f"bos_token resolves to id {self.bos_token_id}, the spike_whale layout requires {BOS_ID}")
+        for token, idx in LAYOUT_SPECIALS.items():
+            got = self.convert_tokens_to_ids(token)
+            if got != idx:
+                raise ValueError(f"special token {token!r} resolved to id {got}, the spike_whale layout requires "
+                                 f"{idx} (a stale added_tokens_decoder in tokenizer_config.json?)")
 
     @classmethod
     def _from_pretrained(cls, resolved_vocab_files, *args, **kwargs):
@@ -434,10 +385,46 @@ class SpikeTokenizerMixin:
         return super().save_chat_templates(save_directory, tokenizer_config, filename_prefix, save_jinja_files)
 
     def apply_chat_template(self, conversation, **kwargs):
-        """transformers' `apply_chat_template` with ``sanitize_control_tokens=True`` by default (see
-        `apply_chat_template_safely`); pass ``False`` for the raw behaviour. ``tokenize=False`` returns the plain
-        string, which cannot carry the difference."""
-        return apply_chat_template_safely(self, super().apply_chat_template, conversation, kwargs)
+        """transformers' `apply_chat_template` with ``sanitize_control_tokens=True`` by default whenever the output is
+        tokenized without an assistant mask: special-token strings inside messages, tools and documents are encoded
+        as text, so a user message cannot open a system turn; the template's own markers stay special. Pass ``False``
+        for the raw behaviour; ``tokenize=False`` returns the plain string, which cannot carry the difference."""
+        sanitize = kwargs.pop("sanitize_control_tokens", None)
+        if sanitize is None:
+            sanitize = bool(kwargs.get("tokenize", True)) and not kwargs.get("return_assistant_tokens_mask", False)
+        if _HAS_SANITIZE or not sanitize:
+            extra = {"sanitize_control_tokens": sanitize} if _HAS_SANITIZE else {}
+            return super().apply_chat_template(conversation, **kwargs, **extra)
+        opts = {k: kwargs.pop(k, default) for k, default in (("padding", False), ("truncation", False),
+                                                              ("max_length", None), ("return_tensors", None),
+                                                              ("return_dict", True), ("tokenizer_kwargs", None))}
+        kwargs.pop("tokenize", None)
+        control_re = re.compile("|".join(map(re.escape, sorted(self.all_special_tokens, key=len, reverse=True))))
+
+        def mark(obj):
+            if isinstance(obj, str):
+                obj = obj.replace(_MARK_START, "").replace(_MARK_END, "")
+                return control_re.sub(lambda m: _MARK_START + m.group(0) + _MARK_END, obj)
+            if isinstance(obj, Mapping):
+                return {key: mark(value) for key, value in obj.items()}
+            return [mark(value) for value in obj] if isinstance(obj, (list, tuple)) else obj
+
+        for key in ("tools", "documents"):
+            if kwargs.get(key) is not None:
+                kwargs[key] = mark(kwargs[key])
+        rendered = super().apply_chat_template(mark(conversation), tokenize=False, **kwargs)
+        split_re = re.compile(re.escape(_MARK_START) + "(.*?)" + re.escape(_MARK_END), re.S)
+        batched = not isinstance(rendered, str)
+        ids = [[i for n, piece in enumerate(split_re.split(chat)) if piece
+                for i in self.encode(piece, add_special_tokens=False, split_special_tokens=bool(n % 2))]
+               for chat in (rendered if batched else [rendered])]
+        if opts["truncation"] and opts["max_length"] is not None:
+            keep = opts["max_length"]
+            ids = [row[:keep] if self.truncation_side == "right" else row[-keep:] for row in ids]
+        rows = ids if batched else ids[0]
+        out = self.pad({"input_ids": rows}, padding=opts["padding"], max_length=opts["max_length"])
+        out = BatchEncoding(dict(out), tensor_type=opts["return_tensors"], prepend_batch_axis=not batched)
+        return out if opts["return_dict"] else out["input_ids"]
 
 
 # `_encode_plus` arguments `SpikeTokenizer._encode_plain` handles; a call with any other set goes to the base class.
@@ -480,16 +467,14 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
         self._greedy = greedy_tokens(self._vocab_data)
         self._regex = self._added_split = None  # built on first use
         self._add_bos_token = bool(add_bos_token)
-        kwargs = special_token_kwargs(kwargs, bos_token, eos_token, unk_token, pad_token)
-        # transformers pops special_tokens_pattern before saving the init kwargs: set on every construction.
-        kwargs["special_tokens_pattern"] = "bos" if self._add_bos_token else "none"
         # A folder saved by the fast class: tokenizer.json's added tokens may hold the vocab's own greedy tokens (its
         # matcher); added here they would be split out before the specials. Ids below the specials are the vocab's.
         if kwargs.get("added_tokens_decoder"):
             kwargs["added_tokens_decoder"] = {i: t for i, t in kwargs["added_tokens_decoder"].items()
                                               if not BYTE_OFFSET <= int(i) < SPECIAL_START_ID}
-        super().__init__(add_bos_token=self._add_bos_token, **kwargs)
-        check_special_ids(self)
+        super().__init__(bos_token, eos_token, unk_token, pad_token, add_bos_token, **kwargs)
+        # transformers does not save special_tokens_pattern and its `__init__` resets it: the setter puts it back
+        self.add_bos_token = add_bos_token
 
     @property
     def vocab_size(self) -> int:
@@ -541,7 +526,7 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
 
     def _tokenize(self, text: str, **kwargs) -> list[str]:
         if self._regex is None:  # compiled on first use: seconds for a 16K vocabulary
-            self._regex = compile_greedy_regex(self._greedy)
+            self._regex = re.compile(greedy_trie_pattern(self._greedy))
         # the UTF-8 bytes, one latin-1 character per byte (strict: lone surrogates raise)
         return self._regex.findall(text.encode("utf-8").decode("latin-1")) if text else []
 
@@ -673,9 +658,9 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
 
 
 __all__ = [
-    "SpikeTokenizer", "SpikeTokenizerMixin", "CHATML_TEMPLATE", "apply_chat_template_safely", "compile_greedy_regex",
-    "greedy_trie_pattern", "load_vocab_file", "normalize_vocab_data", "dump_vocab_data", "unused_token", "PAD_ID",
-    "UNK_ID", "BOS_ID", "EOS_ID", "IM_START_ID", "IM_END_ID", "SPECIAL_TOKENS", "SPECIAL_TOKEN_IDS", "RESERVED_IDS",
-    "RESERVED_TOKENS", "ALL_SPECIAL_IDS", "CHAT_EOS_IDS", "VOCAB_SIZE", "NUM_BASE_IDS", "FIRST_MULTIBYTE_ID",
-    "BYTE_OFFSET", "DEFAULT_MAX_TOKEN_LEN", "VOCAB_FILE_NAME",
+    "SpikeTokenizer", "SpikeTokenizerMixin", "CHATML_TEMPLATE", "greedy_trie_pattern", "load_vocab_file",
+    "normalize_vocab_data", "dump_vocab_data", "unused_token", "PAD_ID", "UNK_ID", "BOS_ID", "EOS_ID", "IM_START_ID",
+    "IM_END_ID", "SPECIAL_TOKENS", "SPECIAL_TOKEN_IDS", "RESERVED_IDS", "RESERVED_TOKENS", "ALL_SPECIAL_IDS",
+    "CHAT_EOS_IDS", "VOCAB_SIZE", "NUM_BASE_IDS", "FIRST_MULTIBYTE_ID", "BYTE_OFFSET", "DEFAULT_MAX_TOKEN_LEN",
+    "VOCAB_FILE_NAME",
 ]

@@ -26,8 +26,8 @@ from transformers.tokenization_utils_base import AddedToken, BatchEncoding
 
 from .tokenization_spike import (
     BOS_TOKEN, BYTE_OFFSET, EOS_TOKEN, FIRST_MULTIBYTE_ID, LAYOUT_SPECIALS, PAD_TOKEN, SPECIAL_START_ID, UNK_ID,
-    UNK_TOKEN, VOCAB_FILE_NAME, VOCAB_SIZE, SpikeTokenizer, SpikeTokenizerMixin, check_special_ids, greedy_trie_pattern,
-    load_vocab_file, normalize_vocab_data, read_vocab, special_token_kwargs, unused_token, with_leading_space,
+    UNK_TOKEN, VOCAB_FILE_NAME, VOCAB_SIZE, SpikeTokenizer, SpikeTokenizerMixin, greedy_tokens, greedy_trie_pattern,
+    load_vocab_file, normalize_vocab_data, read_vocab, unused_token, with_leading_space,
 )
 
 TOKENIZER_FILE_NAME = "tokenizer.json"
@@ -94,12 +94,9 @@ def build_backend(data: Mapping) -> Tokenizer:
     WordPiece cut into them. A vocab with a token across a character boundary (b"d \xe2\x80", which can be neither
     matched nor left out) or text spelled like another token's byte-level key gets the pieces alone: exact, slower.
     """
-    vocab: dict[str, int] = {}
-    greedy: list[str] = []
-    for token, idx in data["vocab"].items():
-        vocab[token if idx in LAYOUT_SPECIALS.values() else token.translate(_LATIN1_TO_BYTE_LEVEL)] = idx
-        if BYTE_OFFSET <= idx < SPECIAL_START_ID and len(token) <= data["max_token_len"]:
-            greedy.append(token)
+    vocab = {token if token in LAYOUT_SPECIALS else token.translate(_LATIN1_TO_BYTE_LEVEL): idx
+             for token, idx in data["vocab"].items()}
+    greedy = list(greedy_tokens(data))
     defined = set(vocab.values())
     holes = [i for i in range(FIRST_MULTIBYTE_ID, SPECIAL_START_ID) if i not in defined]
     vocab.update({unused_token(i): i for i in holes})
@@ -183,10 +180,8 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
         # the vocab's greedy tokens the matcher finds: vocabulary, not added tokens in transformers' sense
         self._matched_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items()
                                       if not t.special and i < SPECIAL_START_ID)
-        kwargs = special_token_kwargs(kwargs, bos_token, eos_token, unk_token, pad_token)
         self._tokenizer = backend  # used as is (passing it as tokenizer_object would deep-copy it)
-        super().__init__(add_bos_token=bool(add_bos_token), **kwargs)
-        check_special_ids(self)
+        super().__init__(bos_token, eos_token, unk_token, pad_token, add_bos_token, **kwargs)
 
     @classmethod
     def convert_to_native_format(cls, trust_remote_code=False, **kwargs):
@@ -246,9 +241,8 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
                                 padding_side=None, return_tensors=None, return_attention_mask=None,
                                 return_special_tokens_mask=False, return_length=False, verbose=True, **_):
         """`_encode_plus` of a call that returns nothing needing character offsets: `encode_batch_fast`, which skips
-        them. The offsets are most of `encode_batch`'s time (65-115 ns per byte; this route is 1.3-3.3x the
-        throughput, docs/performance.md 10.1); the `Encoding`s behind ``char_to_token``, ``word_ids`` and ``tokens`` are made,
-        with offsets, when first read (`EncodingsOnDemand`)."""
+        them (they are most of `encode_batch`'s time: docs/performance.md 10.1). The `Encoding`s behind
+        ``char_to_token``, ``word_ids`` and ``tokens`` are made, with offsets, when first read (`EncodingsOnDemand`)."""
         batch = [text] if isinstance(text, str) else list(text)
         self.set_truncation_and_padding(padding_strategy=padding_strategy, truncation_strategy=truncation_strategy,
                                         max_length=max_length, stride=stride, pad_to_multiple_of=pad_to_multiple_of,

@@ -36,6 +36,7 @@ import glob
 import math
 import os
 import random
+import re
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -115,6 +116,14 @@ def _group(keys, *columns, sums: int):
         col = col[order]
         out.append(np.add.reduceat(col, first) if i < sums and len(first) else col[first])
     return out
+
+
+def compile_greedy_regex(tokens: Iterable[str]) -> re.Pattern:
+    """`greedy_trie_pattern` compiled with Python's ``re``: its matches are the greedy segmentation (the slow
+    tokenizer's matcher)."""
+    from ..tokenization_spike import greedy_trie_pattern
+
+    return re.compile(greedy_trie_pattern(tokens))
 
 
 def needs_the_pieces(token: str) -> bool:
@@ -320,8 +329,6 @@ def train_lengthmax_vocab(
     ``update(n_chars)`` method (a tqdm bar); `notify(message)` hears of a refinement that ends before
     `refine_rounds` (nothing was worth a swap).  What went wrong (a short vocab, a table too small) warns.
     """
-    from ..tokenization_spike import compile_greedy_regex
-
     _check_options(vocab_size, max_token_len, rounds, max_ngram, min_freq, max_candidates)
     if refine_rounds < 0:
         raise ValueError(f"refine_rounds must be >= 0, got {refine_rounds}")

@@ -712,7 +712,7 @@ def test_candidate_table_counts_every_run_exactly(monkeypatch):
     """Issue 40: the table is counted in numpy over 64-bit hashes (the per-item Counter took 36 minutes on 3.4 MB); it
     must give the plain count of every run, across chunk ends and its own token windows, and read the bytes back."""
     import spike_whale.hub_export.train_tokenizer as trainer
-    from spike_whale.tokenization_spike import compile_greedy_regex
+    from spike_whale.hub_export.train_tokenizer import compile_greedy_regex
 
     monkeypatch.setattr(trainer, "WINDOW_TOKENS", 7)
     text = (DEMO_CORPUS * 2).encode("utf-8").decode("latin-1")
