@@ -5,11 +5,9 @@ against a Length-MAX vocabulary. A flat Hub file: it imports only the standard l
 Id layout (fixed; the released embeddings depend on it): 0..3 ``<pad> <unk> <bos> <eos>``; byte b at b + 4 (token
 ``chr(b)``, one latin-1 character per byte); 260..16383 multi-byte tokens (latin-1 strings of 2..max_token_len
 bytes); 16384..16400 the 17 chat/tool/FIM specials; 16401..16511 111 reserved specials. ``len(tokenizer) == 16512``.
-
-The vocab file (the released format) is ``{"vocab": {latin1_string: id}, "max_token_len": 24, "vocab_size": 16512,
-"algorithm": "length-max", "special_tokens": [...]}``, saved as ``spike_vocab.json`` (transformers reads any
-``tokenizer.json`` as a `tokenizers` file). Multi-byte ids the file leaves undefined get the placeholder
-``⟨unused_ID⟩``: never produced, decoded to nothing.
+The vocab file, ``spike_vocab.json`` (transformers reads any ``tokenizer.json`` as a `tokenizers` file), is
+``{"vocab": {latin1_string: id}, "max_token_len": 24, "vocab_size": 16512, "algorithm": "length-max",
+"special_tokens": [...]}``; multi-byte ids it leaves undefined get the placeholder ``⟨unused_ID⟩`` (never produced).
 """
 
 from __future__ import annotations
@@ -122,14 +120,12 @@ def with_leading_space(words):
 
 
 def greedy_trie_pattern(tokens: Iterable[str], escape=re.escape, dispatch: int = 0) -> str:
-    """An ordered-alternation regex whose successive matches are the greedy longest-match segmentation.
-
-    Each trie node becomes ``(?:child_1...|child_2...|)``: children first, the empty "stop here" alternative (on nodes
-    that are tokens) last, so a backtracking engine (Python's ``re``, Oniguruma) backs off to the longest token that
-    is a prefix of the rest of the text. All 256 bytes must be tokens for the matches to cover every input.
+    """An ordered-alternation regex whose successive matches are the greedy longest-match segmentation: each trie
+    node becomes ``(?:child_1...|child_2...|)``, children first and the empty "stop here" alternative (on nodes that
+    are tokens) last, so a backtracking engine (Python's ``re``, Oniguruma) backs off to the longest token that is a
+    prefix of the rest of the text. All 256 bytes must be tokens for the matches to cover every input.
     ``dispatch=k`` (k >= 2) puts a node's children, when more than k, behind lookaheads on their first characters
-    (``(?=[abc])(?:a...|b...|c...)|...``): the same matches, and Oniguruma skips a group with one class test.
-    """
+    (``(?=[abc])(?:a...|b...|c...)|...``): the same matches, and Oniguruma skips a group with one class test."""
     if dispatch == 1 or dispatch < 0:
         raise ValueError(f"dispatch must be 0 (off) or at least 2, got {dispatch}")
     root: dict = {}
@@ -156,9 +152,7 @@ def greedy_trie_pattern(tokens: Iterable[str], escape=re.escape, dispatch: int =
         leaves = sorted(ch for ch, child in children if len(child) == 1 and end in child)
         inner = sorted(((ch, child) for ch, child in children if not (len(child) == 1 and end in child)),
                        key=lambda item: (-sizes[id(item[1])], item[0]))  # larger subtrees first: speed only
-        alts = [escape(ch) + patterns.pop(id(child)) for ch, child in inner]
-        for _, child in children:
-            patterns.pop(id(child), None)
+        alts = [escape(ch) + patterns.pop(id(child)) for ch, child in inner]  # popped: the strings nest
         if dispatch and len(alts) > dispatch:
             alts = _dispatch_groups([ch for ch, _ in inner], alts, dispatch, escape)
         if leaves:
@@ -183,10 +177,6 @@ def _dispatch_groups(first_chars: list[str], alts: list[str], size: int, escape)
     return groups
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def normalize_vocab_data(data, source: str = "vocab") -> dict:
     """Validate a Length-MAX vocab object and return it completed to the full 16,512-id layout (missing base
     specials, chat specials and reserved slots filled in, ``vocab`` ordered by id, unknown keys kept). Anything that
@@ -203,7 +193,7 @@ def normalize_vocab_data(data, source: str = "vocab") -> dict:
         raise ValueError(f"{source}: 'vocab' must be a non-empty JSON object mapping token strings to ids")
     max_token_len = data.get("max_token_len")
     max_token_len = DEFAULT_MAX_TOKEN_LEN if max_token_len is None else max_token_len
-    if not _is_int(max_token_len) or max_token_len < 1:
+    if not isinstance(max_token_len, int) or isinstance(max_token_len, bool) or max_token_len < 1:
         raise ValueError(f"{source}: 'max_token_len' must be a positive integer, got {max_token_len!r}")
     if max_token_len > MAX_TOKEN_LEN_LIMIT:
         raise ValueError(
@@ -222,7 +212,7 @@ def normalize_vocab_data(data, source: str = "vocab") -> dict:
     for token, idx in raw.items():
         if not isinstance(token, str) or token == "":
             raise ValueError(f"{source}: vocab keys must be non-empty strings, got {token!r}")
-        if not _is_int(idx):
+        if not isinstance(idx, int) or isinstance(idx, bool):
             raise ValueError(f"{source}: id of token {token!r} must be an integer, got {idx!r}")
         if not 0 <= idx < VOCAB_SIZE:
             raise ValueError(f"{source}: id {idx} of token {token!r} is outside 0..{VOCAB_SIZE - 1}")
@@ -281,22 +271,6 @@ def read_vocab(source) -> dict:
     return load_vocab_file(source)
 
 
-def check_tokenizer_file(path, need_model: bool = False) -> None:
-    """One clear error naming a folder's ``tokenizer.json`` when it cannot load (transformers parses it before either
-    class sees it and raises a bare JSONDecodeError; `tokenizers` says only "Model missing" without "model")."""
-    if path is None or not os.path.isfile(path):
-        return
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON ({err}): the file is truncated or damaged; copy it again or "
-                         "re-save the tokenizer with save_pretrained") from None
-    if need_model and isinstance(data, Mapping) and "model" not in data and "vocab" not in data:
-        raise ValueError(f"{path} has no 'model', which a `tokenizers` file needs: the file is damaged; copy it again, "
-                         "re-save the tokenizer with save_pretrained, or delete it to build it from spike_vocab.json")
-
-
 def dump_vocab_data(data: Mapping) -> str:
     """Vocab data in the released style (``ensure_ascii`` escapes, ``vocab`` ordered by id)."""
     return json.dumps({**data, "vocab": dict(sorted(data["vocab"].items(), key=lambda kv: kv[1]))}, ensure_ascii=True)
@@ -351,9 +325,22 @@ class SpikeTokenizerMixin:
 
     @classmethod
     def _from_pretrained(cls, resolved_vocab_files, *args, **kwargs):
-        # the fast class reads tokenizer.json as a `tokenizers` file, so it needs a "model"
-        need_model = "tokenizer_file" in cls.vocab_files_names
-        check_tokenizer_file(resolved_vocab_files.get("tokenizer_file"), need_model=need_model)
+        # One clear error naming a damaged tokenizer.json: transformers parses it before either class sees it and
+        # raises a bare JSONDecodeError; `tokenizers` says only "Model missing" without "model".
+        path = resolved_vocab_files.get("tokenizer_file")
+        if path is not None and os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as handle:
+                    data = json.load(handle)
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise ValueError(f"{path} is not valid JSON ({err}): the file is truncated or damaged; copy it again "
+                                 "or re-save the tokenizer with save_pretrained") from None
+            # the fast class reads it as a `tokenizers` file, which needs a "model"
+            fast = "tokenizer_file" in cls.vocab_files_names
+            if fast and isinstance(data, Mapping) and "model" not in data and "vocab" not in data:
+                raise ValueError(f"{path} has no 'model', which a `tokenizers` file needs: the file is damaged; copy "
+                                 "it again, re-save the tokenizer with save_pretrained, or delete it to build it from "
+                                 "spike_vocab.json")
         return super()._from_pretrained(resolved_vocab_files, *args, **kwargs)
 
     @property
@@ -437,17 +424,11 @@ _BOS_STATE = threading.local()
 
 
 class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
-    """Greedy longest-match byte tokenizer over a Length-MAX vocabulary (slow, pure Python; the reference): the
-    vocabulary is a trie regex (`greedy_trie_pattern`) whose matches are the greedy segmentation of the UTF-8 bytes.
-    Special-token strings in the text are atomic unless ``split_special_tokens=True``; decoding joins the bytes of
-    ordinary tokens and decodes them as UTF-8 with ``errors="replace"``.
-
-    Args:
-        vocab_file (`str`, `os.PathLike` or `dict`, *optional*): ``spike_vocab.json``, a released custom-format
-            ``tokenizer.json``, or a vocab dict in that format. Without one: the 256 bytes and the specials.
-        add_bos_token (`bool`, defaults to `True`): prepend ``<bos>`` when ``add_special_tokens=True``, never twice
-            (input already starting with it is left alone); saved in ``tokenizer_config.json``. No ``<eos>``.
-    """
+    """Greedy longest-match byte tokenizer over a Length-MAX vocabulary (slow, pure Python; the reference): a trie
+    regex (`greedy_trie_pattern`) whose matches are the greedy segmentation of the UTF-8 bytes. Special-token strings
+    in the text are atomic unless ``split_special_tokens=True``; decoding is UTF-8 with ``errors="replace"``.
+    `vocab_file`: ``spike_vocab.json``, a released custom-format ``tokenizer.json`` or a vocab dict (none: the 256
+    bytes and the specials). `add_bos_token` (default True): prepend ``<bos>``, never twice, and no ``<eos>``."""
 
     vocab_files_names = {"vocab_file": VOCAB_FILE_NAME}
 
@@ -506,10 +487,8 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
         if already_has_special_tokens:
             return super().get_special_tokens_mask(token_ids_0, token_ids_1, already_has_special_tokens=True)
 
-        def one(ids):
-            return [int(self._add_bos_token and i == 0) for i in range(len(self._with_bos(ids)))]
-
-        return one(token_ids_0) + ([] if token_ids_1 is None else one(token_ids_1))
+        rows = [token_ids_0] if token_ids_1 is None else [token_ids_0, token_ids_1]
+        return [int(self._add_bos_token and i == 0) for ids in rows for i in range(len(self._with_bos(ids)))]
 
     def prepare_for_model(self, ids, pair_ids=None, add_special_tokens=True, **kwargs):
         # Never <bos> twice: drop one leading <bos> the text had and let the base class add it back (so truncation
@@ -546,8 +525,7 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
         super()._update_trie(unique_no_split_tokens)
 
     def tokenize(self, text: str, **kwargs) -> list[str]:
-        """Tokens of `text`: added tokens split out first (unless ``split_special_tokens``), greedy longest match in
-        between."""
+        """Added tokens split out first (unless ``split_special_tokens``), greedy longest match in between."""
         split = kwargs.pop("split_special_tokens", self.split_special_tokens)
         if kwargs.pop("is_split_into_words", False):
             text = with_leading_space(text)
@@ -621,8 +599,7 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
                 for i in ([added[piece]] if n % 2 else [greedy[t] for t in self._tokenize(piece)])]
 
     def encode_ordinary(self, text: str) -> list[int]:
-        """Greedy ids of `text`, no special-token handling and no <bos>: ``encode(text, add_special_tokens=False,
-        split_special_tokens=True)``."""
+        """``encode(text, add_special_tokens=False, split_special_tokens=True)``: greedy ids of `text` alone."""
         return [self._greedy[t] for t in self._tokenize(text)]
 
     def _convert_token_to_id(self, token: str) -> int:

@@ -8,9 +8,6 @@
     model           WordPiece(prefix "")                           cuts each piece again by longest match
     decoder         ByteLevel                                      bytes -> UTF-8, U+FFFD for broken sequences
     post_processor  TemplateProcessing                             "<bos> $A" (add_bos_token=True)
-
-A folder holding only the released vocab (``spike_vocab.json`` or a custom-format ``tokenizer.json``) still loads:
-the pipeline is built from it.
 """
 
 from __future__ import annotations
@@ -85,15 +82,13 @@ def piece_pattern(greedy: list[str], vocab: Mapping[str, int]) -> str:
 
 
 def build_backend(data: Mapping) -> Tokenizer:
-    """The `tokenizers` pipeline of a normalised vocab (`normalize_vocab_data`), with `SpikeTokenizer`'s ids.
-
-    The greedy tokens that are text are non-special added tokens, found by leftmost-longest Aho-Corasick over the
-    text: that is greedy longest match over the bytes as long as the tokens left out never start where a matched
+    """The `tokenizers` pipeline of a normalised vocab (`normalize_vocab_data`), with `SpikeTokenizer`'s ids. The
+    greedy tokens that are text are non-special added tokens, found by leftmost-longest Aho-Corasick over the text:
+    that is greedy longest match over the bytes as long as the tokens left out never start where a matched
     token could. The ones left out lie inside one character, or are one character the ByteLevel decoder would
     misread ("é"); the runs no matched token starts are whole characters, which ByteLevel, the piece regex and
     WordPiece cut into them. A vocab with a token across a character boundary (b"d \xe2\x80", which can be neither
-    matched nor left out) or text spelled like another token's byte-level key gets the pieces alone: exact, slower.
-    """
+    matched nor left out) or text spelled like another token's byte-level key gets the pieces alone: exact, slower."""
     vocab = {token if token in LAYOUT_SPECIALS else token.translate(_LATIN1_TO_BYTE_LEVEL): idx
              for token, idx in data["vocab"].items()}
     greedy = list(greedy_tokens(data))
@@ -141,25 +136,10 @@ def _vocab_data_from_backend(backend: Tokenizer) -> dict:
     return normalize_vocab_data({"vocab": vocab, "max_token_len": max(map(len, vocab))}, source="tokenizer.json")
 
 
-def _is_backend_file(path) -> bool:
-    """True for a `tokenizers` tokenizer.json, False for a released custom-format one (``{"vocab": ...}``)."""
-    if not os.path.isfile(path):
-        return False
-    with open(path, encoding="utf-8") as handle:
-        head = handle.read(256)
-    return '"version"' in head and not head.lstrip().startswith('{"vocab"')
-
-
 class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
-    """Greedy longest-match byte tokenizer over a Length-MAX vocabulary on `tokenizers`: the arguments, ids, decodes,
-    ``add_bos_token``, specials and chat template of `SpikeTokenizer`, plus offsets and batching in Rust.
-
-    Args:
-        vocab_file (`str`, `os.PathLike` or `dict`, *optional*): ``spike_vocab.json`` (or a released custom-format
-            ``tokenizer.json``) or a vocab dict; the pipeline is built from it when there is no `tokenizers` file.
-        tokenizer_file (`str`, *optional*): a ``tokenizer.json`` written by this class.
-        add_bos_token (`bool`, defaults to `True`): prepend ``<bos>`` (id 2), never twice.
-    """
+    """`SpikeTokenizer` on `tokenizers`: its arguments, ids, decodes, ``add_bos_token``, specials and chat template,
+    plus offsets and batching in Rust. `tokenizer_file`: a ``tokenizer.json`` written by this class; without one
+    (a folder holding only the released vocab too) the pipeline is built from the vocab (`build_backend`)."""
 
     vocab_files_names = {"vocab_file": VOCAB_FILE_NAME, "tokenizer_file": TOKENIZER_FILE_NAME}
     slow_tokenizer_class = SpikeTokenizer
@@ -167,8 +147,12 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
     def __init__(self, vocab_file=None, tokenizer_file=None, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
                  unk_token=UNK_TOKEN, pad_token=PAD_TOKEN, add_bos_token: bool = True, **kwargs):
         backend = kwargs.pop("tokenizer_object", None)
-        if backend is None and tokenizer_file is not None and _is_backend_file(tokenizer_file):
-            backend = Tokenizer.from_file(os.fspath(tokenizer_file))
+        if backend is None and tokenizer_file is not None and os.path.isfile(tokenizer_file):
+            with open(tokenizer_file, encoding="utf-8") as handle:
+                head = handle.read(256)
+            # a `tokenizers` file, not a released custom-format one ({"vocab": ...})
+            if '"version"' in head and not head.lstrip().startswith('{"vocab"'):
+                backend = Tokenizer.from_file(os.fspath(tokenizer_file))
         if backend is None:  # only the released vocab: build the pipeline from it
             self._vocab_data = read_vocab(vocab_file if vocab_file is not None else tokenizer_file)
             backend = build_backend(self._vocab_data)
@@ -188,13 +172,6 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
         # `__init__` loads tokenizer.json itself; transformers' generic rebuild from vocab/merges would drop the
         # Split/WordPiece pipeline.
         return kwargs
-
-    @classmethod
-    def from_slow(cls, tokenizer: SpikeTokenizer, **kwargs) -> SpikeTokenizerFast:
-        """The fast twin of a `SpikeTokenizer` (same vocab, add_bos_token, model_max_length, padding side, template)."""
-        for key in ("add_bos_token", "model_max_length", "padding_side", "chat_template"):
-            kwargs.setdefault(key, getattr(tokenizer, key))
-        return cls(tokenizer.vocab_data, **kwargs)
 
     def _save_pretrained(self, save_directory, file_names, legacy_format=None, filename_prefix=None):
         # tokenizer.json for this class (and any `tokenizers` user), spike_vocab.json for the slow one
@@ -219,7 +196,12 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
         stripped = None
         if add_special_tokens and self.add_bos_token and not split and not is_split_into_words:
             text, text_pair, stripped = _strip_leading_bos(text, text_pair)
-        if not args and text_pair is None and not is_split_into_words and _offsets_unused(text, kwargs):
+        # plain text (a string or a non-empty list of them) in a call without offsets, overflow or type ids
+        plain = isinstance(text, str) or bool(text) and isinstance(text, (list, tuple)) and all(
+            isinstance(t, str) for t in text)
+        no_offsets = not any(kwargs.get(key) for key in ("return_offsets_mapping", "return_overflowing_tokens",
+                                                         "return_token_type_ids", "sanitize_control_tokens"))
+        if not args and text_pair is None and not is_split_into_words and plain and no_offsets:
             return self._encode_without_offsets(text, add_special_tokens, split, **kwargs)
         if not stripped:
             return super()._encode_plus(text, text_pair, add_special_tokens, *args,
@@ -286,20 +268,10 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
                 return index
         return self.unk_token_id
 
-    def _decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces=None, **kwargs):
+    def _decode(self, token_ids, **kwargs):
         # as the slow class: ids outside the vocabulary (such as -100 labels) decode to <unk>
         ids = [token_ids] if isinstance(token_ids, int) else token_ids
-        return super()._decode([i if 0 <= i < VOCAB_SIZE else UNK_ID for i in map(int, ids)],
-                               skip_special_tokens=skip_special_tokens,
-                               clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kwargs)
-
-
-def _offsets_unused(text, kwargs) -> bool:
-    """True for plain text (a string or a non-empty list of them) in a call without offsets, overflow or type ids."""
-    plain = isinstance(text, str) or bool(text) and isinstance(text, (list, tuple)) and all(
-        isinstance(t, str) for t in text)
-    return plain and not any(kwargs.get(key) for key in ("return_offsets_mapping", "return_overflowing_tokens",
-                                                          "return_token_type_ids", "sanitize_control_tokens"))
+        return super()._decode([i if 0 <= i < VOCAB_SIZE else UNK_ID for i in map(int, ids)], **kwargs)
 
 
 class EncodingsOnDemand(Sequence):
@@ -308,14 +280,14 @@ class EncodingsOnDemand(Sequence):
     plain call's `Encoding`s. Tokens added since would change the ids: that raises instead."""
 
     def __init__(self, backend: Tokenizer, batch: list[str], add_special_tokens: bool, without_offsets: list):
-        self._args = backend, batch, add_special_tokens, without_offsets, self._settings(backend)
+        settings = backend.truncation, backend.padding, backend.encode_special_tokens
+        self._args = backend, batch, add_special_tokens, without_offsets, settings
         self._made = None
 
     def _all(self) -> list:
         if self._made is None:
             backend, batch, add_special_tokens, without_offsets, settings = self._args
-            saved = self._settings(backend)
-            self._configure(backend, *settings)
+            saved = self._configure(backend, *settings)
             try:
                 made = backend.encode_batch(batch, add_special_tokens=add_special_tokens)
             finally:
@@ -336,14 +308,13 @@ class EncodingsOnDemand(Sequence):
         return list, (self._all(),)
 
     @staticmethod
-    def _settings(backend: Tokenizer) -> tuple:
-        return backend.truncation, backend.padding, backend.encode_special_tokens
-
-    @staticmethod
-    def _configure(backend: Tokenizer, truncation, padding, encode_special_tokens: bool) -> None:
+    def _configure(backend: Tokenizer, truncation, padding, encode_special_tokens: bool) -> tuple:
+        """Set the backend's truncation, padding and encode_special_tokens; return the ones it had."""
+        saved = backend.truncation, backend.padding, backend.encode_special_tokens
         backend.no_truncation() if truncation is None else backend.enable_truncation(**truncation)
         backend.no_padding() if padding is None else backend.enable_padding(**padding)
         backend.encode_special_tokens = encode_special_tokens
+        return saved
 
 
 def _strip_leading_bos(text, text_pair):
