@@ -251,24 +251,20 @@ def greedy_tokens(data: Mapping) -> dict[str, int]:
             if BYTE_OFFSET <= idx < SPECIAL_START_ID and len(tok) <= data["max_token_len"]}
 
 
-def load_vocab_file(path: str | os.PathLike) -> dict:
-    """Read and validate a Length-MAX vocab file (``spike_vocab.json``, or a released custom-format tokenizer.json)."""
-    path = os.fspath(path)
+def load_vocab_file(source) -> dict:
+    """Read and validate a Length-MAX vocab file (``spike_vocab.json``, or a released custom-format tokenizer.json);
+    also a vocab dict, or None for the byte-level vocab (the 256 bytes only)."""
+    if source is None:
+        source = {"vocab": {chr(b): b + BYTE_OFFSET for b in range(256)}}
+    if isinstance(source, Mapping):
+        return normalize_vocab_data(source, source="vocab dict")
+    path = os.fspath(source)
     try:
         with open(path, encoding="utf-8") as handle:
             data = json.load(handle)
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not valid JSON ({err})") from err
     return normalize_vocab_data(data, source=path)
-
-
-def read_vocab(source) -> dict:
-    """The normalised vocab of a file path or a vocab dict; None gives the byte-level vocab (the 256 bytes only)."""
-    if source is None:
-        source = {"vocab": {chr(b): b + BYTE_OFFSET for b in range(256)}}
-    if isinstance(source, Mapping):
-        return normalize_vocab_data(source, source="vocab dict")
-    return load_vocab_file(source)
 
 
 def dump_vocab_data(data: Mapping) -> str:
@@ -382,10 +378,9 @@ class SpikeTokenizerMixin:
         if _HAS_SANITIZE or not sanitize:
             extra = {"sanitize_control_tokens": sanitize} if _HAS_SANITIZE else {}
             return super().apply_chat_template(conversation, **kwargs, **extra)
-        opts = {k: kwargs.pop(k, default) for k, default in (("padding", False), ("truncation", False),
-                                                              ("max_length", None), ("return_tensors", None),
-                                                              ("return_dict", True), ("tokenizer_kwargs", None))}
-        kwargs.pop("tokenize", None)
+        defaults = {"padding": False, "truncation": False, "max_length": None, "return_tensors": None,
+                    "return_dict": True, "tokenizer_kwargs": None, "tokenize": None}
+        opts = {key: kwargs.pop(key, default) for key, default in defaults.items()}
         control_re = re.compile("|".join(map(re.escape, sorted(self.all_special_tokens, key=len, reverse=True))))
 
         def mark(obj):
@@ -439,7 +434,7 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
         tokenizer_file = kwargs.pop("tokenizer_file", None)
         source = vocab_file if vocab_file is not None else tokenizer_file
         self.vocab_file = None if source is None or isinstance(source, Mapping) else os.fspath(source)
-        self._vocab_data = read_vocab(source)
+        self._vocab_data = load_vocab_file(source)
         by_id = {idx: token for token, idx in self._vocab_data["vocab"].items()}
         # multi-byte ids the vocab leaves undefined get a placeholder, never produced and decoded to nothing
         self._id_to_token = [by_id.get(i) or unused_token(i) for i in range(VOCAB_SIZE)]

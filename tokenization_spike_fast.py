@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 from collections.abc import Mapping, Sequence
 
@@ -24,7 +24,7 @@ from transformers.tokenization_utils_base import AddedToken, BatchEncoding
 from .tokenization_spike import (
     BOS_TOKEN, BYTE_OFFSET, EOS_TOKEN, FIRST_MULTIBYTE_ID, LAYOUT_SPECIALS, PAD_TOKEN, SPECIAL_START_ID, UNK_ID,
     UNK_TOKEN, VOCAB_FILE_NAME, VOCAB_SIZE, SpikeTokenizer, SpikeTokenizerMixin, greedy_tokens, greedy_trie_pattern,
-    load_vocab_file, normalize_vocab_data, read_vocab, unused_token, with_leading_space,
+    load_vocab_file, normalize_vocab_data, unused_token, with_leading_space,
 )
 
 TOKENIZER_FILE_NAME = "tokenizer.json"
@@ -82,13 +82,13 @@ def piece_pattern(greedy: list[str], vocab: Mapping[str, int]) -> str:
 
 
 def build_backend(data: Mapping) -> Tokenizer:
-    """The `tokenizers` pipeline of a normalised vocab (`normalize_vocab_data`), with `SpikeTokenizer`'s ids. The
-    greedy tokens that are text are non-special added tokens, found by leftmost-longest Aho-Corasick over the text:
-    that is greedy longest match over the bytes as long as the tokens left out never start where a matched
-    token could. The ones left out lie inside one character, or are one character the ByteLevel decoder would
-    misread ("é"); the runs no matched token starts are whole characters, which ByteLevel, the piece regex and
-    WordPiece cut into them. A vocab with a token across a character boundary (b"d \xe2\x80", which can be neither
-    matched nor left out) or text spelled like another token's byte-level key gets the pieces alone: exact, slower."""
+    """The `tokenizers` pipeline of a normalised vocab (`normalize_vocab_data`), with `SpikeTokenizer`'s ids. The greedy
+    tokens that are text are non-special added tokens, found by leftmost-longest Aho-Corasick over the text: that is
+    greedy longest match over the bytes as long as the tokens left out never start where a matched token could. The ones
+    left out lie inside one character, or are one character the ByteLevel decoder would misread ("é"); the runs no
+    matched token starts are whole characters, which ByteLevel, the piece regex and WordPiece cut into them. A vocab
+    with a token across a character boundary (b"d \xe2\x80", which can be neither matched nor left out) or text spelled
+    like another token's byte-level key gets the pieces alone: exact, slower."""
     vocab = {token if token in LAYOUT_SPECIALS else token.translate(_LATIN1_TO_BYTE_LEVEL): idx
              for token, idx in data["vocab"].items()}
     greedy = list(greedy_tokens(data))
@@ -154,7 +154,7 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
             if '"version"' in head and not head.lstrip().startswith('{"vocab"'):
                 backend = Tokenizer.from_file(os.fspath(tokenizer_file))
         if backend is None:  # only the released vocab: build the pipeline from it
-            self._vocab_data = read_vocab(vocab_file if vocab_file is not None else tokenizer_file)
+            self._vocab_data = load_vocab_file(vocab_file if vocab_file is not None else tokenizer_file)
             backend = build_backend(self._vocab_data)
         elif isinstance(vocab_file, (str, os.PathLike)) and os.path.isfile(vocab_file):
             self._vocab_data = load_vocab_file(vocab_file)
@@ -169,8 +169,7 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
 
     @classmethod
     def convert_to_native_format(cls, trust_remote_code=False, **kwargs):
-        # `__init__` loads tokenizer.json itself; transformers' generic rebuild from vocab/merges would drop the
-        # Split/WordPiece pipeline.
+        # `__init__` loads tokenizer.json itself: transformers' rebuild from vocab/merges would drop the pipeline
         return kwargs
 
     def _save_pretrained(self, save_directory, file_names, legacy_format=None, filename_prefix=None):
@@ -256,10 +255,8 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
         # A token may also be given as the slow class writes it (its bytes as latin-1), as its text (" é"), or as the
         # byte-level spelling of a matched token ("fÃ¼r" for "für").
         spellings = [token, token.translate(_LATIN1_TO_BYTE_LEVEL)]
-        try:
+        with contextlib.suppress(UnicodeEncodeError):  # a lone surrogate has no UTF-8 bytes
             spellings.append(token.encode("utf-8").decode("latin-1").translate(_LATIN1_TO_BYTE_LEVEL))
-        except UnicodeEncodeError:  # a lone surrogate
-            pass
         if all(ch in _BYTE_LEVEL_TO_LATIN1 for ch in token):
             spellings.append(_text("".join(map(_BYTE_LEVEL_TO_LATIN1.get, token))))
         for key in spellings:
