@@ -152,7 +152,7 @@ def greedy_trie_pattern(tokens: Iterable[str], escape=re.escape, dispatch: int =
         leaves = sorted(ch for ch, child in children if len(child) == 1 and end in child)
         inner = sorted(((ch, child) for ch, child in children if not (len(child) == 1 and end in child)),
                        key=lambda item: (-sizes[id(item[1])], item[0]))  # larger subtrees first: speed only
-        alts = [escape(ch) + patterns.pop(id(child)) for ch, child in inner]  # popped: the strings nest
+        alts = [escape(ch) + patterns.pop(id(child)) for ch, child in inner]
         if dispatch and len(alts) > dispatch:
             alts = _dispatch_groups([ch for ch, _ in inner], alts, dispatch, escape)
         if leaves:
@@ -280,8 +280,8 @@ def special_token(token):
 
 
 class SpikeTokenizerMixin:
-    """What both spike_whale tokenizer classes share: the vocab in file format, saving it, the chat template default
-    and keeping ``add_bos_token`` on disk."""
+    """What both spike_whale tokenizer classes share: the layout's specials, the vocab in file format and saving it,
+    the chat template default and sanitizing, and keeping ``add_bos_token`` on disk."""
 
     model_input_names = ["input_ids", "attention_mask"]
     padding_side = "left"
@@ -627,12 +627,3 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
             kwargs.setdefault("name_or_path", os.fspath(path))
             return cls(path, *init_inputs, **kwargs)
         return super().from_pretrained(pretrained_model_name_or_path, *init_inputs, **kwargs)
-
-
-__all__ = [
-    "SpikeTokenizer", "SpikeTokenizerMixin", "CHATML_TEMPLATE", "greedy_trie_pattern", "load_vocab_file",
-    "normalize_vocab_data", "dump_vocab_data", "unused_token", "PAD_ID", "UNK_ID", "BOS_ID", "EOS_ID", "IM_START_ID",
-    "IM_END_ID", "SPECIAL_TOKENS", "SPECIAL_TOKEN_IDS", "RESERVED_IDS", "RESERVED_TOKENS", "ALL_SPECIAL_IDS",
-    "CHAT_EOS_IDS", "VOCAB_SIZE", "NUM_BASE_IDS", "FIRST_MULTIBYTE_ID", "BYTE_OFFSET", "DEFAULT_MAX_TOKEN_LEN",
-    "VOCAB_FILE_NAME",
-]

@@ -329,7 +329,3 @@ def _strip_leading_bos(text, text_pair):
     if not batched:
         return firsts[0], seconds[0], flags
     return firsts, seconds if isinstance(text_pair, (list, tuple)) else text_pair, flags
-
-
-__all__ = ["SpikeTokenizerFast", "build_backend", "bytes_to_unicode", "crosses_a_character",
-           "piece_pattern", "TOKENIZER_FILE_NAME"]
