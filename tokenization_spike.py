@@ -5,11 +5,9 @@ against a Length-MAX vocabulary. A flat Hub file: it imports only the standard l
 Id layout (fixed; the released embeddings depend on it): 0..3 ``<pad> <unk> <bos> <eos>``; byte b at b + 4 (token
 ``chr(b)``, one latin-1 character per byte); 260..16383 multi-byte tokens (latin-1 strings of 2..max_token_len
 bytes); 16384..16400 the 17 chat/tool/FIM specials; 16401..16511 111 reserved specials. ``len(tokenizer) == 16512``.
-
-The vocab file (the released format) is ``{"vocab": {latin1_string: id}, "max_token_len": 24, "vocab_size": 16512,
-"algorithm": "length-max", "special_tokens": [...]}``, saved as ``spike_vocab.json`` (transformers reads any
-``tokenizer.json`` as a `tokenizers` file). Multi-byte ids the file leaves undefined get the placeholder
-``⟨unused_ID⟩``: never produced, decoded to nothing.
+The vocab file, ``spike_vocab.json`` (transformers reads any ``tokenizer.json`` as a `tokenizers` file), is
+``{"vocab": {latin1_string: id}, "max_token_len": 24, "vocab_size": 16512, "algorithm": "length-max",
+"special_tokens": [...]}``; multi-byte ids it leaves undefined get the placeholder ``⟨unused_ID⟩`` (never produced).
 """
 
 from __future__ import annotations
@@ -24,11 +22,7 @@ from collections.abc import Iterable, Mapping
 
 from transformers import PreTrainedTokenizer
 from transformers.tokenization_utils_base import (
-    AddedToken,
-    BatchEncoding,
-    PaddingStrategy,
-    PreTrainedTokenizerBase,
-    TruncationStrategy,
+    AddedToken, BatchEncoding, PaddingStrategy, PreTrainedTokenizerBase, TruncationStrategy,
 )
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -62,8 +56,8 @@ ALGORITHM = "length-max"
 CHATML_TEMPLATE = (
     "{{- bos_token if bos_token else '' -}}\n"
     "{%- if tools -%}\n"
-    "    {{- raise_exception('This chat template has no tool-calling format (the spike_whale chat models were not trained "
-    "with one): pass tools=None, or a chat_template that defines one.') -}}\n"
+    "    {{- raise_exception('This chat template has no tool-calling format (the spike_whale chat models were not "
+    "trained with one): pass tools=None, or a chat_template that defines one.') -}}\n"
     "{%- endif -%}\n"
     "{%- for message in messages -%}\n"
     "    {%- set i = loop.index0 -%}\n"
@@ -72,8 +66,8 @@ CHATML_TEMPLATE = (
     "as {\"role\": \"user\", \"content\": \"...\"}.') -}}\n"
     "    {%- endif -%}\n"
     "    {%- if message['tool_calls'] is defined -%}\n"
-    "        {{- raise_exception('Message ' ~ loop.index0 ~ ' has tool_calls, which this chat template cannot write (no "
-    "tool-calling format); put the call in \\'content\\' or use a chat_template that defines one.') -}}\n"
+    "        {{- raise_exception('Message ' ~ loop.index0 ~ ' has tool_calls, which this chat template cannot write "
+    "(no tool-calling format); put the call in \\'content\\' or use a chat_template that defines one.') -}}\n"
     "    {%- endif -%}\n"
     "    {{- '<|im_start|>' + message['role'] + '\\n' -}}\n"
     "    {%- if message['content'] is string -%}\n"
@@ -100,60 +94,14 @@ CHATML_TEMPLATE = (
 )
 
 # transformers added `apply_chat_template(..., sanitize_control_tokens=...)` after 5.0; before, the control tokens in
-# the inputs are marked here and encoded as text (`apply_chat_template_safely`).
+# the inputs are marked here and encoded as text (`SpikeTokenizerMixin.apply_chat_template`).
 _HAS_SANITIZE = "sanitize_control_tokens" in inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
 _MARK_START, _MARK_END = "\U000f0000", "\U000f0001"  # private use: removed from user strings before marking
-
-
-def apply_chat_template_safely(tokenizer, apply, conversation, kwargs: dict):
-    """`apply` (the base class's apply_chat_template) with ``sanitize_control_tokens=True`` by default whenever the
-    output is tokenized without an assistant mask: special-token strings inside messages, tools and documents are
-    encoded as text, so a user message cannot open a system turn; the template's own markers stay special."""
-    sanitize = kwargs.pop("sanitize_control_tokens", None)
-    if sanitize is None:
-        sanitize = bool(kwargs.get("tokenize", True)) and not kwargs.get("return_assistant_tokens_mask", False)
-    if _HAS_SANITIZE or not sanitize:
-        return apply(conversation, **kwargs, **({"sanitize_control_tokens": sanitize} if _HAS_SANITIZE else {}))
-    opts = {k: kwargs.pop(k, default) for k, default in (("padding", False), ("truncation", False),
-                                                          ("max_length", None), ("return_tensors", None),
-                                                          ("return_dict", True), ("tokenizer_kwargs", None))}
-    kwargs.pop("tokenize", None)
-    control_re = re.compile("|".join(map(re.escape, sorted(tokenizer.all_special_tokens, key=len, reverse=True))))
-
-    def mark(obj):
-        if isinstance(obj, str):
-            obj = obj.replace(_MARK_START, "").replace(_MARK_END, "")
-            return control_re.sub(lambda m: _MARK_START + m.group(0) + _MARK_END, obj)
-        if isinstance(obj, Mapping):
-            return {key: mark(value) for key, value in obj.items()}
-        return [mark(value) for value in obj] if isinstance(obj, (list, tuple)) else obj
-
-    for key in ("tools", "documents"):
-        if kwargs.get(key) is not None:
-            kwargs[key] = mark(kwargs[key])
-    rendered = apply(mark(conversation), tokenize=False, **kwargs)
-    split_re = re.compile(re.escape(_MARK_START) + "(.*?)" + re.escape(_MARK_END), re.S)
-    batched = not isinstance(rendered, str)
-    ids = [[i for n, piece in enumerate(split_re.split(chat)) if piece
-            for i in tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=bool(n % 2))]
-           for chat in (rendered if batched else [rendered])]
-    if opts["truncation"] and opts["max_length"] is not None:
-        keep = opts["max_length"]
-        ids = [row[:keep] if tokenizer.truncation_side == "right" else row[-keep:] for row in ids]
-    out = tokenizer.pad({"input_ids": ids if batched else ids[0]}, padding=opts["padding"],
-                        max_length=opts["max_length"])
-    out = BatchEncoding(dict(out), tensor_type=opts["return_tensors"], prepend_batch_axis=not batched)
-    return out if opts["return_dict"] else out["input_ids"]
 
 
 def unused_token(index: int) -> str:
     """Placeholder token for an id in 260..16383 that the vocab file leaves undefined."""
     return f"\u27e8unused_{index}\u27e9"
-
-
-def _to_latin1(text: str) -> str:
-    """UTF-8 bytes of `text`, one latin-1 character per byte (strict: lone surrogates raise)."""
-    return text.encode("utf-8").decode("latin-1")
 
 
 def _latin1_to_bytes(text: str) -> bytes:
@@ -172,14 +120,12 @@ def with_leading_space(words):
 
 
 def greedy_trie_pattern(tokens: Iterable[str], escape=re.escape, dispatch: int = 0) -> str:
-    """An ordered-alternation regex whose successive matches are the greedy longest-match segmentation.
-
-    Each trie node becomes ``(?:child_1...|child_2...|)``: children first, the empty "stop here" alternative (on nodes
-    that are tokens) last, so a backtracking engine (Python's ``re``, Oniguruma) backs off to the longest token that
-    is a prefix of the rest of the text. All 256 bytes must be tokens for the matches to cover every input.
+    """An ordered-alternation regex whose successive matches are the greedy longest-match segmentation: each trie
+    node becomes ``(?:child_1...|child_2...|)``, children first and the empty "stop here" alternative (on nodes that
+    are tokens) last, so a backtracking engine (Python's ``re``, Oniguruma) backs off to the longest token that is a
+    prefix of the rest of the text. All 256 bytes must be tokens for the matches to cover every input.
     ``dispatch=k`` (k >= 2) puts a node's children, when more than k, behind lookaheads on their first characters
-    (``(?=[abc])(?:a...|b...|c...)|...``): the same matches, and Oniguruma skips a group with one class test.
-    """
+    (``(?=[abc])(?:a...|b...|c...)|...``): the same matches, and Oniguruma skips a group with one class test."""
     if dispatch == 1 or dispatch < 0:
         raise ValueError(f"dispatch must be 0 (off) or at least 2, got {dispatch}")
     root: dict = {}
@@ -207,8 +153,6 @@ def greedy_trie_pattern(tokens: Iterable[str], escape=re.escape, dispatch: int =
         inner = sorted(((ch, child) for ch, child in children if not (len(child) == 1 and end in child)),
                        key=lambda item: (-sizes[id(item[1])], item[0]))  # larger subtrees first: speed only
         alts = [escape(ch) + patterns.pop(id(child)) for ch, child in inner]
-        for _, child in children:
-            patterns.pop(id(child), None)
         if dispatch and len(alts) > dispatch:
             alts = _dispatch_groups([ch for ch, _ in inner], alts, dispatch, escape)
         if leaves:
@@ -233,15 +177,6 @@ def _dispatch_groups(first_chars: list[str], alts: list[str], size: int, escape)
     return groups
 
 
-def compile_greedy_regex(tokens: Iterable[str]) -> re.Pattern:
-    """`greedy_trie_pattern` compiled with Python's ``re`` (the slow tokenizer's matcher)."""
-    return re.compile(greedy_trie_pattern(tokens))
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def normalize_vocab_data(data, source: str = "vocab") -> dict:
     """Validate a Length-MAX vocab object and return it completed to the full 16,512-id layout (missing base
     specials, chat specials and reserved slots filled in, ``vocab`` ordered by id, unknown keys kept). Anything that
@@ -258,7 +193,7 @@ def normalize_vocab_data(data, source: str = "vocab") -> dict:
         raise ValueError(f"{source}: 'vocab' must be a non-empty JSON object mapping token strings to ids")
     max_token_len = data.get("max_token_len")
     max_token_len = DEFAULT_MAX_TOKEN_LEN if max_token_len is None else max_token_len
-    if not _is_int(max_token_len) or max_token_len < 1:
+    if not isinstance(max_token_len, int) or isinstance(max_token_len, bool) or max_token_len < 1:
         raise ValueError(f"{source}: 'max_token_len' must be a positive integer, got {max_token_len!r}")
     if max_token_len > MAX_TOKEN_LEN_LIMIT:
         raise ValueError(
@@ -277,7 +212,7 @@ def normalize_vocab_data(data, source: str = "vocab") -> dict:
     for token, idx in raw.items():
         if not isinstance(token, str) or token == "":
             raise ValueError(f"{source}: vocab keys must be non-empty strings, got {token!r}")
-        if not _is_int(idx):
+        if not isinstance(idx, int) or isinstance(idx, bool):
             raise ValueError(f"{source}: id of token {token!r} must be an integer, got {idx!r}")
         if not 0 <= idx < VOCAB_SIZE:
             raise ValueError(f"{source}: id {idx} of token {token!r} is outside 0..{VOCAB_SIZE - 1}")
@@ -303,8 +238,6 @@ def normalize_vocab_data(data, source: str = "vocab") -> dict:
             if bad is not None:
                 raise ValueError(f"{source}: token {token!r} (id {idx}) contains {bad!r} (U+{ord(bad):04X}); regular "
                                  "tokens must be latin-1 strings, one character per UTF-8 byte")
-        elif BYTE_OFFSET <= idx < FIRST_MULTIBYTE_ID and len(token) != 1:
-            raise ValueError(f"{source}: id {idx} is a byte slot but holds {token!r}")
     full = {**by_id, **{idx: tok for tok, idx in LAYOUT_SPECIALS.items()}}
     out = {"vocab": {full[i]: i for i in sorted(full)}, "max_token_len": max_token_len, "vocab_size": VOCAB_SIZE,
            "algorithm": data.get("algorithm", ALGORITHM), "special_tokens": list(SPECIAL_TOKENS)}
@@ -318,9 +251,14 @@ def greedy_tokens(data: Mapping) -> dict[str, int]:
             if BYTE_OFFSET <= idx < SPECIAL_START_ID and len(tok) <= data["max_token_len"]}
 
 
-def load_vocab_file(path: str | os.PathLike) -> dict:
-    """Read and validate a Length-MAX vocab file (``spike_vocab.json``, or a released custom-format tokenizer.json)."""
-    path = os.fspath(path)
+def load_vocab_file(source) -> dict:
+    """Read and validate a Length-MAX vocab file (``spike_vocab.json``, or a released custom-format tokenizer.json);
+    also a vocab dict, or None for the byte-level vocab (the 256 bytes only)."""
+    if source is None:
+        source = {"vocab": {chr(b): b + BYTE_OFFSET for b in range(256)}}
+    if isinstance(source, Mapping):
+        return normalize_vocab_data(source, source="vocab dict")
+    path = os.fspath(source)
     try:
         with open(path, encoding="utf-8") as handle:
             data = json.load(handle)
@@ -329,71 +267,77 @@ def load_vocab_file(path: str | os.PathLike) -> dict:
     return normalize_vocab_data(data, source=path)
 
 
-def read_vocab(source) -> dict:
-    """The normalised vocab of a file path or a vocab dict; None gives the byte-level vocab (the 256 bytes only)."""
-    if source is None:
-        source = {"vocab": {chr(b): b + BYTE_OFFSET for b in range(256)}}
-    if isinstance(source, Mapping):
-        return normalize_vocab_data(source, source="vocab dict")
-    return load_vocab_file(source)
-
-
-def check_tokenizer_file(path, need_model: bool = False) -> None:
-    """One clear error naming a folder's ``tokenizer.json`` when it cannot load (transformers parses it before either
-    class sees it and raises a bare JSONDecodeError; `tokenizers` says only "Model missing" without "model")."""
-    if path is None or not os.path.isfile(path):
-        return
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON ({err}): the file is truncated or damaged; copy it again or "
-                         "re-save the tokenizer with save_pretrained") from None
-    if need_model and isinstance(data, Mapping) and "model" not in data and "vocab" not in data:
-        raise ValueError(f"{path} has no 'model', which a `tokenizers` file needs: the file is damaged; copy it again, "
-                         "re-save the tokenizer with save_pretrained, or delete it to build it from spike_vocab.json")
-
-
 def dump_vocab_data(data: Mapping) -> str:
     """Vocab data in the released style (``ensure_ascii`` escapes, ``vocab`` ordered by id)."""
     return json.dumps({**data, "vocab": dict(sorted(data["vocab"].items(), key=lambda kv: kv[1]))}, ensure_ascii=True)
 
 
-def special_token_kwargs(kwargs: dict, bos_token, eos_token, unk_token, pad_token) -> dict:
-    """`kwargs` with the layout's specials as extra special tokens (atomic, skipped by skip_special_tokens), the
-    ChatML template and no clean-up by default, for either class. <pad>/<unk>/<bos>/<eos> stay special even when the
-    user points eos/pad/unk elsewhere; a mapping of named extra tokens stays named (model_specific_special_tokens)."""
-    kwargs.pop("special_tokens_pattern", None)
-    kwargs.pop("backend", None)  # "tokenizers" in a config the fast class wrote
-    kwargs.setdefault("chat_template", CHATML_TEMPLATE)
-    kwargs.setdefault("clean_up_tokenization_spaces", False)
-    extra, legacy = kwargs.pop("extra_special_tokens", None), kwargs.pop("additional_special_tokens", None)
-    extra = (legacy if extra is None else extra) or []
-    if isinstance(extra, Mapping):
-        kwargs["model_specific_special_tokens"] = {**dict(kwargs.get("model_specific_special_tokens") or {}),
-                                                   **dict(extra)}
-        extra = []
-    named = {str(t) for t in (bos_token, eos_token, unk_token, pad_token) if t is not None}
-    ours = [AddedToken(tok, special=True, normalized=False, lstrip=False, rstrip=False, single_word=False)
-            for tok in SPECIAL_TOKENS + RESERVED_TOKENS + tuple(t for t in BASE_SPECIAL_TOKENS if t not in named)]
-    kwargs["extra_special_tokens"] = ours + [tok for tok in extra if str(tok) not in LAYOUT_SPECIALS]
-    return kwargs
-
-
-def check_special_ids(tokenizer) -> None:
-    """<bos> must be id 2 (every sequence was trained to start with it) and every layout special at its id."""
-    if tokenizer.bos_token_id != BOS_ID:
-        raise ValueError(f"bos_token resolves to id {tokenizer.bos_token_id}, the spike_whale layout requires {BOS_ID}")
-    for token, idx in LAYOUT_SPECIALS.items():
-        got = tokenizer.convert_tokens_to_ids(token)
-        if got != idx:
-            raise ValueError(f"special token {token!r} resolved to id {got}, the spike_whale layout requires {idx} "
-                             "(a stale added_tokens_decoder in tokenizer_config.json?)")
+def special_token(token):
+    """`token` as an atomic special token (a string is wrapped; None and AddedToken pass as they are)."""
+    if token is None or isinstance(token, AddedToken):
+        return token
+    return AddedToken(str(token), special=True, normalized=False, lstrip=False, rstrip=False, single_word=False)
 
 
 class SpikeTokenizerMixin:
-    """What both spike_whale tokenizer classes share: the vocab in file format, saving it, the chat template default
-    and keeping ``add_bos_token`` on disk."""
+    """What both spike_whale tokenizer classes share: the layout's specials, the vocab in file format and saving it,
+    the chat template default and sanitizing, and keeping ``add_bos_token`` on disk."""
+
+    model_input_names = ["input_ids", "attention_mask"]
+    padding_side = "left"
+    _auto_class = "AutoTokenizer"  # save_pretrained writes auto_map and copies the class's file
+
+    def __init__(self, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, unk_token=UNK_TOKEN, pad_token=PAD_TOKEN,
+                 add_bos_token: bool = True, **kwargs):
+        """The base class's `__init__` with the named specials atomic, the layout's others as extra special tokens
+        (atomic, skipped by skip_special_tokens), the ChatML template and no clean-up by default; <pad>/<unk>/<bos>/
+        <eos> stay special even when the user points eos/pad/unk elsewhere, and a mapping of named extra tokens
+        stays named (model_specific_special_tokens). Then every layout special is checked at its id."""
+        kwargs.pop("special_tokens_pattern", None)
+        kwargs.pop("backend", None)  # "tokenizers" in a config the fast class wrote
+        kwargs.setdefault("chat_template", CHATML_TEMPLATE)
+        kwargs.setdefault("clean_up_tokenization_spaces", False)
+        extra, legacy = kwargs.pop("extra_special_tokens", None), kwargs.pop("additional_special_tokens", None)
+        extra = (legacy if extra is None else extra) or []
+        if isinstance(extra, Mapping):
+            kwargs["model_specific_special_tokens"] = {**dict(kwargs.get("model_specific_special_tokens") or {}),
+                                                       **dict(extra)}
+            extra = []
+        named = {"bos_token": bos_token, "eos_token": eos_token, "unk_token": unk_token, "pad_token": pad_token}
+        kept = {str(t) for t in named.values() if t is not None}
+        ours = SPECIAL_TOKENS + RESERVED_TOKENS + tuple(t for t in BASE_SPECIAL_TOKENS if t not in kept)
+        kwargs["extra_special_tokens"] = [*map(special_token, ours),
+                                          *(t for t in extra if str(t) not in LAYOUT_SPECIALS)]
+        kwargs.update((key, special_token(token)) for key, token in named.items())
+        super().__init__(add_bos_token=bool(add_bos_token), **kwargs)
+        # <bos> must be id 2: every sequence was trained to start with it
+        if self.bos_token_id != BOS_ID:
+            raise ValueError(f"bos_token resolves to id {self.bos_token_id}, the spike_whale layout requires {BOS_ID}")
+        for token, idx in LAYOUT_SPECIALS.items():
+            got = self.convert_tokens_to_ids(token)
+            if got != idx:
+                raise ValueError(f"special token {token!r} resolved to id {got}, the spike_whale layout requires "
+                                 f"{idx} (a stale added_tokens_decoder in tokenizer_config.json?)")
+
+    @classmethod
+    def _from_pretrained(cls, resolved_vocab_files, *args, **kwargs):
+        # One clear error naming a damaged tokenizer.json: transformers parses it before either class sees it and
+        # raises a bare JSONDecodeError; `tokenizers` says only "Model missing" without "model".
+        path = resolved_vocab_files.get("tokenizer_file")
+        if path is not None and os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as handle:
+                    data = json.load(handle)
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise ValueError(f"{path} is not valid JSON ({err}): the file is truncated or damaged; copy it again "
+                                 "or re-save the tokenizer with save_pretrained") from None
+            # the fast class reads it as a `tokenizers` file, which needs a "model"
+            fast = "tokenizer_file" in cls.vocab_files_names
+            if fast and isinstance(data, Mapping) and "model" not in data and "vocab" not in data:
+                raise ValueError(f"{path} has no 'model', which a `tokenizers` file needs: the file is damaged; copy "
+                                 "it again, re-save the tokenizer with save_pretrained, or delete it to build it from "
+                                 "spike_vocab.json")
+        return super()._from_pretrained(resolved_vocab_files, *args, **kwargs)
 
     @property
     def vocab_data(self) -> dict:
@@ -424,10 +368,45 @@ class SpikeTokenizerMixin:
         return super().save_chat_templates(save_directory, tokenizer_config, filename_prefix, save_jinja_files)
 
     def apply_chat_template(self, conversation, **kwargs):
-        """transformers' `apply_chat_template` with ``sanitize_control_tokens=True`` by default (see
-        `apply_chat_template_safely`); pass ``False`` for the raw behaviour. ``tokenize=False`` returns the plain
-        string, which cannot carry the difference."""
-        return apply_chat_template_safely(self, super().apply_chat_template, conversation, kwargs)
+        """transformers' `apply_chat_template` with ``sanitize_control_tokens=True`` by default whenever the output is
+        tokenized without an assistant mask: special-token strings inside messages, tools and documents are encoded
+        as text, so a user message cannot open a system turn; the template's own markers stay special. Pass ``False``
+        for the raw behaviour; ``tokenize=False`` returns the plain string, which cannot carry the difference."""
+        sanitize = kwargs.pop("sanitize_control_tokens", None)
+        if sanitize is None:
+            sanitize = bool(kwargs.get("tokenize", True)) and not kwargs.get("return_assistant_tokens_mask", False)
+        if _HAS_SANITIZE or not sanitize:
+            extra = {"sanitize_control_tokens": sanitize} if _HAS_SANITIZE else {}
+            return super().apply_chat_template(conversation, **kwargs, **extra)
+        defaults = {"padding": False, "truncation": False, "max_length": None, "return_tensors": None,
+                    "return_dict": True, "tokenizer_kwargs": None, "tokenize": None}
+        opts = {key: kwargs.pop(key, default) for key, default in defaults.items()}
+        control_re = re.compile("|".join(map(re.escape, sorted(self.all_special_tokens, key=len, reverse=True))))
+
+        def mark(obj):
+            if isinstance(obj, str):
+                obj = obj.replace(_MARK_START, "").replace(_MARK_END, "")
+                return control_re.sub(lambda m: _MARK_START + m.group(0) + _MARK_END, obj)
+            if isinstance(obj, Mapping):
+                return {key: mark(value) for key, value in obj.items()}
+            return [mark(value) for value in obj] if isinstance(obj, (list, tuple)) else obj
+
+        for key in ("tools", "documents"):
+            if kwargs.get(key) is not None:
+                kwargs[key] = mark(kwargs[key])
+        rendered = super().apply_chat_template(mark(conversation), tokenize=False, **kwargs)
+        split_re = re.compile(re.escape(_MARK_START) + "(.*?)" + re.escape(_MARK_END), re.S)
+        batched = not isinstance(rendered, str)
+        ids = [[i for n, piece in enumerate(split_re.split(chat)) if piece
+                for i in self.encode(piece, add_special_tokens=False, split_special_tokens=bool(n % 2))]
+               for chat in (rendered if batched else [rendered])]
+        if opts["truncation"] and opts["max_length"] is not None:
+            keep = opts["max_length"]
+            ids = [row[:keep] if self.truncation_side == "right" else row[-keep:] for row in ids]
+        rows = ids if batched else ids[0]
+        out = self.pad({"input_ids": rows}, padding=opts["padding"], max_length=opts["max_length"])
+        out = BatchEncoding(dict(out), tensor_type=opts["return_tensors"], prepend_batch_axis=not batched)
+        return out if opts["return_dict"] else out["input_ids"]
 
 
 # `_encode_plus` arguments `SpikeTokenizer._encode_plain` handles; a call with any other set goes to the base class.
@@ -440,22 +419,13 @@ _BOS_STATE = threading.local()
 
 
 class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
-    """Greedy longest-match byte tokenizer over a Length-MAX vocabulary (slow, pure Python; the reference): the
-    vocabulary is a trie regex (`greedy_trie_pattern`) whose matches are the greedy segmentation of the UTF-8 bytes.
-    Special-token strings in the text are atomic unless ``split_special_tokens=True``; decoding joins the bytes of
-    ordinary tokens and decodes them as UTF-8 with ``errors="replace"``.
-
-    Args:
-        vocab_file (`str`, `os.PathLike` or `dict`, *optional*): ``spike_vocab.json``, a released custom-format
-            ``tokenizer.json``, or a vocab dict in that format. Without one: the 256 bytes and the specials.
-        add_bos_token (`bool`, defaults to `True`): prepend ``<bos>`` when ``add_special_tokens=True``, never twice
-            (input already starting with it is left alone); saved in ``tokenizer_config.json``. No ``<eos>``.
-    """
+    """Greedy longest-match byte tokenizer over a Length-MAX vocabulary (slow, pure Python; the reference): a trie
+    regex (`greedy_trie_pattern`) whose matches are the greedy segmentation of the UTF-8 bytes. Special-token strings
+    in the text are atomic unless ``split_special_tokens=True``; decoding is UTF-8 with ``errors="replace"``.
+    `vocab_file`: ``spike_vocab.json``, a released custom-format ``tokenizer.json`` or a vocab dict (none: the 256
+    bytes and the specials). `add_bos_token` (default True): prepend ``<bos>``, never twice, and no ``<eos>``."""
 
     vocab_files_names = {"vocab_file": VOCAB_FILE_NAME}
-    model_input_names = ["input_ids", "attention_mask"]
-    padding_side = "left"
-    _auto_class = "AutoTokenizer"  # save_pretrained writes auto_map and copies this file
 
     def __init__(self, vocab_file=None, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, unk_token=UNK_TOKEN,
                  pad_token=PAD_TOKEN, add_bos_token: bool = True, **kwargs):
@@ -464,35 +434,23 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
         tokenizer_file = kwargs.pop("tokenizer_file", None)
         source = vocab_file if vocab_file is not None else tokenizer_file
         self.vocab_file = None if source is None or isinstance(source, Mapping) else os.fspath(source)
-        self._set_vocab_data(read_vocab(source))
+        self._vocab_data = load_vocab_file(source)
+        by_id = {idx: token for token, idx in self._vocab_data["vocab"].items()}
+        # multi-byte ids the vocab leaves undefined get a placeholder, never produced and decoded to nothing
+        self._id_to_token = [by_id.get(i) or unused_token(i) for i in range(VOCAB_SIZE)]
+        self._unused_tokens = {unused_token(i) for i in range(VOCAB_SIZE) if i not in by_id}
+        self._token_to_id = {tok: i for i, tok in enumerate(self._id_to_token)}
+        self._greedy = greedy_tokens(self._vocab_data)
+        self._regex = self._added_split = None  # built on first use
         self._add_bos_token = bool(add_bos_token)
-        kwargs = special_token_kwargs(kwargs, bos_token, eos_token, unk_token, pad_token)
-        # transformers pops special_tokens_pattern before saving the init kwargs: set on every construction.
-        kwargs["special_tokens_pattern"] = "bos" if self._add_bos_token else "none"
         # A folder saved by the fast class: tokenizer.json's added tokens may hold the vocab's own greedy tokens (its
         # matcher); added here they would be split out before the specials. Ids below the specials are the vocab's.
         if kwargs.get("added_tokens_decoder"):
             kwargs["added_tokens_decoder"] = {i: t for i, t in kwargs["added_tokens_decoder"].items()
                                               if not BYTE_OFFSET <= int(i) < SPECIAL_START_ID}
-        super().__init__(bos_token=bos_token, eos_token=eos_token, unk_token=unk_token, pad_token=pad_token,
-                         add_bos_token=self._add_bos_token, **kwargs)
-        check_special_ids(self)
-
-    def _set_vocab_data(self, data: dict) -> None:
-        self._vocab_data = data
-        id_to_token = [None] * VOCAB_SIZE
-        for token, idx in data["vocab"].items():
-            id_to_token[idx] = token
-        self._unused_tokens = set()
-        for idx in range(FIRST_MULTIBYTE_ID, SPECIAL_START_ID):
-            if id_to_token[idx] is None:
-                id_to_token[idx] = unused_token(idx)
-                self._unused_tokens.add(id_to_token[idx])
-        self._id_to_token = id_to_token
-        self._token_to_id = {tok: i for i, tok in enumerate(id_to_token)}
-        self._greedy = greedy_tokens(data)
-        self._regex = None
-        self._added_split = None
+        super().__init__(bos_token, eos_token, unk_token, pad_token, add_bos_token, **kwargs)
+        # transformers does not save special_tokens_pattern and its `__init__` resets it: the setter puts it back
+        self.add_bos_token = add_bos_token
 
     @property
     def vocab_size(self) -> int:
@@ -524,10 +482,8 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
         if already_has_special_tokens:
             return super().get_special_tokens_mask(token_ids_0, token_ids_1, already_has_special_tokens=True)
 
-        def one(ids):
-            return [int(self._add_bos_token and i == 0) for i in range(len(self._with_bos(ids)))]
-
-        return one(token_ids_0) + ([] if token_ids_1 is None else one(token_ids_1))
+        rows = [token_ids_0] if token_ids_1 is None else [token_ids_0, token_ids_1]
+        return [int(self._add_bos_token and i == 0) for ids in rows for i in range(len(self._with_bos(ids)))]
 
     def prepare_for_model(self, ids, pair_ids=None, add_special_tokens=True, **kwargs):
         # Never <bos> twice: drop one leading <bos> the text had and let the base class add it back (so truncation
@@ -544,8 +500,9 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
 
     def _tokenize(self, text: str, **kwargs) -> list[str]:
         if self._regex is None:  # compiled on first use: seconds for a 16K vocabulary
-            self._regex = compile_greedy_regex(self._greedy)
-        return self._regex.findall(_to_latin1(text)) if text else []
+            self._regex = re.compile(greedy_trie_pattern(self._greedy))
+        # the UTF-8 bytes, one latin-1 character per byte (strict: lone surrogates raise)
+        return self._regex.findall(text.encode("utf-8").decode("latin-1")) if text else []
 
     def _split_added_tokens(self, text: str) -> list[str] | None:
         """`text` cut into the text between added tokens (even items) and the added tokens (odd), leftmost-longest as
@@ -563,8 +520,7 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
         super()._update_trie(unique_no_split_tokens)
 
     def tokenize(self, text: str, **kwargs) -> list[str]:
-        """Tokens of `text`: added tokens split out first (unless ``split_special_tokens``), greedy longest match in
-        between."""
+        """Added tokens split out first (unless ``split_special_tokens``), greedy longest match in between."""
         split = kwargs.pop("split_special_tokens", self.split_special_tokens)
         if kwargs.pop("is_split_into_words", False):
             text = with_leading_space(text)
@@ -638,8 +594,7 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
                 for i in ([added[piece]] if n % 2 else [greedy[t] for t in self._tokenize(piece)])]
 
     def encode_ordinary(self, text: str) -> list[int]:
-        """Greedy ids of `text`, no special-token handling and no <bos>: ``encode(text, add_special_tokens=False,
-        split_special_tokens=True)``."""
+        """``encode(text, add_special_tokens=False, split_special_tokens=True)``: greedy ids of `text` alone."""
         return [self._greedy[t] for t in self._tokenize(text)]
 
     def _convert_token_to_id(self, token: str) -> int:
@@ -672,17 +627,3 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
             kwargs.setdefault("name_or_path", os.fspath(path))
             return cls(path, *init_inputs, **kwargs)
         return super().from_pretrained(pretrained_model_name_or_path, *init_inputs, **kwargs)
-
-    @classmethod
-    def _from_pretrained(cls, resolved_vocab_files, *args, **kwargs):
-        check_tokenizer_file(resolved_vocab_files.get("tokenizer_file"))
-        return super()._from_pretrained(resolved_vocab_files, *args, **kwargs)
-
-
-__all__ = [
-    "SpikeTokenizer", "SpikeTokenizerMixin", "CHATML_TEMPLATE", "apply_chat_template_safely", "compile_greedy_regex",
-    "greedy_trie_pattern", "load_vocab_file", "normalize_vocab_data", "dump_vocab_data", "unused_token", "PAD_ID",
-    "UNK_ID", "BOS_ID", "EOS_ID", "IM_START_ID", "IM_END_ID", "SPECIAL_TOKENS", "SPECIAL_TOKEN_IDS", "RESERVED_IDS",
-    "RESERVED_TOKENS", "ALL_SPECIAL_IDS", "CHAT_EOS_IDS", "VOCAB_SIZE", "NUM_BASE_IDS", "FIRST_MULTIBYTE_ID",
-    "BYTE_OFFSET", "DEFAULT_MAX_TOKEN_LEN", "VOCAB_FILE_NAME",
-]

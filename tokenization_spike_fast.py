@@ -8,14 +8,11 @@
     model           WordPiece(prefix "")                           cuts each piece again by longest match
     decoder         ByteLevel                                      bytes -> UTF-8, U+FFFD for broken sequences
     post_processor  TemplateProcessing                             "<bos> $A" (add_bos_token=True)
-
-A folder holding only the released vocab (``spike_vocab.json`` or a custom-format ``tokenizer.json``) still loads:
-the pipeline is built from it.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 from collections.abc import Mapping, Sequence
 
@@ -25,28 +22,9 @@ from transformers import PreTrainedTokenizerFast
 from transformers.tokenization_utils_base import AddedToken, BatchEncoding
 
 from .tokenization_spike import (
-    BOS_TOKEN,
-    BYTE_OFFSET,
-    EOS_TOKEN,
-    FIRST_MULTIBYTE_ID,
-    LAYOUT_SPECIALS,
-    PAD_TOKEN,
-    SPECIAL_START_ID,
-    UNK_ID,
-    UNK_TOKEN,
-    VOCAB_FILE_NAME,
-    VOCAB_SIZE,
-    SpikeTokenizer,
-    SpikeTokenizerMixin,
-    check_special_ids,
-    check_tokenizer_file,
-    greedy_trie_pattern,
-    load_vocab_file,
-    normalize_vocab_data,
-    read_vocab,
-    special_token_kwargs,
-    unused_token,
-    with_leading_space,
+    BOS_TOKEN, BYTE_OFFSET, EOS_TOKEN, FIRST_MULTIBYTE_ID, LAYOUT_SPECIALS, PAD_TOKEN, SPECIAL_START_ID, UNK_ID,
+    UNK_TOKEN, VOCAB_FILE_NAME, VOCAB_SIZE, SpikeTokenizer, SpikeTokenizerMixin, greedy_tokens, greedy_trie_pattern,
+    load_vocab_file, normalize_vocab_data, unused_token, with_leading_space,
 )
 
 TOKENIZER_FILE_NAME = "tokenizer.json"
@@ -86,18 +64,6 @@ def crosses_a_character(token: str) -> bool:
     return _text(token) is None and any(not 0x80 <= ord(ch) < 0xC0 for ch in token[1:])
 
 
-def needs_the_pieces(token: str) -> bool:
-    """A token that can put its vocab on the pieces alone (`build_backend`), which the trainer never takes: one across
-    a character boundary, or one whose text is spelled in the byte alphabet like other bytes a token may hold ("Ã©"
-    is the byte-level key of "é", "Ġthe" the key of " the")."""
-    if crosses_a_character(token):
-        return True
-    text = _text(token)
-    if text is None or len(text) < 2 or _decodes_as_itself(text):
-        return False
-    return not crosses_a_character("".join(map(_BYTE_LEVEL_TO_LATIN1.get, text)))
-
-
 def _decodes_as_itself(text: str) -> bool:
     """The ByteLevel decoder maps a token through the byte alphabet when every character is in it, else keeps it."""
     return all(ch in _PRINTABLE_ASCII for ch in text) or not all(ch in _BYTE_LEVEL_TO_LATIN1 for ch in text)
@@ -116,21 +82,16 @@ def piece_pattern(greedy: list[str], vocab: Mapping[str, int]) -> str:
 
 
 def build_backend(data: Mapping) -> Tokenizer:
-    """The `tokenizers` pipeline of a normalised vocab (`normalize_vocab_data`), with `SpikeTokenizer`'s ids.
-
-    The greedy tokens that are text are non-special added tokens, found by leftmost-longest Aho-Corasick over the
-    text: that is greedy longest match over the bytes as long as the tokens left out never start where a matched
-    token could. The ones left out lie inside one character, or are one character the ByteLevel decoder would
-    misread ("é"); the runs no matched token starts are whole characters, which ByteLevel, the piece regex and
-    WordPiece cut into them. A vocab with a token across a character boundary (b"d \xe2\x80", which can be neither
-    matched nor left out) or text spelled like another token's byte-level key gets the pieces alone: exact, slower.
-    """
-    vocab: dict[str, int] = {}
-    greedy: list[str] = []
-    for token, idx in data["vocab"].items():
-        vocab[token if idx in LAYOUT_SPECIALS.values() else token.translate(_LATIN1_TO_BYTE_LEVEL)] = idx
-        if BYTE_OFFSET <= idx < SPECIAL_START_ID and len(token) <= data["max_token_len"]:
-            greedy.append(token)
+    """The `tokenizers` pipeline of a normalised vocab (`normalize_vocab_data`), with `SpikeTokenizer`'s ids. The greedy
+    tokens that are text are non-special added tokens, found by leftmost-longest Aho-Corasick over the text: that is
+    greedy longest match over the bytes as long as the tokens left out never start where a matched token could. The ones
+    left out lie inside one character, or are one character the ByteLevel decoder would misread ("é"); the runs no
+    matched token starts are whole characters, which ByteLevel, the piece regex and WordPiece cut into them. A vocab
+    with a token across a character boundary (b"d \xe2\x80", which can be neither matched nor left out) or text spelled
+    like another token's byte-level key gets the pieces alone: exact, slower."""
+    vocab = {token if token in LAYOUT_SPECIALS else token.translate(_LATIN1_TO_BYTE_LEVEL): idx
+             for token, idx in data["vocab"].items()}
+    greedy = list(greedy_tokens(data))
     defined = set(vocab.values())
     holes = [i for i in range(FIRST_MULTIBYTE_ID, SPECIAL_START_ID) if i not in defined]
     vocab.update({unused_token(i): i for i in holes})
@@ -175,45 +136,25 @@ def _vocab_data_from_backend(backend: Tokenizer) -> dict:
     return normalize_vocab_data({"vocab": vocab, "max_token_len": max(map(len, vocab))}, source="tokenizer.json")
 
 
-def _is_backend_file(path) -> bool:
-    """True for a `tokenizers` tokenizer.json, False for a released custom-format one (``{"vocab": ...}``)."""
-    if not os.path.isfile(path):
-        return False
-    with open(path, encoding="utf-8") as handle:
-        head = handle.read(256)
-    return '"version"' in head and not head.lstrip().startswith('{"vocab"')
-
-
-def _special(token):
-    if token is None or isinstance(token, AddedToken):
-        return token
-    return AddedToken(str(token), special=True, normalized=False, lstrip=False, rstrip=False, single_word=False)
-
-
 class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
-    """Greedy longest-match byte tokenizer over a Length-MAX vocabulary on `tokenizers`: the arguments, ids, decodes,
-    ``add_bos_token``, specials and chat template of `SpikeTokenizer`, plus offsets and batching in Rust.
-
-    Args:
-        vocab_file (`str`, `os.PathLike` or `dict`, *optional*): ``spike_vocab.json`` (or a released custom-format
-            ``tokenizer.json``) or a vocab dict; the pipeline is built from it when there is no `tokenizers` file.
-        tokenizer_file (`str`, *optional*): a ``tokenizer.json`` written by this class.
-        add_bos_token (`bool`, defaults to `True`): prepend ``<bos>`` (id 2), never twice.
-    """
+    """`SpikeTokenizer` on `tokenizers`: its arguments, ids, decodes, ``add_bos_token``, specials and chat template,
+    plus offsets and batching in Rust. `tokenizer_file`: a ``tokenizer.json`` written by this class; without one
+    (a folder holding only the released vocab too) the pipeline is built from the vocab (`build_backend`)."""
 
     vocab_files_names = {"vocab_file": VOCAB_FILE_NAME, "tokenizer_file": TOKENIZER_FILE_NAME}
-    model_input_names = ["input_ids", "attention_mask"]
-    padding_side = "left"
     slow_tokenizer_class = SpikeTokenizer
-    _auto_class = "AutoTokenizer"
 
     def __init__(self, vocab_file=None, tokenizer_file=None, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
                  unk_token=UNK_TOKEN, pad_token=PAD_TOKEN, add_bos_token: bool = True, **kwargs):
         backend = kwargs.pop("tokenizer_object", None)
-        if backend is None and tokenizer_file is not None and _is_backend_file(tokenizer_file):
-            backend = Tokenizer.from_file(os.fspath(tokenizer_file))
+        if backend is None and tokenizer_file is not None and os.path.isfile(tokenizer_file):
+            with open(tokenizer_file, encoding="utf-8") as handle:
+                head = handle.read(256)
+            # a `tokenizers` file, not a released custom-format one ({"vocab": ...})
+            if '"version"' in head and not head.lstrip().startswith('{"vocab"'):
+                backend = Tokenizer.from_file(os.fspath(tokenizer_file))
         if backend is None:  # only the released vocab: build the pipeline from it
-            self._vocab_data = read_vocab(vocab_file if vocab_file is not None else tokenizer_file)
+            self._vocab_data = load_vocab_file(vocab_file if vocab_file is not None else tokenizer_file)
             backend = build_backend(self._vocab_data)
         elif isinstance(vocab_file, (str, os.PathLike)) and os.path.isfile(vocab_file):
             self._vocab_data = load_vocab_file(vocab_file)
@@ -223,29 +164,13 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
         # the vocab's greedy tokens the matcher finds: vocabulary, not added tokens in transformers' sense
         self._matched_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items()
                                       if not t.special and i < SPECIAL_START_ID)
-        kwargs = special_token_kwargs(kwargs, bos_token, eos_token, unk_token, pad_token)
         self._tokenizer = backend  # used as is (passing it as tokenizer_object would deep-copy it)
-        super().__init__(bos_token=_special(bos_token), eos_token=_special(eos_token), unk_token=_special(unk_token),
-                         pad_token=_special(pad_token), add_bos_token=bool(add_bos_token), **kwargs)
-        check_special_ids(self)
-
-    @classmethod
-    def _from_pretrained(cls, resolved_vocab_files, *args, **kwargs):
-        check_tokenizer_file(resolved_vocab_files.get("tokenizer_file"), need_model=True)
-        return super()._from_pretrained(resolved_vocab_files, *args, **kwargs)
+        super().__init__(bos_token, eos_token, unk_token, pad_token, add_bos_token, **kwargs)
 
     @classmethod
     def convert_to_native_format(cls, trust_remote_code=False, **kwargs):
-        # `__init__` loads tokenizer.json itself; transformers' generic rebuild from vocab/merges would drop the
-        # Split/WordPiece pipeline.
+        # `__init__` loads tokenizer.json itself: transformers' rebuild from vocab/merges would drop the pipeline
         return kwargs
-
-    @classmethod
-    def from_slow(cls, tokenizer: SpikeTokenizer, **kwargs) -> SpikeTokenizerFast:
-        """The fast twin of a `SpikeTokenizer` (same vocab, add_bos_token, model_max_length, padding side, template)."""
-        for key in ("add_bos_token", "model_max_length", "padding_side", "chat_template"):
-            kwargs.setdefault(key, getattr(tokenizer, key))
-        return cls(tokenizer.vocab_data, **kwargs)
 
     def _save_pretrained(self, save_directory, file_names, legacy_format=None, filename_prefix=None):
         # tokenizer.json for this class (and any `tokenizers` user), spike_vocab.json for the slow one
@@ -270,7 +195,12 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
         stripped = None
         if add_special_tokens and self.add_bos_token and not split and not is_split_into_words:
             text, text_pair, stripped = _strip_leading_bos(text, text_pair)
-        if not args and text_pair is None and not is_split_into_words and _offsets_unused(text, kwargs):
+        # plain text (a string or a non-empty list of them) in a call without offsets, overflow or type ids
+        plain = isinstance(text, str) or bool(text) and isinstance(text, (list, tuple)) and all(
+            isinstance(t, str) for t in text)
+        no_offsets = not any(kwargs.get(key) for key in ("return_offsets_mapping", "return_overflowing_tokens",
+                                                         "return_token_type_ids", "sanitize_control_tokens"))
+        if not args and text_pair is None and not is_split_into_words and plain and no_offsets:
             return self._encode_without_offsets(text, add_special_tokens, split, **kwargs)
         if not stripped:
             return super()._encode_plus(text, text_pair, add_special_tokens, *args,
@@ -292,9 +222,8 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
                                 padding_side=None, return_tensors=None, return_attention_mask=None,
                                 return_special_tokens_mask=False, return_length=False, verbose=True, **_):
         """`_encode_plus` of a call that returns nothing needing character offsets: `encode_batch_fast`, which skips
-        them. The offsets are most of `encode_batch`'s time (65-115 ns per byte; this route is 1.3-3.3x the
-        throughput, docs/performance.md 10.1); the `Encoding`s behind ``char_to_token``, ``word_ids`` and ``tokens`` are made,
-        with offsets, when first read (`EncodingsOnDemand`)."""
+        them (they are most of `encode_batch`'s time: docs/performance.md 10.1). The `Encoding`s behind
+        ``char_to_token``, ``word_ids`` and ``tokens`` are made, with offsets, when first read (`EncodingsOnDemand`)."""
         batch = [text] if isinstance(text, str) else list(text)
         self.set_truncation_and_padding(padding_strategy=padding_strategy, truncation_strategy=truncation_strategy,
                                         max_length=max_length, stride=stride, pad_to_multiple_of=pad_to_multiple_of,
@@ -326,10 +255,8 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
         # A token may also be given as the slow class writes it (its bytes as latin-1), as its text (" é"), or as the
         # byte-level spelling of a matched token ("fÃ¼r" for "für").
         spellings = [token, token.translate(_LATIN1_TO_BYTE_LEVEL)]
-        try:
+        with contextlib.suppress(UnicodeEncodeError):  # a lone surrogate has no UTF-8 bytes
             spellings.append(token.encode("utf-8").decode("latin-1").translate(_LATIN1_TO_BYTE_LEVEL))
-        except UnicodeEncodeError:  # a lone surrogate
-            pass
         if all(ch in _BYTE_LEVEL_TO_LATIN1 for ch in token):
             spellings.append(_text("".join(map(_BYTE_LEVEL_TO_LATIN1.get, token))))
         for key in spellings:
@@ -338,20 +265,10 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
                 return index
         return self.unk_token_id
 
-    def _decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces=None, **kwargs):
+    def _decode(self, token_ids, **kwargs):
         # as the slow class: ids outside the vocabulary (such as -100 labels) decode to <unk>
         ids = [token_ids] if isinstance(token_ids, int) else token_ids
-        return super()._decode([i if 0 <= i < VOCAB_SIZE else UNK_ID for i in map(int, ids)],
-                               skip_special_tokens=skip_special_tokens,
-                               clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kwargs)
-
-
-def _offsets_unused(text, kwargs) -> bool:
-    """True for plain text (a string or a non-empty list of them) in a call without offsets, overflow or type ids."""
-    plain = isinstance(text, str) or bool(text) and isinstance(text, (list, tuple)) and all(
-        isinstance(t, str) for t in text)
-    return plain and not any(kwargs.get(key) for key in ("return_offsets_mapping", "return_overflowing_tokens",
-                                                          "return_token_type_ids", "sanitize_control_tokens"))
+        return super()._decode([i if 0 <= i < VOCAB_SIZE else UNK_ID for i in map(int, ids)], **kwargs)
 
 
 class EncodingsOnDemand(Sequence):
@@ -360,14 +277,14 @@ class EncodingsOnDemand(Sequence):
     plain call's `Encoding`s. Tokens added since would change the ids: that raises instead."""
 
     def __init__(self, backend: Tokenizer, batch: list[str], add_special_tokens: bool, without_offsets: list):
-        self._args = backend, batch, add_special_tokens, without_offsets, self._settings(backend)
+        settings = backend.truncation, backend.padding, backend.encode_special_tokens
+        self._args = backend, batch, add_special_tokens, without_offsets, settings
         self._made = None
 
     def _all(self) -> list:
         if self._made is None:
             backend, batch, add_special_tokens, without_offsets, settings = self._args
-            saved = self._settings(backend)
-            self._configure(backend, *settings)
+            saved = self._configure(backend, *settings)
             try:
                 made = backend.encode_batch(batch, add_special_tokens=add_special_tokens)
             finally:
@@ -388,14 +305,13 @@ class EncodingsOnDemand(Sequence):
         return list, (self._all(),)
 
     @staticmethod
-    def _settings(backend: Tokenizer) -> tuple:
-        return backend.truncation, backend.padding, backend.encode_special_tokens
-
-    @staticmethod
-    def _configure(backend: Tokenizer, truncation, padding, encode_special_tokens: bool) -> None:
+    def _configure(backend: Tokenizer, truncation, padding, encode_special_tokens: bool) -> tuple:
+        """Set the backend's truncation, padding and encode_special_tokens; return the ones it had."""
+        saved = backend.truncation, backend.padding, backend.encode_special_tokens
         backend.no_truncation() if truncation is None else backend.enable_truncation(**truncation)
         backend.no_padding() if padding is None else backend.enable_padding(**padding)
         backend.encode_special_tokens = encode_special_tokens
+        return saved
 
 
 def _strip_leading_bos(text, text_pair):
@@ -413,7 +329,3 @@ def _strip_leading_bos(text, text_pair):
     if not batched:
         return firsts[0], seconds[0], flags
     return firsts, seconds if isinstance(text_pair, (list, tuple)) else text_pair, flags
-
-
-__all__ = ["SpikeTokenizerFast", "build_backend", "bytes_to_unicode", "crosses_a_character",
-           "needs_the_pieces", "piece_pattern", "TOKENIZER_FILE_NAME"]

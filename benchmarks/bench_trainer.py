@@ -68,8 +68,8 @@ def main() -> int:
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from spike_whale.hub_export.train_tokenizer import train_from_files
-    from spike_whale.tokenization_spike import compile_greedy_regex, load_vocab_file
+    from spike_whale.hub_export.train_tokenizer import compile_greedy_regex, train_from_files
+    from spike_whale.tokenization_spike import load_vocab_file
 
     sample = read_sample(args.train, args.train_bytes)
     heldout = args.validation.read_bytes()

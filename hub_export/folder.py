@@ -50,7 +50,8 @@ def save_hub_folder(model, tokenizer, out_dir: str | os.PathLike) -> str:
 
     register_auto_classes()
     if not isinstance(tokenizer, SpikeTokenizerFast):  # the folder ships both; the fast one writes both vocab files
-        tokenizer = SpikeTokenizerFast.from_slow(tokenizer)
+        kept = ("add_bos_token", "model_max_length", "padding_side", "chat_template")
+        tokenizer = SpikeTokenizerFast(tokenizer.vocab_data, **{key: getattr(tokenizer, key) for key in kept})
     os.makedirs(out_dir, exist_ok=True)
     model.generation_config = serving_generation_config(model.config)
     tokenizer.model_max_length = model.config.max_position_embeddings

@@ -36,6 +36,7 @@ import glob
 import math
 import os
 import random
+import re
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -115,6 +116,28 @@ def _group(keys, *columns, sums: int):
         col = col[order]
         out.append(np.add.reduceat(col, first) if i < sums and len(first) else col[first])
     return out
+
+
+def compile_greedy_regex(tokens: Iterable[str]) -> re.Pattern:
+    """`greedy_trie_pattern` compiled with Python's ``re``: its matches are the greedy segmentation (the slow
+    tokenizer's matcher)."""
+    from ..tokenization_spike import greedy_trie_pattern
+
+    return re.compile(greedy_trie_pattern(tokens))
+
+
+def needs_the_pieces(token: str) -> bool:
+    """A token that can put its vocab on the pieces alone (`build_backend`), which the trainer never takes: one across
+    a character boundary, or one whose text is spelled in the byte alphabet like other bytes a token may hold ("Ã©"
+    is the byte-level key of "é", "Ġthe" the key of " the")."""
+    from ..tokenization_spike_fast import _BYTE_LEVEL_TO_LATIN1, _decodes_as_itself, _text, crosses_a_character
+
+    if crosses_a_character(token):
+        return True
+    text = _text(token)
+    if text is None or len(text) < 2 or _decodes_as_itself(text):
+        return False
+    return not crosses_a_character("".join(map(_BYTE_LEVEL_TO_LATIN1.get, text)))
 
 
 class CandidateTable:
@@ -240,10 +263,6 @@ class CandidateTable:
         """
         import numpy as np
 
-        # Never a token that would put the fast tokenizer on its pieces alone (`needs_the_pieces`): one across a
-        # character boundary (b"d \xe2\x80"), or text spelled like another token's byte-level key ("Ġthe").
-        from ..tokenization_spike_fast import needs_the_pieces
-
         order = self.ranked(min_freq)
         chosen: list[tuple[str, int]] = []
         cover: dict[str, int] = {}  # substring of a chosen string -> the highest freq of a chosen string holding it
@@ -257,6 +276,8 @@ class CandidateTable:
             for piece, value, freq in sorted(found, key=lambda item: (-item[1], item[0])):
                 if piece in exclude or freq < 2 * cover.get(piece, 0):
                     continue
+                # Never a token that would put the fast tokenizer on its pieces alone: one across a character
+                # boundary (b"d \xe2\x80"), or text spelled like another token's byte-level key ("Ġthe").
                 if not piece.isascii() and needs_the_pieces(piece):
                     continue
                 chosen.append((piece, value))
@@ -308,8 +329,6 @@ def train_lengthmax_vocab(
     ``update(n_chars)`` method (a tqdm bar); `notify(message)` hears of a refinement that ends before
     `refine_rounds` (nothing was worth a swap).  What went wrong (a short vocab, a table too small) warns.
     """
-    from ..tokenization_spike import compile_greedy_regex
-
     _check_options(vocab_size, max_token_len, rounds, max_ngram, min_freq, max_candidates)
     if refine_rounds < 0:
         raise ValueError(f"refine_rounds must be >= 0, got {refine_rounds}")

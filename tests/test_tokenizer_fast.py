@@ -712,7 +712,7 @@ def test_candidate_table_counts_every_run_exactly(monkeypatch):
     """Issue 40: the table is counted in numpy over 64-bit hashes (the per-item Counter took 36 minutes on 3.4 MB); it
     must give the plain count of every run, across chunk ends and its own token windows, and read the bytes back."""
     import spike_whale.hub_export.train_tokenizer as trainer
-    from spike_whale.tokenization_spike import compile_greedy_regex
+    from spike_whale.hub_export.train_tokenizer import compile_greedy_regex
 
     monkeypatch.setattr(trainer, "WINDOW_TOKENS", 7)
     text = (DEMO_CORPUS * 2).encode("utf-8").decode("latin-1")
@@ -793,7 +793,7 @@ def test_trainer_never_takes_text_spelled_like_another_tokens_key():
     the byte-level key of another token (" the", "é"); such a token put the whole vocab on the slower piece pipeline.
     The trainer no longer takes one (`needs_the_pieces`), so the vocab gets the matcher; a vocab that holds one still
     gets the exact pieces."""
-    from spike_whale.tokenization_spike_fast import needs_the_pieces
+    from spike_whale.hub_export.train_tokenizer import needs_the_pieces
 
     rng = random.Random(0)
     words = ["\u0120the", " the", "\u00c3\u00a9", "\u00e9", "\u0120of", " of"]
