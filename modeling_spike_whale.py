@@ -676,9 +676,8 @@ class EngramMemory(nn.Module):
         """(engram output, the chunk's codes for the cache, the lookup r for fusion); hash_source: the token
         embeddings the hash reads when x is something else (soft prompts)."""
         c = self.compressor(x if hash_source is None else hash_source)
-        n_prefix = self.lookup.max_ngram - 1
         if prefix is None:
-            prefix = c.new_zeros(c.shape[0], n_prefix, c.shape[-1])
+            prefix = c.new_zeros(c.shape[0], self.lookup.max_ngram - 1, c.shape[-1])
         r = self.lookup(c, prefix, positions).to(x.dtype)
         return self.gate(r, x), c, r
 
@@ -792,13 +791,7 @@ def _visible(mask, is_causal, S: int, N: int, device) -> torch.Tensor:
 
 def _scores(q, k) -> torch.Tensor:
     """s = q·kᵀ/√hd in float32 with the KV heads expanded to their GQA groups: [B, nh, S, N]."""
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
-    return q.float() @ k.float().transpose(-1, -2) / math.sqrt(q.shape[-1])
-
-
-def _read_values(w, v, dropout: float) -> torch.Tensor:
-    v = v.repeat_interleave(w.shape[1] // v.shape[1], 1)
-    return F.dropout(w, dropout).to(v.dtype) @ v
+    return q.float() @ repeat_kv(k, q.shape[1] // k.shape[1]).float().transpose(-1, -2) / math.sqrt(q.shape[-1])
 
 
 def derf_attention(q, k, v, mask, is_causal, dropout, alpha, beta, gamma):
@@ -809,7 +802,7 @@ def derf_attention(q, k, v, mask, is_causal, dropout, alpha, beta, gamma):
     a, b, g = (t.float()[None, :, None, None] for t in (alpha, beta, gamma))
     w = g * (torch.erf(a * s + b) + 1) / 2 * vis
     w = w / (w.sum(-1, keepdim=True) + 1e-8)
-    return _read_values(w, v, dropout), w
+    return F.dropout(w, dropout).to(v.dtype) @ repeat_kv(v, w.shape[1] // v.shape[1]), w
 
 
 def elo_attention(q, k, v, mask, is_causal, dropout, gain, k_factor, past_ratings, query_valid):
@@ -830,7 +823,7 @@ def elo_attention(q, k, v, mask, is_causal, dropout, gain, k_factor, past_rating
     before = torch.cat([past[:, :, None], after[:, :, :-1]], 2)  # ratings seen by query t (earlier queries)
     bias = (gain.float() * k_factor.float())[None, :, None, None] * before
     w = torch.softmax(masked + bias, -1)
-    return _read_values(w, v, dropout), w, after[:, :, -1], after
+    return F.dropout(w, dropout).to(v.dtype) @ repeat_kv(v, w.shape[1] // v.shape[1]), w, after[:, :, -1], after
 
 
 class SpikeWhaleAttention(nn.Module):
@@ -1487,9 +1480,8 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
     def _decode_step_compiles(self, ctx: ForwardContext, cache: SpikeWhaleCache | None) -> bool:
         """Whether this chunk runs the compiled `walk_run`: one token per row on a warm cache, in eval, with no per-slot
         outputs, and a layout of static sizes (which `forward` gives every such step once the walk is compiled)."""
-        if cache is None or ctx.past == 0 or ctx.positions.shape[1] != 1 or self.training:
-            return False
-        if ctx.need_weights or ctx.keep_streams or not ctx.static:
+        if (cache is None or ctx.past == 0 or ctx.positions.shape[1] != 1 or self.training or ctx.need_weights
+                or ctx.keep_streams or not ctx.static):
             return False
         X = self.embed_tokens.weight
         if self._compiled_for != (X.dtype, X.device):
@@ -1539,16 +1531,10 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
 
     @can_return_tuple
     def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: SpikeWhaleCache | None = None,
-        inputs_embeds: torch.FloatTensor | None = None,
-        use_cache: bool | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        **kwargs,
+        self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None, cache: SpikeWhaleCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None, use_cache: bool | None = None,
+        output_attentions: bool | None = None, output_hidden_states: bool | None = None, **kwargs,
     ) -> SpikeWhaleModelOutput:
         """`hidden_states`: the embedding output (after Engram), then one entry per loop-plan slot, the streams read out
         by `hc_out_mix` (before HRM and the norm). `attentions`: one [B, heads, S, past + S] map per slot. Given both
@@ -1758,20 +1744,12 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
 
     @can_return_tuple
     def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: SpikeWhaleCache | None = None,
-        inputs_embeds: torch.FloatTensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        past_key_values: SpikeWhaleCache | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        shift_labels: torch.LongTensor | None = None,
-        **kwargs,
+        self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None, cache: SpikeWhaleCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None, labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: SpikeWhaleCache | None = None, output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None, shift_labels: torch.LongTensor | None = None, **kwargs,
     ) -> SpikeWhaleCausalLMOutput:
         """See `SpikeWhaleModel.forward` and `SpikeWhaleCausalLMOutput`. `shift_labels[:, t]`, the target of position
         t (as `Trainer` and context parallelism pass it), replaces the shifting of `labels`."""
@@ -1792,24 +1770,22 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             output_hidden_states=output_hidden_states, return_dict=True,
         )
         h = out.last_hidden_state
-        if labels is not None or shift_labels is not None:
-            return self._with_loss(h, out, labels, attention_mask, shift_labels, position_ids)
+        with_loss = labels is not None or shift_labels is not None
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(h[:, keep])
+        h_out = h if with_loss else h[:, keep]  # a loss reads every position's logits
+        logits = self.lm_head(h_out)
+        fields = self._losses(h, logits, out, labels, attention_mask, shift_labels, position_ids) if with_loss else {}
+        if self.abstain_head is not None:
+            probs = torch.sigmoid(self.abstain_head(h_out).squeeze(-1).float())
+            threshold = float(self.config.abstain_threshold)
+            fields.update(abstain_probs=probs, abstain_mask=probs > threshold, abstain_threshold=threshold)
         return SpikeWhaleCausalLMOutput(
             logits=logits, **{CACHE_FIELD: out.cache}, hidden_states=out.hidden_states, attentions=out.attentions,
-            last_hidden_state=h, **self._abstain_fields(h[:, keep])
+            last_hidden_state=h, **fields
         )
 
-    def _abstain_fields(self, h: torch.Tensor) -> dict:
-        if self.abstain_head is None:
-            return {}
-        probs = torch.sigmoid(self.abstain_head(h).squeeze(-1).float())
-        threshold = float(self.config.abstain_threshold)
-        return dict(abstain_probs=probs, abstain_mask=probs > threshold, abstain_threshold=threshold)
-
-    def _with_loss(self, h, out, labels, attention_mask, shift_labels=None, position_ids=None) -> SpikeWhaleCausalLMOutput:
-        """The objective of `SpikeWhaleCausalLMOutput`; padding is neither target nor source, and no target crosses
+    def _losses(self, h, logits, out, labels, attention_mask, shift_labels, position_ids) -> dict:
+        """The loss terms of `SpikeWhaleCausalLMOutput`; padding is neither target nor source, and no target crosses
         into the next packed sequence.
         - lm_loss: CE of logits[:, t] against labels[:, t+1];  z_loss: mean logsumexp(logits)².
         - mtp_loss: mean over heads k of the CE of head k at t against labels[:, t+k+1].
@@ -1817,7 +1793,6 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         - abstain_loss: BCE of the abstain head toward [argmax logits[:, t] != labels[:, t+1]] (`abstain_pos_weight`).
         - moe_aux_loss: the mean load-balance loss of the learned-router layers."""
         cfg = self.config
-        logits = self.lm_head(h)
         S = logits.shape[1]
         if shift_labels is not None:
             shifted_by, labels = 0, shift_labels.to(logits.device)
@@ -1875,12 +1850,8 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         moe_aux_loss = out.moe_aux_loss
         if moe_aux_loss is not None and cfg.moe_aux_loss_coef:
             loss = loss + cfg.moe_aux_loss_coef * moe_aux_loss.to(loss.device)
-        return SpikeWhaleCausalLMOutput(
-            loss=loss, logits=logits, **{CACHE_FIELD: out.cache}, hidden_states=out.hidden_states, attentions=out.attentions,
-            lm_loss=lm_loss, z_loss=z_loss, mtp_loss=mtp_loss, hrm_loss=hrm_loss, abstain_loss=abstain_loss,
-            moe_aux_loss=moe_aux_loss, last_hidden_state=h,
-            **self._abstain_fields(h),
-        )
+        return dict(loss=loss, lm_loss=lm_loss, z_loss=z_loss, mtp_loss=mtp_loss, hrm_loss=hrm_loss,
+                    abstain_loss=abstain_loss, moe_aux_loss=moe_aux_loss)
 
 
 SpikeWhaleLM = SpikeWhaleForCausalLM
