@@ -1699,10 +1699,9 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             if generation_config.compile_config is not None:
                 logger.warning_once(f"compile_config is ignored: decode steps run eagerly because {reason}.")
             return False
-        if generation_config.compile_config is not None:
-            return True
-        return (generation_config.cache_implementation == "static"
-                and super()._valid_auto_compile_criteria(model_kwargs, generation_config))
+        return generation_config.compile_config is not None or (
+            generation_config.cache_implementation == "static"
+            and super()._valid_auto_compile_criteria(model_kwargs, generation_config))
 
     def create_masks_for_generate(self, attention_mask=None, inputs_embeds=None, **kwargs):
         """The chunk's own columns of the padding mask: the cache holds earlier keys' validity, and a fixed width keeps
