@@ -1561,8 +1561,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             )
         token_embeds = self.embed_tokens(input_ids) if input_ids is not None else None
         hash_source = token_embeds if inputs_embeds is not None else None
-        if inputs_embeds is None:
-            inputs_embeds = token_embeds
+        inputs_embeds = inputs_embeds if inputs_embeds is not None else token_embeds
         B, S, _ = inputs_embeds.shape
         device = inputs_embeds.device
         self._check_attention_mask(attention_mask, B, S, cache if use_cache else None)
@@ -1793,10 +1792,8 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         - moe_aux_loss: the mean load-balance loss of the learned-router layers."""
         cfg = self.config
         S = logits.shape[1]
-        if shift_labels is not None:
-            shifted_by, labels = 0, shift_labels.to(logits.device)
-        else:
-            shifted_by, labels = 1, labels.to(logits.device)
+        shifted_by = 0 if shift_labels is not None else 1
+        labels = (shift_labels if shift_labels is not None else labels).to(logits.device)
         source_pad = None
         if attention_mask is not None:
             source_pad = attention_mask[:, -S:].to(labels.device) == 0
