@@ -24,7 +24,9 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask, flex_attention_mask, sdpa_mask
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask, flex_attention_mask, sdpa_mask,
+)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 from transformers.utils.generic import can_return_tuple
