@@ -25,10 +25,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.masking_utils import (
-    ALL_MASK_ATTENTION_FUNCTIONS,
-    flash_attention_mask,
-    flex_attention_mask,
-    sdpa_mask,
+    ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask, flex_attention_mask, sdpa_mask,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
@@ -36,15 +33,8 @@ from transformers.utils.generic import can_return_tuple
 
 from .configuration_spike_whale import LoopPlan, SpikeWhaleConfig
 from .generation_utils import (
-    CACHE_FIELD,
-    MemoryCacheState,
-    SlotState,
-    SlotUpdate,
-    SpikeWhaleCache,
-    caller_length_wins,
-    prepare_generation_cache,
-    spike_whale_generate,
-    write_kv,
+    CACHE_FIELD, MemoryCacheState, SlotState, SlotUpdate, SpikeWhaleCache, caller_length_wins, prepare_generation_cache,
+    spike_whale_generate, write_kv,
 )
 
 logger = logging.get_logger(__name__)
@@ -312,13 +302,6 @@ class SegmentLayout:
         """[B]: each row's segment after the chunk."""
         return self.base + self.rel[:, -1] if self.rel.shape[1] else self.base
 
-    def on_device(self, device: torch.device) -> "SegmentLayout":
-        """This layout with its tensors on `device` (layers of a multi-device map each get their own copy)."""
-        if self.rel.device == device:
-            return self
-        return replace(self, **{f.name: t.to(device) for f in fields(self)
-                                if isinstance(t := getattr(self, f.name), torch.Tensor)})
-
 
 @dataclass
 class ForwardContext:
@@ -345,23 +328,26 @@ class ForwardContext:
     def cached(self) -> bool:
         return self.max_cache_len > 0
 
+    def once(self, key, fn):
+        """fn(), computed once per forward (every time under torch.compile, which keeps no memo)."""
+        if torch.compiler.is_compiling():
+            return fn()
+        if key not in self.memo:
+            self.memo[key] = fn()
+        return self.memo[key]
+
     def segments_on(self, device: torch.device) -> SegmentLayout:
         """The segment layout on `device`, copied once per forward per device of a device map."""
-        if self.segments.rel.device == device:
-            return self.segments
-        key = ("segments", device)
-        if key not in self.memo:
-            self.memo[key] = self.segments.on_device(device)
-        return self.memo[key]
+        lay = self.segments
+        if lay.rel.device == device:
+            return lay
+        return self.once(("segments", device), lambda: replace(lay, **{
+            f.name: t.to(device) for f in fields(lay) if isinstance(t := getattr(lay, f.name), torch.Tensor)}))
 
     def rope_tables(self, rope: "SpikeWhaleRotaryEmbedding", device: torch.device, dtype: torch.dtype) -> tuple:
         """rope's (cos, sin) at the chunk's positions in `dtype`, once per forward per layer (every pass reads them)."""
-        if torch.compiler.is_compiling():
-            return tuple(_as(t, dtype) for t in rope(_on(self.positions, device)))
-        key = (id(rope), device, dtype)
-        if key not in self.memo:
-            self.memo[key] = tuple(_as(t, dtype) for t in rope(_on(self.positions, device)))
-        return self.memo[key]
+        return self.once((id(rope), device, dtype),
+                         lambda: tuple(_as(t, dtype) for t in rope(_on(self.positions, device))))
 
 
 class MemoryCacheBranch(KeepsFloat32):
@@ -392,21 +378,35 @@ class MemoryCacheBranch(KeepsFloat32):
         self.feature_scale = nn.Parameter(torch.ones(hd, dtype=f32))
         self.mc_gate = nn.Parameter(torch.zeros(1, dtype=f32))
 
-    def phi(self, x: torch.Tensor) -> torch.Tensor:
-        return F.elu(x * _as(self.feature_scale, torch.float32)) + 1.0
-
     def forward(self, u: torch.Tensor, ctx: ForwardContext, state: MemoryCacheState | None, proj: tuple | None = None):
         """(output [B, S, H], the state after the chunk, the states after each recorded token); states are None
-        without a cache. state: the state before the chunk (None: empty); proj: see `_features`."""
+        without a cache. state: the state before the chunk (None: empty); proj: see `_features`. The chunk form runs
+        on the first `split` tokens (`SegmentLayout`), the step form on the rest."""
         lay = ctx.segments_on(u.device)
+        B, S, _ = u.shape
         # Autocast is turned off only where it is on: its nodes keep AOTAutograd from caching a compiled graph.
         on = torch.is_autocast_enabled(u.device.type)
         with torch.autocast(device_type=u.device.type, enabled=False) if on else contextlib.nullcontext():
-            y, new_state, per_pos = self._memory_readout(_as(u, torch.float32), lay, state, ctx, proj)
-            out = self._output(y)
+            feats = self._features(_as(u, torch.float32), proj)
+            if lay.padded:  # padding adds nothing
+                fq, fk, v, gu, gk = feats
+                vf = lay.valid_f
+                feats = fq, fk * vf[..., None, None], v * vf[..., None, None], gu, gk * vf[..., None]
+            ys, steps = [], []
+            if lay.split:
+                chunk = feats if lay.split == S else [t[:, : lay.split] for t in feats]
+                y, state = self._chunk(*chunk, lay, state, ctx)
+                ys.append(y)
+            if lay.split < S and state is None:
+                state = MemoryCacheState.empty(B, ctx.n_mc_segments, self.nh, self.hd, self.gd, u.device)
+            for j in range(lay.split, S):
+                y, state = self._step(j, *(feats if S == 1 else (t[:, j : j + 1] for t in feats)), lay, state)
+                ys.append(y)
+                steps.append(state)
+            out = self._output(_cat(ys, 1).reshape(B, S, self.nh * self.hd))
             if lay.padded:
                 out = out * lay.valid_f[..., None]
-        return _as(out, u.dtype), new_state, per_pos
+        return _as(out, u.dtype), state, (steps if ctx.record else None)
 
     def _features(self, x: torch.Tensor, proj: tuple | None = None):
         """φ(q), φ(k), v [B, S, nh, hd] and the gate query u / key W_k x [B, S, gd]; proj: precomputed
@@ -414,7 +414,7 @@ class MemoryCacheBranch(KeepsFloat32):
         B, S, _ = x.shape
         qkv, g = proj if proj is not None else self.input_projections(x)
         qkv = qkv.view(B, S, 3, self.nh, self.hd)
-        fq, fk = self.phi(qkv[:, :, :2]).unbind(2)  # q and k in one call
+        fq, fk = (F.elu(qkv[:, :, :2] * _as(self.feature_scale, torch.float32)) + 1.0).unbind(2)  # φ: q, k in one call
         gu, gk = g[..., : self.gd] + _as(self.gate_bias, torch.float32), g[..., self.gd :]
         return fq, fk, qkv[:, :, 2], gu, gk
 
@@ -427,28 +427,6 @@ class MemoryCacheBranch(KeepsFloat32):
         """tanh(mc_gate) · o_proj(y), float32."""
         out = _as(self.o_proj(_as(y, self.o_proj.weight.dtype)), torch.float32)
         return derived(self, "gate", lambda: torch.tanh(_as(self.mc_gate, torch.float32)), self.mc_gate) * out
-
-    def _memory_readout(self, x, lay: SegmentLayout, state: MemoryCacheState | None, ctx: ForwardContext, proj):
-        """y [B, S, nh·hd] and the states of `forward`: the chunk form on the first `lay.split` tokens, then steps."""
-        B, S, _ = x.shape
-        feats = self._features(x, proj)
-        if lay.padded:  # padding adds nothing
-            fq, fk, v, gu, gk = feats
-            vf = lay.valid_f
-            feats = fq, fk * vf[..., None, None], v * vf[..., None, None], gu, gk * vf[..., None]
-        ys, steps = [], []
-        if lay.split:
-            chunk = feats if lay.split == S else tuple(t[:, : lay.split] for t in feats)
-            y, state = self._chunk(*chunk, lay, state, ctx)
-            ys.append(y)
-        if lay.split < S and state is None:
-            state = MemoryCacheState.empty(B, ctx.n_mc_segments, self.nh, self.hd, self.gd, x.device)
-        for j in range(lay.split, S):
-            y, state = self._step(j, *(feats if S == 1 else (t[:, j : j + 1] for t in feats)), lay, state)
-            ys.append(y)
-            steps.append(state)
-        y = _cat(ys, 1).reshape(B, S, self.nh * self.hd)
-        return y, state, (steps if ctx.record else None)
 
     def _read(self, fq, gu, own: tuple | None, cands: tuple | None) -> torch.Tensor:
         """y_t [B, S, nh, hd], γ = softmax over the candidates' ⟨u_t, ḡ⁽ⁱ⁾⟩ and the own segment's ⟨u_t, own_g⟩/own_n.
@@ -536,7 +514,7 @@ class MemoryCacheBranch(KeepsFloat32):
         cands = []  # the cache's finished segments (i < base), then the chunk's (r < rel)
         if state is not None and lay.n_fin > 0:
             k = lay.n_fin
-            mask = None if lay.fin_readable else (
+            mask = None if lay.fin_readable and R == 1 else (  # no mask where no candidate needs one
                 torch.arange(k, device=fq.device)[None, :] < lay.base[:, None])[:, None].expand(B, n, k)
             cands.append((state.fin_M[:, :k], state.fin_z[:, :k], state.fin_g[:, :k], mask))
         if R > 1:
@@ -544,11 +522,7 @@ class MemoryCacheBranch(KeepsFloat32):
         cand = None
         if cands:
             M, z, g, masks = zip(*cands)
-            mask = None
-            if any(m is not None for m in masks):  # a candidate without a mask is readable by every token
-                mask = _cat([m if m is not None else torch.ones(B, n, gi.shape[1], dtype=torch.bool, device=fq.device)
-                             for m, gi in zip(masks, g)], -1)
-            cand = (_cat(M, 1), _cat(z, 1), _cat(g, 1), mask)
+            cand = (_cat(M, 1), _cat(z, 1), _cat(g, 1), None if masks[0] is None else _cat(masks, -1))
         y = self._read(fq, gu, (own_num, own_den, own_g, own_n), cand)
         if not ctx.cached:
             return y, None
@@ -704,9 +678,8 @@ class EngramMemory(nn.Module):
         """(engram output, the chunk's codes for the cache, the lookup r for fusion); hash_source: the token
         embeddings the hash reads when x is something else (soft prompts)."""
         c = self.compressor(x if hash_source is None else hash_source)
-        n_prefix = self.lookup.max_ngram - 1
         if prefix is None:
-            prefix = c.new_zeros(c.shape[0], n_prefix, c.shape[-1])
+            prefix = c.new_zeros(c.shape[0], self.lookup.max_ngram - 1, c.shape[-1])
         r = self.lookup(c, prefix, positions).to(x.dtype)
         return self.gate(r, x), c, r
 
@@ -820,13 +793,7 @@ def _visible(mask, is_causal, S: int, N: int, device) -> torch.Tensor:
 
 def _scores(q, k) -> torch.Tensor:
     """s = q·kᵀ/√hd in float32 with the KV heads expanded to their GQA groups: [B, nh, S, N]."""
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
-    return q.float() @ k.float().transpose(-1, -2) / math.sqrt(q.shape[-1])
-
-
-def _read_values(w, v, dropout: float) -> torch.Tensor:
-    v = v.repeat_interleave(w.shape[1] // v.shape[1], 1)
-    return F.dropout(w, dropout).to(v.dtype) @ v
+    return q.float() @ repeat_kv(k, q.shape[1] // k.shape[1]).float().transpose(-1, -2) / math.sqrt(q.shape[-1])
 
 
 def derf_attention(q, k, v, mask, is_causal, dropout, alpha, beta, gamma):
@@ -837,7 +804,7 @@ def derf_attention(q, k, v, mask, is_causal, dropout, alpha, beta, gamma):
     a, b, g = (t.float()[None, :, None, None] for t in (alpha, beta, gamma))
     w = g * (torch.erf(a * s + b) + 1) / 2 * vis
     w = w / (w.sum(-1, keepdim=True) + 1e-8)
-    return _read_values(w, v, dropout), w
+    return F.dropout(w, dropout).to(v.dtype) @ repeat_kv(v, w.shape[1] // v.shape[1]), w
 
 
 def elo_attention(q, k, v, mask, is_causal, dropout, gain, k_factor, past_ratings, query_valid):
@@ -858,7 +825,7 @@ def elo_attention(q, k, v, mask, is_causal, dropout, gain, k_factor, past_rating
     before = torch.cat([past[:, :, None], after[:, :, :-1]], 2)  # ratings seen by query t (earlier queries)
     bias = (gain.float() * k_factor.float())[None, :, None, None] * before
     w = torch.softmax(masked + bias, -1)
-    return _read_values(w, v, dropout), w, after[:, :, -1], after
+    return F.dropout(w, dropout).to(v.dtype) @ repeat_kv(v, w.shape[1] // v.shape[1]), w, after[:, :, -1], after
 
 
 class SpikeWhaleAttention(nn.Module):
@@ -901,33 +868,29 @@ class SpikeWhaleAttention(nn.Module):
         return self.q_a_proj(u), self.k_proj(u), self.v_proj(u)
 
     def _attend(self, q, k, v, ctx: ForwardContext, ratings: torch.Tensor | None):
-        """(output [B, nh, S, hd], weights or None, Elo ratings after the chunk and after each recorded token, or None).
-        ratings: the cached keys' Elo ratings."""
+        """(output [B, S, nh, hd], weights or None, Elo ratings after the chunk and after each recorded token, or None)
+        of Elo, DERF, or softmax attention through `ALL_ATTENTION_FUNCTIONS[impl]` with the mask it expects
+        (`kernel_mask`). ratings: the cached keys' Elo ratings."""
         mask = _on(ctx.attn_mask, q.device) if ctx.attn_mask is not None else None
         dropout = self.config.attention_dropout if self.training else 0.0
-        if self.attn_kind != "elo":
-            impl = ctx.attn_implementation
-            if impl is not None and "flash" in impl and isinstance(ctx.past, torch.Tensor):
-                # A compiled step reads whole static buffers, which flash's 2D padding mask cannot describe.
-                impl = "sdpa"
-            key_valid = _on(ctx.key_valid, q.device) if ctx.key_valid is not None else None
-            y, weights = self._attend_stateless(q, k, v, mask, ctx.is_causal, impl, key_valid, ctx.memo, dropout)
-            return y, weights, None, None
-        y, weights, ratings, per_query = elo_attention(
-            q, k, v, mask, ctx.is_causal, dropout, self.elo_gain, self.elo_k, ratings, ctx.valid.to(q.device)
-        )
-        if not ctx.cached:
-            return y.to(q.dtype), weights, None, None
-        S = q.shape[2]
-        steps = [per_query[:, :, j, : ctx.past + j + 1] for j in range(S - ctx.record, S)] if ctx.record else None
-        return y.to(q.dtype), weights, ratings, steps
-
-    def _attend_stateless(self, q, k, v, mask, is_causal: bool, impl: str | None, key_valid, memo: dict, dropout):
-        """(output, weights or None) of DERF, or of softmax attention through `ALL_ATTENTION_FUNCTIONS[impl]` with
-        the mask it expects (`kernel_mask`)."""
         if self.attn_kind == "derf":
-            return derf_attention(q, k, v, mask, is_causal, dropout, self.derf_alpha, self.derf_bias, self.derf_gamma)
-        impl = impl or "sdpa"
+            y, weights = derf_attention(q, k, v, mask, ctx.is_causal, dropout, self.derf_alpha, self.derf_bias,
+                                        self.derf_gamma)
+            return y.transpose(1, 2), weights, None, None
+        if self.attn_kind == "elo":
+            y, weights, ratings, per_query = elo_attention(
+                q, k, v, mask, ctx.is_causal, dropout, self.elo_gain, self.elo_k, ratings, ctx.valid.to(q.device)
+            )
+            y = y.to(q.dtype).transpose(1, 2)
+            if not ctx.cached:
+                return y, weights, None, None
+            S = q.shape[2]
+            steps = [per_query[:, :, j, : ctx.past + j + 1] for j in range(S - ctx.record, S)] if ctx.record else None
+            return y, weights, ratings, steps
+        impl = ctx.attn_implementation or "sdpa"
+        if "flash" in impl and isinstance(ctx.past, torch.Tensor):
+            # A compiled step reads whole static buffers, which flash's 2D padding mask cannot describe.
+            impl = "sdpa"
         if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
             attend = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
         elif impl == "eager":  # transformers < 5.24
@@ -936,49 +899,31 @@ class SpikeWhaleAttention(nn.Module):
             attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
         else:
             attend = ALL_ATTENTION_FUNCTIONS[impl]
-        mask, is_causal = kernel_mask(impl, mask, is_causal, key_valid, q, k, memo)
+        key_valid = _on(ctx.key_valid, q.device) if ctx.key_valid is not None else None
+        mask, is_causal = kernel_mask(impl, mask, ctx.is_causal, key_valid, q, k, ctx.memo)
         y, weights = attend(self, q, k, v, mask, dropout=dropout, scaling=self.scaling, is_causal=is_causal)
-        return y.transpose(1, 2), weights
+        return y, weights, None, None
 
-    def _project(self, u: torch.Tensor, ctx: ForwardContext, proj: tuple):
-        """q [B, nh, S, hd], k, v [B, kvh, S, hd] from (q_a, k, v) projections: low-rank Q, QK-norm, partial RoPE."""
+    def forward(self, u: torch.Tensor, ctx: ForwardContext, state: SlotState | None, depth_sources: tuple):
+        """(output [B, S, H], depth entry or None, weights or None, the slot's `SlotUpdate` or None). state: the slot's
+        cache state (None without a cache); its K/V buffers are written in place at `ctx.past`."""
         B, S, _ = u.shape
-        q_lat, k, v = proj
+        proj = self.input_projections(u)
+        q_lat, k, v = proj[:3]
         # -1 heads: under tensor parallelism a rank holds its share of them.
         q = self.q_b_proj(self.q_a_norm(q_lat)).view(B, S, -1, self.hd)
         k = k.view(B, S, -1, self.hd)
-        if self.use_qk_norm:
-            # before the transpose: the same values, on a contiguous layout
+        if self.use_qk_norm:  # before the transpose: the same values, on a contiguous layout
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, S, -1, self.hd).transpose(1, 2)
         cos, sin = ctx.rope_tables(self.rope, u.device, q.dtype)
         q, k = apply_partial_rope(torch.cat([q, k], 1), cos, sin).split([q.shape[1], k.shape[1]], 1)
-        return q, k, v
-
-    def _mix_depth(self, q, k, v, depth_sources: tuple):
-        """V after depth attention, and this layer's (k, v) if it is a depth checkpoint (else None)."""
         depth_entry = (k, v) if self.is_depth_checkpoint else None
         if self.depth_gate is not None and depth_sources:
             gate = self.depth_gate
             tanh_gate = derived(self, ("depth", v.dtype), lambda: _as(torch.tanh(gate), v.dtype), gate)
             v = DepthAttention.mix(q, k, v, depth_sources, tanh_gate)
-        return v, depth_entry
-
-    def _output(self, y: torch.Tensor, v_self: torch.Tensor) -> torch.Tensor:
-        """XSA on the attention output, then the low-rank output projection back to [B, S, H]."""
-        if self.use_xsa:
-            y = self.remove_self_echo(y, v_self)
-        B, nh, S, hd = y.shape
-        return self.o_b_proj(self.o_a_proj(y.transpose(1, 2).reshape(B, S, nh * hd)))
-
-    def forward(self, u: torch.Tensor, ctx: ForwardContext, state: SlotState | None, depth_sources: tuple):
-        """(output [B, S, H], depth entry or None, weights or None, the slot's `SlotUpdate` or None). state: the slot's
-        cache state (None without a cache); its K/V buffers are written in place at `ctx.past`."""
-        proj = self.input_projections(u)
-        q, k, v = self._project(u, ctx, proj[:3])
-        v, depth_entry = self._mix_depth(q, k, v, depth_sources)
-        v_self = v
-        new_kv = None
+        v_self, new_kv = v, None
         if state is not None:
             keys, values = state.keys, state.values
             if keys is None:
@@ -987,7 +932,9 @@ class SpikeWhaleAttention(nn.Module):
                 new_kv = (keys, values)
             k, v = write_kv(keys, values, k, v, ctx.past)
         y, weights, elo, elo_steps = self._attend(q, k, v, ctx, state.elo if state is not None else None)
-        out = self._output(y, v_self)
+        if self.use_xsa:
+            y = self.remove_self_echo(y, v_self)
+        out = self.o_b_proj(self.o_a_proj(y.reshape(B, S, -1)))
         mc = mc_steps = None
         if self.mc is not None:
             mc_out, mc, mc_steps = self.mc(u, ctx, state.mc if state is not None else None, proj[3:] or None)
@@ -995,13 +942,13 @@ class SpikeWhaleAttention(nn.Module):
         update = SlotUpdate(new_kv, mc, mc_steps, elo, elo_steps) if state is not None else None
         return out, depth_entry, weights, update
 
-    def remove_self_echo(self, y: torch.Tensor, v_self: torch.Tensor) -> torch.Tensor:
-        """XSA: y ← y − ⟨y, v̂⟩v̂ with v̂ = v_t/(‖v_t‖ + 1e-8), the query token's own (GQA-shared) value."""
-        B, nh, S, hd = y.shape
-        vhat = v_self / (v_self.norm(dim=-1, keepdim=True) + 1e-8)
-        yg = y.view(B, v_self.shape[1], -1, S, hd)  # this rank's KV heads (tensor parallel)
-        vhat = vhat[:, :, None]
-        return torch.addcmul(yg, (yg * vhat).sum(-1, keepdim=True), vhat, value=-1).view(B, nh, S, hd)
+    @staticmethod
+    def remove_self_echo(y: torch.Tensor, v_self: torch.Tensor) -> torch.Tensor:
+        """XSA on y [B, S, nh, hd]: y ← y − ⟨y, v̂⟩v̂, v̂ = v_t/(‖v_t‖ + 1e-8) the token's own (GQA-shared) value."""
+        B, S, nh, hd = y.shape
+        vhat = (v_self / (v_self.norm(dim=-1, keepdim=True) + 1e-8)).transpose(1, 2)[:, :, :, None]
+        yg = y.view(B, S, v_self.shape[1], -1, hd)  # this rank's KV heads (tensor parallel)
+        return torch.addcmul(yg, (yg * vhat).sum(-1, keepdim=True), vhat, value=-1).view(B, S, nh, hd)
 
 
 class SpikeWhaleMLP(nn.Module):
@@ -1152,22 +1099,14 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
         """depth_flat: k₀, v₀, k₁, v₁, ... of this pass's depth checkpoints; state: the slot's cache state or None.
         Tensors that need gradients are positional, for re-entrant activation checkpointing. Returns (X, MoE loss,
         depth k, depth v, attention weights, `SlotUpdate`), each but X possibly None."""
-        depth_sources = tuple(zip(depth_flat[0::2], depth_flat[1::2]))
-        X, aux, (depth_entry, weights, update) = self.block(
-            X, token_embed, engram_r, lambda u: self.attn(u, ctx, state, depth_sources), ctx
-        )
-        dk, dv = depth_entry if depth_entry is not None else (None, None)
-        return X, aux, dk, dv, weights, update
-
-    def block(self, X, token_embed, engram_r, attention, ctx: ForwardContext | None):
-        """The block around an attention callable u -> (output, *extras); returns (X, MoE aux loss, extras)."""
         if self.engram_fusion is not None:
             fused = self.engram_fusion(X.mean(1) if self.use_hc else X, engram_r)
             X = X + (fused[:, None] if self.use_hc else fused)
         h = self.hc_attn.pre_op(X) if self.use_hc else X
         if self.ve_gate is not None:
             h = h + torch.tanh(self.ve_gate).to(h.dtype) * token_embed.to(h.device, h.dtype)
-        a, *extras = attention(self.attn_norm(h))
+        depth_sources = tuple(zip(depth_flat[0::2], depth_flat[1::2]))
+        a, depth_entry, weights, update = self.attn(self.attn_norm(h), ctx, state, depth_sources)
         if self.training and self.hidden_dropout:
             a = F.dropout(a, self.hidden_dropout, True)
         X = self.hc_attn.post_op(X, a) if self.use_hc else X + a
@@ -1177,7 +1116,8 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
         if self.training and self.hidden_dropout:
             f = F.dropout(f, self.hidden_dropout, True)
         X = self.hc_ffn.post_op(X, f) if self.use_hc else X + f
-        return X, aux, extras
+        dk, dv = depth_entry if depth_entry is not None else (None, None)
+        return X, aux, dk, dv, weights, update
 
 
 def walk_run(layers: tuple, X, pass_embed, token_embed, engram_r, ctx: ForwardContext, states: tuple):
@@ -1220,16 +1160,6 @@ def compiled_decode_guards(entries) -> list[bool]:
     ]
 
 
-def check_decode_compiles(model: "SpikeWhaleModel") -> None:
-    """Raise, naming the reason, where decode steps cannot compile (`compile_blocker`)."""
-    reason = compile_blocker(model)
-    if reason is not None:
-        raise ValueError(
-            f"compile_decode() cannot compile this model's decode steps because {reason}; they run eagerly. "
-            "Generate without it."
-        )
-
-
 def compile_walk(options: dict, compile_kwargs: dict):
     """`walk_run` through `torch.compile`; the blocks' Python floats (eps, ...) are traced as constants."""
     compiled = torch.compile(walk_run, options=options, **compile_kwargs)
@@ -1241,15 +1171,22 @@ def compile_walk(options: dict, compile_kwargs: dict):
     return compiled_run
 
 
-def decode_compile_options(device: torch.device, compile_kwargs: dict) -> tuple[dict, dict]:
+def decode_compile_options(model: "SpikeWhaleModel", compile_kwargs: dict) -> tuple[dict, dict]:
     """(inductor options, torch.compile kwargs) of a compiled decode walk: dynamic shapes, `compiled_decode_guards`, no
-    per-call asserts (the guards pin sizes and strides), `mode` as options, CUDA graphs only on CUDA."""
+    per-call asserts (the guards pin sizes and strides), `mode` as options, CUDA graphs only on CUDA. Raises, naming
+    the reason, where the decode steps cannot compile (`compile_blocker`)."""
+    reason = compile_blocker(model)
+    if reason is not None:
+        raise ValueError(
+            f"compile_decode() cannot compile this model's decode steps because {reason}; they run eagerly. "
+            "Generate without it."
+        )
     compile_kwargs = {"dynamic": True, **compile_kwargs}
     options = {"guard_filter_fn": compiled_decode_guards, "size_asserts": False, "alignment_asserts": False,
                "scalar_asserts": False}
     options.update(torch._inductor.list_mode_options(compile_kwargs.pop("mode", None) or "default",
                                                      compile_kwargs["dynamic"]))
-    if device.type != "cuda":
+    if model.device.type != "cuda":
         options.pop("triton.cudagraphs", None)
     options.update(compile_kwargs.pop("options", None) or {})
     return options, compile_kwargs
@@ -1392,7 +1329,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         if input_ids is not None:
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}.")
-            self._check_token_ids(input_ids, static)
+            self._check_range(input_ids, self.config.vocab_size, static, "token ids")
         if inputs_embeds is not None:
             if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
                 raise ValueError(
@@ -1400,35 +1337,26 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                 )
             if input_ids is not None and tuple(input_ids.shape) != tuple(inputs_embeds.shape[:2]):
                 raise ValueError(
-                    f"input_ids {tuple(input_ids.shape)} and inputs_embeds {tuple(inputs_embeds.shape)} must describe the "
-                    "same [batch, seq] tokens when passed together."
+                    f"input_ids {tuple(input_ids.shape)} and inputs_embeds {tuple(inputs_embeds.shape)} must describe "
+                    "the same [batch, seq] tokens when passed together."
                 )
 
-    def _check_token_ids(self, input_ids: torch.Tensor, static: bool) -> None:
-        """Ids outside the vocabulary raise; a device-side assert when `static`."""
-        V = self.config.vocab_size
-        inside = (input_ids >= 0) & (input_ids < V)
+    def _check_range(self, values: torch.Tensor, limit: int, static: bool, what: str) -> None:
+        """Token ids or positions (`what`) outside [0, limit) raise (positions are never wrapped); a device-side assert
+        when `static`."""
+        inside = (values >= 0) & (values < limit)
         if static:
-            torch._assert_async(inside.all(), "token ids outside the vocabulary")
-        elif input_ids.numel() and not bool(inside.all()):
-            bad = input_ids[~inside].unique()[:5].tolist()
-            raise ValueError(
-                f"Token ids {bad} are outside the vocabulary [0, {V}); check that the tokenizer matches this model."
-            )
-
-    def _check_positions(self, positions: torch.Tensor, static: bool) -> None:
-        """Positions must lie in [0, max_position_embeddings) (no wrapping); a device-side assert when `static`."""
-        limit = self.config.max_position_embeddings
-        inside = (positions >= 0) & (positions < limit)
-        if static:
-            torch._assert_async(inside.all(), "positions outside [0, max_position_embeddings)")
-        elif positions.numel() and not bool(inside.all()):
-            if int(positions.min()) < 0:
+            torch._assert_async(inside.all(), f"{what} outside [0, {limit})")
+        elif values.numel() and not bool(inside.all()):
+            if what == "token ids":
+                raise ValueError(f"Token ids {values[~inside].unique()[:5].tolist()} are outside the vocabulary "
+                                 f"[0, {limit}); check that the tokenizer matches this model.")
+            if int(values.min()) < 0:
                 raise ValueError(
-                    f"position_ids contain {int(positions.min())}: positions must be >= 0 (a negative position would "
+                    f"position_ids contain {int(values.min())}: positions must be >= 0 (a negative position would "
                     "index the RoPE caches from the end). Pass position_ids counting from 0."
                 )
-            self._raise_past_context(int(positions.max()))
+            self._raise_past_context(int(values.max()))
 
     def _raise_past_context(self, position: int) -> None:
         raise ValueError(
@@ -1457,25 +1385,21 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
     def _context(self, B, S, device, attention_mask, position_ids, cache, static: bool) -> ForwardContext:
         compiling = torch.compiler.is_compiling()
         past = (cache.length.to(device) if compiling else cache.seq_len) if cache is not None else 0
-        if attention_mask is not None:
-            valid = attention_mask[:, -S:].to(device=device, dtype=torch.bool)
-        else:
-            valid = torch.ones(B, S, dtype=torch.bool, device=device)
+        valid = (attention_mask[:, -S:].to(device=device, dtype=torch.bool) if attention_mask is not None
+                 else torch.ones(B, S, dtype=torch.bool, device=device))
         if cache is not None:
             cache.begin(valid)
-            num_real = cache.num_real.to(device)
-        else:
-            num_real = torch.zeros(B, dtype=torch.long, device=device)
         given = position_ids is not None
         if not given:  # at most past + S - 1: checked on the host here
-            position_ids = num_real[:, None] + valid.long().cumsum(-1) - 1
+            num_real = cache.num_real.to(device)[:, None] if cache is not None else 0
+            position_ids = num_real + valid.long().cumsum(-1) - 1
             if not compiling and past + S > self.config.max_position_embeddings:
                 self._raise_past_context(past + S - 1)
         elif position_ids.dim() != 2 or position_ids.shape[1] != S or position_ids.shape[0] not in (1, B):
             raise ValueError(f"position_ids must be [batch, seq] = [{B}, {S}], got {tuple(position_ids.shape)}.")
         positions = torch.where(valid, position_ids.to(device).long(), torch.zeros_like(position_ids, device=device))
         if compiling or given:
-            self._check_positions(positions, static)
+            self._check_range(positions, self.config.max_position_embeddings, static, "positions")
         if cache is not None and compiling:
             torch._assert_async(past + S <= cache.max_cache_len, "the chunk does not fit the cache; use a larger cache")
         elif cache is not None and past + S > cache.max_cache_len:
@@ -1498,8 +1422,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             else:
                 key_valid = torch.cat([cache.key_valid[:, :past].to(device), valid], 1)
             k_idx = torch.arange(key_valid.shape[1], device=device)[None, :]
-            attn_mask = ((k_idx <= q_idx)[None] & key_valid[:, None, :]) | (k_idx == q_idx)[None]
-            attn_mask = attn_mask[:, None]
+            attn_mask = (((k_idx <= q_idx)[None] & key_valid[:, None, :]) | (k_idx == q_idx)[None])[:, None]
         elif past == 0:
             is_causal = True
 
@@ -1515,24 +1438,9 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             else:
                 base, n_fin = torch.zeros(B, dtype=torch.long, device=device), 0
             segments = SegmentLayout.build(positions, valid, base, L, n_fin, steps, static)
-        impl = self.config._attn_implementation
-        if cache is None:
-            return ForwardContext(positions, valid, attn_mask, is_causal, segments, key_valid, attn_implementation=impl,
-                                  static=static)
-        return ForwardContext(positions, valid, attn_mask, is_causal, segments, key_valid, past=past,
-                              max_cache_len=cache.max_cache_len, n_mc_segments=cache.n_mc_segments, record=record,
-                              attn_implementation=impl, static=static)
-
-    def run_layers(self, lo: int, hi: int) -> tuple:
-        """The layers of loop-plan slots lo..hi-1."""
-        return tuple(self.layers[layer_idx] for layer_idx, _ in self.loop_plan.entries[lo:hi])
-
-    def run_pass_embedding(self, loop_pass: int | None, X: torch.Tensor) -> torch.Tensor | None:
-        """The loop-pass embedding [1, H] added at the start of a run (None for a run that starts no pass)."""
-        if loop_pass is None or self.loop_pass_embed is None:
-            return None
-        index = torch.full((1,), loop_pass, dtype=torch.long, device=X.device)
-        return _as(_on(self.loop_pass_embed(index), X.device), X.dtype)
+        sizes = dict(max_cache_len=cache.max_cache_len, n_mc_segments=cache.n_mc_segments) if cache is not None else {}
+        return ForwardContext(positions, valid, attn_mask, is_causal, segments, key_valid, past=past, record=record,
+                              attn_implementation=self.config._attn_implementation, static=static, **sizes)
 
     def _run_slots(self, X, token_embed, engram_r, ctx: ForwardContext, cache: SpikeWhaleCache | None,
                    hidden_states: list | None, attentions: list | None):
@@ -1554,8 +1462,12 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                 if compiled and all(s.keys is not None and (s.mc is not None) == self.config.use_memory_cache
                                     for s in states):
                     run = self._compiled_run
-                X, outs = run(self.run_layers(lo, hi), X, self.run_pass_embedding(loop_pass, X), token_embed,
-                              engram_r, ctx, states)
+                pass_embed = None  # [1, H], for a run that starts a loop pass
+                if loop_pass is not None and self.loop_pass_embed is not None:
+                    index = torch.full((1,), loop_pass, dtype=torch.long, device=X.device)
+                    pass_embed = _as(_on(self.loop_pass_embed(index), X.device), X.dtype)
+                layers = tuple(self.layers[layer_idx] for layer_idx, _ in self.loop_plan.entries[lo:hi])
+                X, outs = run(layers, X, pass_embed, token_embed, engram_r, ctx, states)
                 for slot, (streams, aux, weights, update) in zip(range(lo, hi), outs):
                     if aux is not None:
                         aux_terms.append(aux.to(ctx.positions.device))
@@ -1570,9 +1482,8 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
     def _decode_step_compiles(self, ctx: ForwardContext, cache: SpikeWhaleCache | None) -> bool:
         """Whether this chunk runs the compiled `walk_run`: one token per row on a warm cache, in eval, with no per-slot
         outputs, and a layout of static sizes (which `forward` gives every such step once the walk is compiled)."""
-        if cache is None or ctx.past == 0 or ctx.positions.shape[1] != 1 or self.training:
-            return False
-        if ctx.need_weights or ctx.keep_streams or not ctx.static:
+        if (cache is None or ctx.past == 0 or ctx.positions.shape[1] != 1 or self.training or ctx.need_weights
+                or ctx.keep_streams or not ctx.static):
             return False
         X = self.embed_tokens.weight
         if self._compiled_for != (X.dtype, X.device):
@@ -1622,16 +1533,10 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
 
     @can_return_tuple
     def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: SpikeWhaleCache | None = None,
-        inputs_embeds: torch.FloatTensor | None = None,
-        use_cache: bool | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        **kwargs,
+        self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None, cache: SpikeWhaleCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None, use_cache: bool | None = None,
+        output_attentions: bool | None = None, output_hidden_states: bool | None = None, **kwargs,
     ) -> SpikeWhaleModelOutput:
         """`hidden_states`: the embedding output (after Engram), then one entry per loop-plan slot, the streams read out
         by `hc_out_mix` (before HRM and the norm). `attentions`: one [B, heads, S, past + S] map per slot. Given both
@@ -1658,8 +1563,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             )
         token_embeds = self.embed_tokens(input_ids) if input_ids is not None else None
         hash_source = token_embeds if inputs_embeds is not None else None
-        if inputs_embeds is None:
-            inputs_embeds = token_embeds
+        inputs_embeds = inputs_embeds if inputs_embeds is not None else token_embeds
         B, S, _ = inputs_embeds.shape
         device = inputs_embeds.device
         self._check_attention_mask(attention_mask, B, S, cache if use_cache else None)
@@ -1796,10 +1700,9 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             if generation_config.compile_config is not None:
                 logger.warning_once(f"compile_config is ignored: decode steps run eagerly because {reason}.")
             return False
-        if generation_config.compile_config is not None:
-            return True
-        return (generation_config.cache_implementation == "static"
-                and super()._valid_auto_compile_criteria(model_kwargs, generation_config))
+        return generation_config.compile_config is not None or (
+            generation_config.cache_implementation == "static"
+            and super()._valid_auto_compile_criteria(model_kwargs, generation_config))
 
     def create_masks_for_generate(self, attention_mask=None, inputs_embeds=None, **kwargs):
         """The chunk's own columns of the padding mask: the cache holds earlier keys' validity, and a fixed width keeps
@@ -1836,26 +1739,17 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         if not enable:
             self.model._compiled_run, self.model._compiled_for = None, None
             return
-        check_decode_compiles(self.model)
-        self.model._compiled_run = compile_walk(*decode_compile_options(self.device, compile_kwargs))
+        self.model._compiled_run = compile_walk(*decode_compile_options(self.model, compile_kwargs))
         self.model._compiled_for = (self.model.embed_tokens.weight.dtype, self.model.embed_tokens.weight.device)
 
     @can_return_tuple
     def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: SpikeWhaleCache | None = None,
-        inputs_embeds: torch.FloatTensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        past_key_values: SpikeWhaleCache | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        shift_labels: torch.LongTensor | None = None,
-        **kwargs,
+        self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None, cache: SpikeWhaleCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None, labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: SpikeWhaleCache | None = None, output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None, shift_labels: torch.LongTensor | None = None, **kwargs,
     ) -> SpikeWhaleCausalLMOutput:
         """See `SpikeWhaleModel.forward` and `SpikeWhaleCausalLMOutput`. `shift_labels[:, t]`, the target of position
         t (as `Trainer` and context parallelism pass it), replaces the shifting of `labels`."""
@@ -1876,24 +1770,22 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             output_hidden_states=output_hidden_states, return_dict=True,
         )
         h = out.last_hidden_state
-        if labels is not None or shift_labels is not None:
-            return self._with_loss(h, out, labels, attention_mask, shift_labels, position_ids)
+        with_loss = labels is not None or shift_labels is not None
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(h[:, keep])
+        h_out = h if with_loss else h[:, keep]  # a loss reads every position's logits
+        logits = self.lm_head(h_out)
+        fields = self._losses(h, logits, out, labels, attention_mask, shift_labels, position_ids) if with_loss else {}
+        if self.abstain_head is not None:
+            probs = torch.sigmoid(self.abstain_head(h_out).squeeze(-1).float())
+            threshold = float(self.config.abstain_threshold)
+            fields.update(abstain_probs=probs, abstain_mask=probs > threshold, abstain_threshold=threshold)
         return SpikeWhaleCausalLMOutput(
             logits=logits, **{CACHE_FIELD: out.cache}, hidden_states=out.hidden_states, attentions=out.attentions,
-            last_hidden_state=h, **self._abstain_fields(h[:, keep])
+            last_hidden_state=h, **fields
         )
 
-    def _abstain_fields(self, h: torch.Tensor) -> dict:
-        if self.abstain_head is None:
-            return {}
-        probs = torch.sigmoid(self.abstain_head(h).squeeze(-1).float())
-        threshold = float(self.config.abstain_threshold)
-        return dict(abstain_probs=probs, abstain_mask=probs > threshold, abstain_threshold=threshold)
-
-    def _with_loss(self, h, out, labels, attention_mask, shift_labels=None, position_ids=None) -> SpikeWhaleCausalLMOutput:
-        """The objective of `SpikeWhaleCausalLMOutput`; padding is neither target nor source, and no target crosses
+    def _losses(self, h, logits, out, labels, attention_mask, shift_labels, position_ids) -> dict:
+        """The loss terms of `SpikeWhaleCausalLMOutput`; padding is neither target nor source, and no target crosses
         into the next packed sequence.
         - lm_loss: CE of logits[:, t] against labels[:, t+1];  z_loss: mean logsumexp(logits)².
         - mtp_loss: mean over heads k of the CE of head k at t against labels[:, t+k+1].
@@ -1901,12 +1793,9 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         - abstain_loss: BCE of the abstain head toward [argmax logits[:, t] != labels[:, t+1]] (`abstain_pos_weight`).
         - moe_aux_loss: the mean load-balance loss of the learned-router layers."""
         cfg = self.config
-        logits = self.lm_head(h)
         S = logits.shape[1]
-        if shift_labels is not None:
-            shifted_by, labels = 0, shift_labels.to(logits.device)
-        else:
-            shifted_by, labels = 1, labels.to(logits.device)
+        shifted_by = 0 if shift_labels is not None else 1
+        labels = (shift_labels if shift_labels is not None else labels).to(logits.device)
         source_pad = None
         if attention_mask is not None:
             source_pad = attention_mask[:, -S:].to(labels.device) == 0
@@ -1959,12 +1848,8 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
         moe_aux_loss = out.moe_aux_loss
         if moe_aux_loss is not None and cfg.moe_aux_loss_coef:
             loss = loss + cfg.moe_aux_loss_coef * moe_aux_loss.to(loss.device)
-        return SpikeWhaleCausalLMOutput(
-            loss=loss, logits=logits, **{CACHE_FIELD: out.cache}, hidden_states=out.hidden_states, attentions=out.attentions,
-            lm_loss=lm_loss, z_loss=z_loss, mtp_loss=mtp_loss, hrm_loss=hrm_loss, abstain_loss=abstain_loss,
-            moe_aux_loss=moe_aux_loss, last_hidden_state=h,
-            **self._abstain_fields(h),
-        )
+        return dict(loss=loss, lm_loss=lm_loss, z_loss=z_loss, mtp_loss=mtp_loss, hrm_loss=hrm_loss,
+                    abstain_loss=abstain_loss, moe_aux_loss=moe_aux_loss)
 
 
 SpikeWhaleLM = SpikeWhaleForCausalLM

@@ -61,7 +61,7 @@ def compile_decode(model, enable: bool = True, persistent: bool = True, **compil
         own(model, **compile_kwargs)
         return
     modeling = _modeling(model)
-    modeling.check_decode_compiles(model.model)
+    options, compile_kwargs = modeling.decode_compile_options(model.model, compile_kwargs)  # raises where it cannot
     reset_compiled_products(model)
     inductor = compile_kwargs.get("backend", "inductor") == "inductor"
     # The walk multiplies the FFN's gate and up by their own chosen products; each attention's projections as one.
@@ -77,7 +77,6 @@ def compile_decode(model, enable: bool = True, persistent: bool = True, **compil
                     and getattr(linear, "compiled_product", "linear") == "linear"
                     and getattr(linear, "compiled_product_rows", "linear") == "linear"):
                 linear.weight.data = linear.weight.data.t().contiguous().t()
-    options, compile_kwargs = modeling.decode_compile_options(model.device, compile_kwargs)
     # The pattern matcher also holds inductor's lowering of torchao's int8 product, which the walk's int8 weights
     # do not need where each takes an int8 product of its own.
     if all(type(p.data) is torch.Tensor or getattr(m, "compiled_product", "").startswith("int8")

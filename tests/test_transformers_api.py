@@ -266,12 +266,17 @@ def test_auto_model_loads_the_backbone(tmp_path, fresh_python):
 
 def test_input_checks_do_not_break_a_compiled_graph():
     model = tiny_model()
-    checks = torch.compile(lambda ids, pos: (model.model._check_token_ids(ids, True),
-                                            model.model._check_positions(pos, True)),
+    cfg = model.config
+    checks = torch.compile(lambda ids, pos: (model.model._check_range(ids, cfg.vocab_size, True, "token ids"),
+                                            model.model._check_range(pos, cfg.max_position_embeddings, True,
+                                                                     "positions")),
                            fullgraph=True, backend="eager")
     checks(ids_of(1, 6), torch.arange(6)[None])
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        model.model._check_token_ids(torch.tensor([[1, model.config.vocab_size]]), False)
+        model.model._check_range(torch.tensor([[1, cfg.vocab_size]]), cfg.vocab_size, False, "token ids")
+    with pytest.raises(ValueError, match="past the context window"):
+        model.model._check_range(torch.tensor([[1, cfg.max_position_embeddings]]), cfg.max_position_embeddings, False,
+                                 "positions")
 
 
 def test_engram_compressor_stays_frozen_after_from_pretrained(tmp_path):
