@@ -80,7 +80,7 @@ _EMBEDDING_TIER = re.compile(r"(^|\.)(embed_tokens|engram\.lookup\.tables\.\d+|l
 
 
 def three_tier_param_groups(
-    model: nn.Module,
+    model: "torch.nn.Module",
     lr: float,
     embedding_lr_scale: float = 0.1,
     weight_decay: float = 0.1,
