@@ -24,9 +24,13 @@ import math
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .output_paths import (DestinationChanged, check_destination, discard, keep_folder, remove_stale_temps,
                            replace_folder, staging_folder, temp_folder, write_file)
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def token_rows(tokenizer, text: str, seq_len: int):
@@ -80,7 +84,7 @@ _EMBEDDING_TIER = re.compile(r"(^|\.)(embed_tokens|engram\.lookup\.tables\.\d+|l
 
 
 def three_tier_param_groups(
-    model: "torch.nn.Module",
+    model: nn.Module,
     lr: float,
     embedding_lr_scale: float = 0.1,
     weight_decay: float = 0.1,
