@@ -100,16 +100,20 @@ def split_held_out(text: str, fraction: float = HELD_OUT_FRACTION) -> tuple[str,
 def lr_at(step: int, args) -> float:
     """Linear warm-up, then cosine to --min-lr over --max-steps; or, with --schedule wsd, constant until the last
     --decay-fraction of the steps and linear to --min-lr there (so a run's --max-steps can still be changed on
-    --resume before its decay starts, without changing any step already taken)."""
+    --resume before its decay starts, without changing any step already taken). With --rewarm-at R, steps from R on
+    are a second stage with the same shape over steps R..--max-steps: a finished (decayed) run continued with
+    --resume warms up again instead of jumping back to --lr."""
+    first = args.rewarm_at if getattr(args, "rewarm_at", None) and step >= args.rewarm_at else 0
+    step, total = step - first, args.max_steps - first
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
     if args.schedule == "wsd":
-        decay_start = args.max_steps - int(args.decay_fraction * args.max_steps)
+        decay_start = total - int(args.decay_fraction * total)
         if step < decay_start:
             return args.lr
-        progress = min(1.0, (step - decay_start) / max(1, args.max_steps - decay_start))
+        progress = min(1.0, (step - decay_start) / max(1, total - decay_start))
         return args.lr + (args.min_lr - args.lr) * progress
-    progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
+    progress = min(1.0, (step - args.warmup_steps) / max(1, total - args.warmup_steps))
     return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * progress))
 
 
@@ -420,6 +424,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop-at-step", type=int, default=None,
                    help="end after this step (checkpoint written), e.g. to continue with --resume and a longer --max-steps")
+    p.add_argument("--rewarm-at", type=int, default=None, metavar="STEP",
+                   help="from STEP on, warm up again and run the schedule over STEP..--max-steps (continue a "
+                        "finished run with --resume)")
     p.add_argument("--resume", action="store_true",
                    help="continue from OUT_DIR/training/checkpoint.pt (the record lists every command of the run)")
     p.add_argument("--mtp-distill-steps", type=int, default=0,
@@ -442,6 +449,8 @@ def main(argv=None) -> int:
         p.error(f"corpus {args.corpus!r} not found (a scripts/build_corpus.py folder or a text file)")
     if args.tokenizer and not os.path.isfile(os.path.join(args.tokenizer, "spike_vocab.json")):
         p.error(f"--tokenizer {args.tokenizer!r} holds no spike_vocab.json (write one with spike-whale train-tokenizer)")
+    if args.rewarm_at is not None and not (0 < args.rewarm_at < args.max_steps):
+        p.error("--rewarm-at must lie between 0 and --max-steps (exclusive)")
     if not (0.0 <= args.decay_fraction <= 1.0):
         p.error("--decay-fraction must lie in [0, 1]")
     if not (math.isfinite(args.lr) and args.lr > 0 and math.isfinite(args.max_grad_norm) and args.max_grad_norm > 0):

@@ -179,6 +179,9 @@ def test_training_from_a_corpus_folder_with_a_given_vocabulary(tmp_path):
                                       max_steps=n) for n in (100, 200))
     assert [train_default.lr_at(i, short) for i in range(75)] == [train_default.lr_at(i, long) for i in range(75)]
     assert train_default.lr_at(99, short) < train_default.lr_at(74, short) == 1.0
+    again = argparse.Namespace(**{**vars(long), "rewarm_at": 100})  # a second stage after a 100-step run's decay
+    assert [train_default.lr_at(i, again) for i in range(100)] == [train_default.lr_at(i, long) for i in range(100)]
+    assert [train_default.lr_at(100 + i, again) for i in range(100)] == [train_default.lr_at(i, short) for i in range(100)]
 
 
 def test_mtp_self_distillation_trains_only_the_mtp_heads(tmp_path, capsys):
