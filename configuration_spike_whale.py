@@ -11,10 +11,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import glob
 import importlib
+import json
 import math
+import os
+import re
 from dataclasses import dataclass
 
+from safetensors import safe_open
 from transformers import PretrainedConfig
 from transformers.utils import logging
 
@@ -495,3 +500,72 @@ class SpikeWhaleConfig(PretrainedConfig):
         if name not in PRESETS:
             raise ValueError(f"Unknown SpikeWhale preset {name!r}; choose one of {sorted(PRESETS)}.")
         return cls(**{**PRESETS[name], **overrides})
+
+
+# Config field -> (checkpoint name regex, dimension or None: count the distinct numbers, the flag that builds it).
+SIZE_FIELDS: dict[str, tuple[str, int | None, str | None]] = {
+    "num_hidden_layers": (r"model\.layers\.(\d+)\.", None, None),
+    "n_routed_experts": (r"\.ffn\.experts\.(\d+)\.", None, "use_moe"),
+    "num_nextn_predict_layers": (r"mtp_heads\.(\d+)\.", None, None),
+    "engram_num_heads": (r"model\.engram\.lookup\.tables\.(\d+)\.", None, "use_engram"),
+    "engram_max_ngram": (r"model\.engram\.lookup\.hash_proj_n(\d+)_p", None, "use_engram"),
+    "vocab_size": (r"model\.embed_tokens\.weight", 0, None),
+    "hidden_size": (r"model\.embed_tokens\.weight", 1, None),
+    "max_position_embeddings": (r"model\.layers\.\d+\.attn\.rope\.cos_cache", 0, None),
+    "moe_intermediate_size": (r"model\.layers\.\d+\.ffn\.(experts\.\d+\.)?gate_proj\.weight", 0, None),
+    "q_lora_rank": (r"model\.layers\.\d+\.attn\.q_a_proj\.weight", 0, None),
+    "o_lora_rank": (r"model\.layers\.\d+\.attn\.o_a_proj\.weight", 0, None),
+    "engram_table_size": (r"model\.engram\.lookup\.tables\.\d+\.weight", 0, "use_engram"),
+    "hrm_refine_dim": (r"model\.hrm_refine\.down\.weight", 0, "use_hrm_refine"),
+}
+
+
+def refuse_oversized_config(args: tuple, kwargs: dict) -> None:
+    """Refuse a config (config.json, `config=` or field kwargs) asking for over 4× what a local folder's safetensors
+    headers hold in a `SIZE_FIELDS` field, before a module is built (a meta build still grows with the layers).
+    args, kwargs: those of `from_pretrained`."""
+    source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+    if source is None:
+        return
+    folder = os.path.join(str(source), *([kwargs["subfolder"]] if kwargs.get("subfolder") else []))
+    if not os.path.isdir(folder):
+        return
+    shapes = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        with safe_open(path, "pt") as handle:
+            shapes.update({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
+    if not shapes:
+        return
+    config = kwargs.get("config")
+    names = {*SIZE_FIELDS, *(flag for _, _, flag in SIZE_FIELDS.values() if flag is not None)}
+    if isinstance(config, SpikeWhaleConfig):
+        values = {name: getattr(config, name, None) for name in names}
+    else:
+        path = config if isinstance(config, (str, os.PathLike)) else os.path.join(folder, "config.json")
+        try:
+            with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as f:
+                values = json.load(f)
+        except (OSError, ValueError):
+            return  # transformers reports a missing or unreadable config itself
+        if not isinstance(values, dict):
+            return
+        values.update({k: v for k, v in kwargs.items() if k in names})
+    found = []
+    for name, (pattern, dim, flag) in SIZE_FIELDS.items():
+        value = values.get(name)
+        if not isinstance(value, int) or (flag is not None and not values.get(flag, True)):
+            continue
+        matches = [(m, shape) for key, shape in shapes.items() if (m := re.search(pattern, key)) is not None]
+        if dim is None:
+            held = len({m.group(1) for m, _ in matches})
+        elif matches:
+            held = max(shape[dim] if len(shape) > dim else 0 for _, shape in matches)
+        else:
+            continue
+        if value > 4 * max(held, 1):
+            found.append(f"{name}={value} (the weights hold {held})")
+    if found:
+        raise ValueError(
+            f"{folder}: the config asks for {', '.join(found)}, far more than its safetensors weights hold; "
+            "fix these fields in config.json (or pass the checkpoint's own config) to load it."
+        )

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 from transformers import (
-    GenerationConfig, LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor, StoppingCriteria,
+    GenerationConfig, GenerationMixin, LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor, StoppingCriteria,
     StoppingCriteriaList,
 )
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -32,6 +32,60 @@ CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields
 def _dims(*dims: str):
     """A `MemoryCacheState` field's per-row shape, by name of `MemoryCacheState.shapes`' sizes."""
     return field(metadata={"dims": dims})
+
+
+@dataclass
+class SegmentLayout:
+    """Where each chunk token falls in the Memory-Cache segments; built once per forward, shared by all slots.
+
+    rel[b, t]: row b's segment after token t, relative to `base[b]`, its segment before the chunk (padding keeps the
+    last). The first `split` tokens take the chunk form, the rest the step form. The chunk form puts token t at row
+    idx[b, t] of a block buffer [B, n_rel, width, ...] (block rel[b, t]; padding to the sink row n_rel·width), so it
+    costs O(split·width); idx is None where it is 0..split-1 (the chunk itself, zero-padded to whole blocks).
+    n_fin: the finished-segment entries a token may read; fin_readable: every token may read all of them. A `static`
+    layout reads no value on the host: block counts are bounds, padding and unreadable entries always assumed."""
+
+    base: torch.Tensor
+    rel: torch.Tensor
+    valid_f: torch.Tensor
+    padded: bool  # some token is padding (always assumed when static)
+    n_rel: int  # blocks: relative segments the chunk touches
+    n_fin: int
+    fin_readable: bool
+    split: int
+    width: int
+    idx: torch.Tensor | None
+
+    @classmethod
+    def build(cls, positions, valid, base, seg_len: int, n_fin: int, steps: int, static: bool) -> "SegmentLayout":
+        """steps: the chunk's last tokens that go through the step form."""
+        B, S = positions.shape
+        seg = torch.div(positions, seg_len, rounding_mode="floor") - base[:, None]
+        rel = torch.where(valid, seg, torch.zeros_like(seg)).clamp(min=0).cummax(1).values if S else seg
+        if static:  # the most segments S positions after `base` can touch
+            n_rel = (S - 1) // seg_len + 2 if S else 1
+            torch._assert_async((rel < n_rel).all(), "positions do not continue the cache's Memory-Cache segment")
+        else:
+            n_rel = int(rel[:, -1].max()) + 1 if S else 1
+        padded = static or not bool(valid.all())
+        fin_readable = not static and bool((base >= n_fin).all())
+        split = S - steps
+        width = torch.sym_min(split, seg_len)
+        idx = None
+        if split and (padded or n_rel > 1):
+            rel_c, real = rel[:, :split], valid[:, :split].long()
+            count = torch.zeros(B, n_rel, dtype=torch.long, device=rel.device).scatter_add_(1, rel_c, real)
+            start = count.cumsum(1) - count  # real tokens before each block
+            at = rel_c * width + real.cumsum(1) - 1 - start.gather(1, rel_c)
+            idx = torch.where(real.bool(), at, torch.full_like(at, n_rel * width))
+            if not padded and bool((idx == torch.arange(split, device=idx.device)).all()):
+                idx = None
+        return cls(base, rel, valid.float(), padded, n_rel, n_fin, fin_readable, split, width, idx)
+
+    @property
+    def new_segment(self) -> torch.Tensor:
+        """[B]: each row's segment after the chunk."""
+        return self.base + self.rel[:, -1] if self.rel.shape[1] else self.base
 
 
 @dataclass
@@ -988,3 +1042,133 @@ def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processo
     return SpikeWhaleGenerateOutput(sequences=input_ids, scores=scores, logits=raw_logits, **{CACHE_FIELD: cache},
                                     mtp_acceptance_rate=stats.acceptance_rate, mtp_drafted_tokens=stats.drafted,
                                     mtp_accepted_tokens=stats.accepted)
+
+
+def compile_blocker(model) -> str | None:
+    """Why `compile_decode` cannot compile this model's decode steps, or None."""
+    if model.config.use_elo:
+        return "Elo attention keeps per-key ratings"
+    if model.config.use_moe:
+        return "MoE layers route by token id"
+    if any(hasattr(layer, "_hf_hook") for layer in model.layers):
+        return "accelerate hooks move tensors between devices"
+    if any("forward" in vars(layer.attn) for layer in model.layers):
+        return "a wrapper of the attention's forward (a tensor-parallel style) must run outside the compiled graph"
+    return None
+
+
+def compiled_decode_guards(entries) -> list[bool]:
+    """The dynamo guards `compile_decode` keeps: all but those on built-in modules and on parameter tensors (their
+    metadata too, for tensor subclasses such as int8), which change only when the model is moved or re-typed
+    (checked by `_decode_step_compiles`) or its weights replaced."""
+    return [
+        not (e.orig_guard.source.is_unspecialized_builtin_nn_module()
+             or (e.guard_type in ("TENSOR_MATCH", "TENSOR_SUBCLASS_METADATA_MATCH", "EQUALS_MATCH")
+                 and "._parameters[" in e.name))
+        for e in entries
+    ]
+
+
+def compile_walk(walk_run, options: dict, compile_kwargs: dict):
+    """The model's `walk_run` through `torch.compile`; the blocks' Python floats (eps, ...) are traced as constants."""
+    compiled = torch.compile(walk_run, options=options, **compile_kwargs)
+
+    def compiled_run(*args):
+        with torch._dynamo.config.patch(specialize_float=True):
+            return compiled(*args)
+
+    return compiled_run
+
+
+def decode_compile_options(model, compile_kwargs: dict) -> tuple[dict, dict]:
+    """(inductor options, torch.compile kwargs) of a compiled decode walk: dynamic shapes, `compiled_decode_guards`, no
+    per-call asserts (the guards pin sizes and strides), `mode` as options, CUDA graphs only on CUDA. Raises, naming
+    the reason, where the decode steps cannot compile (`compile_blocker`)."""
+    reason = compile_blocker(model)
+    if reason is not None:
+        raise ValueError(
+            f"compile_decode() cannot compile this model's decode steps because {reason}; they run eagerly. "
+            "Generate without it."
+        )
+    compile_kwargs = {"dynamic": True, **compile_kwargs}
+    options = {"guard_filter_fn": compiled_decode_guards, "size_asserts": False, "alignment_asserts": False,
+               "scalar_asserts": False}
+    options.update(torch._inductor.list_mode_options(compile_kwargs.pop("mode", None) or "default",
+                                                     compile_kwargs["dynamic"]))
+    if model.device.type != "cuda":
+        options.pop("triton.cudagraphs", None)
+    options.update(compile_kwargs.pop("options", None) or {})
+    return options, compile_kwargs
+
+
+class SpikeWhaleGenerationMixin(GenerationMixin):
+    """transformers' `GenerationMixin` on the loop-slot cache: the cache is created before the prefill, a caller's
+    `max_length` wins over the default `max_new_tokens`, and `compile_config` compiles the decode walk."""
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False
+
+    def _prepare_generation_config(self, generation_config=None, *args, **kwargs):
+        """transformers' merge, except that a caller's `max_length` also replaces the default `max_new_tokens`."""
+        config, model_kwargs = super()._prepare_generation_config(generation_config, *args, **kwargs)
+        return caller_length_wins(config, generation_config, kwargs), model_kwargs
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """A `SpikeWhaleCache` before the prefill (`prepare_generation_cache`); args: transformers' generation mode,
+        batch size and the positions the call feeds."""
+        fed = kwargs.get("max_cache_length", args[2] if len(args) > 2 else None)
+        if not prepare_generation_cache(self, generation_config, model_kwargs, fed):
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
+    def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
+        """An explicit `compile_config` compiles on any device (CPU included); without one, as in-library, a static
+        cache on an accelerator does. Never where `compile_blocker` objects."""
+        if generation_config.disable_compile or not isinstance(model_kwargs.get(CACHE_FIELD), SpikeWhaleCache):
+            return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
+        reason = compile_blocker(self.model)
+        if reason is not None:
+            if generation_config.compile_config is not None:
+                logger.warning_once(f"compile_config is ignored: decode steps run eagerly because {reason}.")
+            return False
+        return generation_config.compile_config is not None or (
+            generation_config.cache_implementation == "static"
+            and super()._valid_auto_compile_criteria(model_kwargs, generation_config))
+
+    def create_masks_for_generate(self, attention_mask=None, inputs_embeds=None, **kwargs):
+        """The chunk's own columns of the padding mask: the cache holds earlier keys' validity, and a fixed width keeps
+        a whole-forward compiled step one graph."""
+        if attention_mask is None or inputs_embeds is None:
+            return attention_mask
+        return attention_mask[:, -inputs_embeds.shape[1]:]
+
+    def get_compiled_call(self, compile_config):
+        """`generate(..., compile_config=...)`: compiles the one-token decode step per loop-plan run (`compile_decode`)
+        rather than the whole forward, which would unroll every slot of every pass into one graph."""
+        if compile_blocker(self.model) is not None:
+            return self.__call__
+        config = compile_config.to_dict() if compile_config is not None else {}
+        if config != getattr(self, "_decode_compile_config", None) or self.model._compiled_for is None:
+            kwargs = {k: v for k, v in config.items() if k in ("fullgraph", "backend", "mode", "options")
+                      or (k == "dynamic" and v is not None)}
+            self.compile_decode(**kwargs)
+            self._decode_compile_config = config
+        return self.__call__
+
+    def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
+        """`GenerationMixin.generate` on the loop-slot cache (`spike_whale_generate`), plus: a prompt past the context
+        raises before any work (`truncate_to_context=True` drops its oldest tokens); `use_mtp=True` decodes MTP
+        self-speculatively, ids identical to greedy (`mtp_draft_tokens`, `assistant_confidence_threshold`); a
+        conversation continues from `cache=out.cache` given the full ids."""
+        return spike_whale_generate(self, super().generate, inputs, generation_config, **kwargs)
+
+    def compile_decode(self, enable: bool = True, **compile_kwargs) -> None:
+        """Run one-token decode steps through `torch.compile`: one graph of `walk_run` (a loop pass; the weights are
+        shared) serves every pass and step; other chunks run the same walk eagerly. `compile_kwargs` go to
+        `torch.compile`. Parameter guards are skipped, so moving or re-typing the model raises until this is called
+        again. `enable=False` returns to eager decoding."""
+        if not enable:
+            self.model._compiled_run, self.model._compiled_for = None, None
+            return
+        self.model._compiled_run = compile_walk(self.model.walk_run, *decode_compile_options(self.model, compile_kwargs))
+        self.model._compiled_for = (self.model.embed_tokens.weight.dtype, self.model.embed_tokens.weight.device)

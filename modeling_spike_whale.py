@@ -7,19 +7,13 @@ recompute, a prefill and any mix of multi-token decode steps compute the same fu
 from __future__ import annotations
 
 import contextlib
-import functools
-import glob
-import json
 import math
-import os
-import re
 from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -31,100 +25,17 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 from transformers.utils.generic import can_return_tuple
 
-from .configuration_spike_whale import LoopPlan, SpikeWhaleConfig
+from .configuration_spike_whale import LoopPlan, SpikeWhaleConfig, refuse_oversized_config
 from .generation_utils import (
-    CACHE_FIELD, MemoryCacheState, SlotState, SlotUpdate, SpikeWhaleCache, caller_length_wins, prepare_generation_cache,
-    spike_whale_generate, write_kv,
+    CACHE_FIELD, MemoryCacheState, SegmentLayout, SlotState, SlotUpdate, SpikeWhaleCache, SpikeWhaleGenerationMixin,
+    write_kv,
 )
 
 logger = logging.get_logger(__name__)
 
 
-# transformers ships its own from 5.13 (one child name only until 5.15).
-def force_accelerate_hooks(child_module_names: list[str]):
-    """Fire the accelerate hooks of children whose weights a forward reads directly (not via their forward)."""
-
-    def decorator(forward):
-        @functools.wraps(forward)
-        def wrapped(self, *args, **kwargs):
-            hooked = [(m, m._hf_hook) for m in (getattr(self, n) for n in child_module_names)
-                      if getattr(m, "_hf_hook", None) is not None]
-            for module, hook in hooked:
-                hook.pre_forward(module)
-            out = forward(self, *args, **kwargs)
-            for module, hook in reversed(hooked):
-                hook.post_forward(module, ())
-            return out
-
-        return wrapped
-
-    return decorator
-
-
 # Released checkpoint name (regex) -> our name, applied at load; empty until a real Byrne header is read.
 CHECKPOINT_KEY_RENAMES: dict[str, str] = {}
-
-
-# Config field -> (checkpoint name regex, dimension or None: count the distinct numbers, the flag that builds it).
-SIZE_FIELDS: dict[str, tuple[str, int | None, str | None]] = {
-    "num_hidden_layers": (r"model\.layers\.(\d+)\.", None, None),
-    "n_routed_experts": (r"\.ffn\.experts\.(\d+)\.", None, "use_moe"),
-    "num_nextn_predict_layers": (r"mtp_heads\.(\d+)\.", None, None),
-    "engram_num_heads": (r"model\.engram\.lookup\.tables\.(\d+)\.", None, "use_engram"),
-    "engram_max_ngram": (r"model\.engram\.lookup\.hash_proj_n(\d+)_p", None, "use_engram"),
-    "vocab_size": (r"model\.embed_tokens\.weight", 0, None),
-    "hidden_size": (r"model\.embed_tokens\.weight", 1, None),
-    "max_position_embeddings": (r"model\.layers\.\d+\.attn\.rope\.cos_cache", 0, None),
-    "moe_intermediate_size": (r"model\.layers\.\d+\.ffn\.(experts\.\d+\.)?gate_proj\.weight", 0, None),
-    "q_lora_rank": (r"model\.layers\.\d+\.attn\.q_a_proj\.weight", 0, None),
-    "o_lora_rank": (r"model\.layers\.\d+\.attn\.o_a_proj\.weight", 0, None),
-    "engram_table_size": (r"model\.engram\.lookup\.tables\.\d+\.weight", 0, "use_engram"),
-    "hrm_refine_dim": (r"model\.hrm_refine\.down\.weight", 0, "use_hrm_refine"),
-}
-
-
-def refuse_oversized_config(folder: str, kwargs: dict) -> None:
-    """Refuse a config (config.json, `config=` or field kwargs) asking for over 4× what the local safetensors headers
-    hold in a `SIZE_FIELDS` field, before a module is built (a meta build still grows with the layers)."""
-    shapes = {}
-    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
-        with safe_open(path, "pt") as handle:
-            shapes.update({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
-    if not shapes:
-        return
-    config = kwargs.get("config")
-    names = {*SIZE_FIELDS, *(flag for _, _, flag in SIZE_FIELDS.values() if flag is not None)}
-    if isinstance(config, SpikeWhaleConfig):
-        values = {name: getattr(config, name, None) for name in names}
-    else:
-        path = config if isinstance(config, (str, os.PathLike)) else os.path.join(folder, "config.json")
-        try:
-            with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as f:
-                values = json.load(f)
-        except (OSError, ValueError):
-            return  # transformers reports a missing or unreadable config itself
-        if not isinstance(values, dict):
-            return
-        values.update({k: v for k, v in kwargs.items() if k in names})
-    found = []
-    for name, (pattern, dim, flag) in SIZE_FIELDS.items():
-        value = values.get(name)
-        if not isinstance(value, int) or (flag is not None and not values.get(flag, True)):
-            continue
-        matches = [(m, shape) for key, shape in shapes.items() if (m := re.search(pattern, key)) is not None]
-        if dim is None:
-            held = len({m.group(1) for m, _ in matches})
-        elif matches:
-            held = max(shape[dim] if len(shape) > dim else 0 for _, shape in matches)
-        else:
-            continue
-        if value > 4 * max(held, 1):
-            found.append(f"{name}={value} (the weights hold {held})")
-    if found:
-        raise ValueError(
-            f"{folder}: the config asks for {', '.join(found)}, far more than its safetensors weights hold; "
-            "fix these fields in config.json (or pass the checkpoint's own config) to load it."
-        )
 
 
 def reads_values_free(device: torch.device) -> bool:
@@ -247,60 +158,6 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     nope, r1, r2 = x[..., : -2 * half], x[..., -2 * half : -half], x[..., -half:]
     cos, sin = _as(cos, x.dtype), _as(sin, x.dtype)
     return torch.cat([nope, r1 * cos - r2 * sin, r1 * sin + r2 * cos], dim=-1)
-
-
-@dataclass
-class SegmentLayout:
-    """Where each chunk token falls in the Memory-Cache segments; built once per forward, shared by all slots.
-
-    rel[b, t]: row b's segment after token t, relative to `base[b]`, its segment before the chunk (padding keeps the
-    last). The first `split` tokens take the chunk form, the rest the step form. The chunk form puts token t at row
-    idx[b, t] of a block buffer [B, n_rel, width, ...] (block rel[b, t]; padding to the sink row n_rel·width), so it
-    costs O(split·width); idx is None where it is 0..split-1 (the chunk itself, zero-padded to whole blocks).
-    n_fin: the finished-segment entries a token may read; fin_readable: every token may read all of them. A `static`
-    layout reads no value on the host: block counts are bounds, padding and unreadable entries always assumed."""
-
-    base: torch.Tensor
-    rel: torch.Tensor
-    valid_f: torch.Tensor
-    padded: bool  # some token is padding (always assumed when static)
-    n_rel: int  # blocks: relative segments the chunk touches
-    n_fin: int
-    fin_readable: bool
-    split: int
-    width: int
-    idx: torch.Tensor | None
-
-    @classmethod
-    def build(cls, positions, valid, base, seg_len: int, n_fin: int, steps: int, static: bool) -> "SegmentLayout":
-        """steps: the chunk's last tokens that go through the step form."""
-        B, S = positions.shape
-        seg = torch.div(positions, seg_len, rounding_mode="floor") - base[:, None]
-        rel = torch.where(valid, seg, torch.zeros_like(seg)).clamp(min=0).cummax(1).values if S else seg
-        if static:  # the most segments S positions after `base` can touch
-            n_rel = (S - 1) // seg_len + 2 if S else 1
-            torch._assert_async((rel < n_rel).all(), "positions do not continue the cache's Memory-Cache segment")
-        else:
-            n_rel = int(rel[:, -1].max()) + 1 if S else 1
-        padded = static or not bool(valid.all())
-        fin_readable = not static and bool((base >= n_fin).all())
-        split = S - steps
-        width = torch.sym_min(split, seg_len)
-        idx = None
-        if split and (padded or n_rel > 1):
-            rel_c, real = rel[:, :split], valid[:, :split].long()
-            count = torch.zeros(B, n_rel, dtype=torch.long, device=rel.device).scatter_add_(1, rel_c, real)
-            start = count.cumsum(1) - count  # real tokens before each block
-            at = rel_c * width + real.cumsum(1) - 1 - start.gather(1, rel_c)
-            idx = torch.where(real.bool(), at, torch.full_like(at, n_rel * width))
-            if not padded and bool((idx == torch.arange(split, device=idx.device)).all()):
-                idx = None
-        return cls(base, rel, valid.float(), padded, n_rel, n_fin, fin_readable, split, width, idx)
-
-    @property
-    def new_segment(self) -> torch.Tensor:
-        """[B]: each row's segment after the chunk."""
-        return self.base + self.rel[:, -1] if self.rel.shape[1] else self.base
 
 
 @dataclass
@@ -691,6 +548,10 @@ class HyperConnection(nn.Module):
         super().__init__()
         self.pre_logits = nn.Parameter(torch.zeros(hc_mult))
         self.post_scale = nn.Parameter(torch.ones(hc_mult))
+
+    def forward(self, X: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """pre_op(X), or post_op(X, out) given `out`: called as a module, so accelerate's hooks place its weights."""
+        return self.pre_op(X) if out is None else self.post_op(X, out)
 
     def pre_op(self, X: torch.Tensor) -> torch.Tensor:
         two = X.shape[1] == 2
@@ -1093,7 +954,6 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
         self.engram_fusion = EngramFusion(config) if layer_idx in config.engram_fusion_layers else None
         self.hidden_dropout = config.hidden_dropout
 
-    @force_accelerate_hooks(["hc_attn", "hc_ffn"])
     def forward(self, X: torch.Tensor, token_embed=None, engram_r=None, *depth_flat, ctx: ForwardContext = None,
                 state: SlotState | None = None):
         """depth_flat: k₀, v₀, k₁, v₁, ... of this pass's depth checkpoints; state: the slot's cache state or None.
@@ -1102,20 +962,20 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
         if self.engram_fusion is not None:
             fused = self.engram_fusion(X.mean(1) if self.use_hc else X, engram_r)
             X = X + (fused[:, None] if self.use_hc else fused)
-        h = self.hc_attn.pre_op(X) if self.use_hc else X
+        h = self.hc_attn(X) if self.use_hc else X
         if self.ve_gate is not None:
             h = h + torch.tanh(self.ve_gate).to(h.dtype) * token_embed.to(h.device, h.dtype)
         depth_sources = tuple(zip(depth_flat[0::2], depth_flat[1::2]))
         a, depth_entry, weights, update = self.attn(self.attn_norm(h), ctx, state, depth_sources)
         if self.training and self.hidden_dropout:
             a = F.dropout(a, self.hidden_dropout, True)
-        X = self.hc_attn.post_op(X, a) if self.use_hc else X + a
-        h = self.hc_ffn.pre_op(X) if self.use_hc else X
+        X = self.hc_attn(X, a) if self.use_hc else X + a
+        h = self.hc_ffn(X) if self.use_hc else X
         moe = isinstance(self.ffn, SpikeWhaleMoE)
         f, aux = self.ffn(self.ffn_norm(h), ctx) if moe else (self.ffn(self.ffn_norm(h)), None)
         if self.training and self.hidden_dropout:
             f = F.dropout(f, self.hidden_dropout, True)
-        X = self.hc_ffn.post_op(X, f) if self.use_hc else X + f
+        X = self.hc_ffn(X, f) if self.use_hc else X + f
         dk, dv = depth_entry if depth_entry is not None else (None, None)
         return X, aux, dk, dv, weights, update
 
@@ -1133,63 +993,6 @@ def walk_run(layers: tuple, X, pass_embed, token_embed, engram_r, ctx: ForwardCo
             depth += [dk, dv]
         outs.append((X if ctx.keep_streams else None, aux, weights, update))
     return X, tuple(outs)
-
-
-def compile_blocker(model: "SpikeWhaleModel") -> str | None:
-    """Why `compile_decode` cannot compile this model's decode steps, or None."""
-    if model.config.use_elo:
-        return "Elo attention keeps per-key ratings"
-    if model.config.use_moe:
-        return "MoE layers route by token id"
-    if any(hasattr(layer, "_hf_hook") for layer in model.layers):
-        return "accelerate hooks move tensors between devices"
-    if any("forward" in vars(layer.attn) for layer in model.layers):
-        return "a wrapper of the attention's forward (a tensor-parallel style) must run outside the compiled graph"
-    return None
-
-
-def compiled_decode_guards(entries) -> list[bool]:
-    """The dynamo guards `compile_decode` keeps: all but those on built-in modules and on parameter tensors (their
-    metadata too, for tensor subclasses such as int8), which change only when the model is moved or re-typed
-    (checked by `_decode_step_compiles`) or its weights replaced."""
-    return [
-        not (e.orig_guard.source.is_unspecialized_builtin_nn_module()
-             or (e.guard_type in ("TENSOR_MATCH", "TENSOR_SUBCLASS_METADATA_MATCH", "EQUALS_MATCH")
-                 and "._parameters[" in e.name))
-        for e in entries
-    ]
-
-
-def compile_walk(options: dict, compile_kwargs: dict):
-    """`walk_run` through `torch.compile`; the blocks' Python floats (eps, ...) are traced as constants."""
-    compiled = torch.compile(walk_run, options=options, **compile_kwargs)
-
-    def compiled_run(*args):
-        with torch._dynamo.config.patch(specialize_float=True):
-            return compiled(*args)
-
-    return compiled_run
-
-
-def decode_compile_options(model: "SpikeWhaleModel", compile_kwargs: dict) -> tuple[dict, dict]:
-    """(inductor options, torch.compile kwargs) of a compiled decode walk: dynamic shapes, `compiled_decode_guards`, no
-    per-call asserts (the guards pin sizes and strides), `mode` as options, CUDA graphs only on CUDA. Raises, naming
-    the reason, where the decode steps cannot compile (`compile_blocker`)."""
-    reason = compile_blocker(model)
-    if reason is not None:
-        raise ValueError(
-            f"compile_decode() cannot compile this model's decode steps because {reason}; they run eagerly. "
-            "Generate without it."
-        )
-    compile_kwargs = {"dynamic": True, **compile_kwargs}
-    options = {"guard_filter_fn": compiled_decode_guards, "size_asserts": False, "alignment_asserts": False,
-               "scalar_asserts": False}
-    options.update(torch._inductor.list_mode_options(compile_kwargs.pop("mode", None) or "default",
-                                                     compile_kwargs["dynamic"]))
-    if model.device.type != "cuda":
-        options.pop("triton.cudagraphs", None)
-    options.update(compile_kwargs.pop("options", None) or {})
-    return options, compile_kwargs
 
 
 class HRMRefinement(nn.Module):
@@ -1258,11 +1061,7 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
         and a config far larger than the local weights refused before anything is built."""
         if CHECKPOINT_KEY_RENAMES and kwargs.get("key_mapping") is None:
             kwargs["key_mapping"] = dict(CHECKPOINT_KEY_RENAMES)
-        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-        folder = os.path.join(str(source), *([kwargs["subfolder"]] if kwargs.get("subfolder") else [])) \
-            if source is not None else None
-        if folder is not None and os.path.isdir(folder):
-            refuse_oversized_config(folder, kwargs)
+        refuse_oversized_config(args, kwargs)
         return super().from_pretrained(*args, **kwargs)
 
     @torch.no_grad()
@@ -1305,6 +1104,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
     """Embeddings + Engram, the looped block stack walked by the loop plan, HC output mix, HRM and final norm."""
 
     _keys_to_ignore_on_load_unexpected = [r"^(lm_head|mtp_heads|abstain_head)\."]
+    walk_run = staticmethod(walk_run)  # what `compile_decode` compiles
 
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__(config)
@@ -1458,7 +1258,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         with torch.inference_mode() if inference else contextlib.nullcontext():
             for lo, hi, loop_pass in self.loop_plan.runs:
                 states = tuple(cache.slot(s) for s in range(lo, hi)) if cache is not None else (None,) * (hi - lo)
-                run = walk_run
+                run = self.walk_run
                 if compiled and all(s.keys is not None and (s.mc is not None) == self.config.use_memory_cache
                                     for s in states):
                     run = self._compiled_run
@@ -1649,8 +1449,9 @@ def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return total / (target != -100).sum().clamp(min=1)
 
 
-class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
-    """SpikeWhale language model: backbone, tied `lm_head` and the MTP heads (no `model.` prefix on the heads)."""
+class SpikeWhaleForCausalLM(SpikeWhaleGenerationMixin, SpikeWhalePreTrainedModel):
+    """SpikeWhale language model: backbone, tied `lm_head` and the MTP heads (no `model.` prefix on the heads). The
+    generation mixin comes first: its `get_compiled_call` replaces `PreTrainedModel`'s."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_rep"}  # split by vocabulary, gathered
@@ -1673,74 +1474,6 @@ class SpikeWhaleForCausalLM(SpikeWhalePreTrainedModel, GenerationMixin):
             auto_map.setdefault("AutoModel", f"{SpikeWhaleModel.__module__.split('.')[-1]}.{SpikeWhaleModel.__name__}")
             self.config.auto_map = auto_map
         return super().save_pretrained(save_directory, *args, **kwargs)
-
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        return False
-
-    def _prepare_generation_config(self, generation_config=None, *args, **kwargs):
-        """transformers' merge, except that a caller's `max_length` also replaces the default `max_new_tokens`."""
-        config, model_kwargs = super()._prepare_generation_config(generation_config, *args, **kwargs)
-        return caller_length_wins(config, generation_config, kwargs), model_kwargs
-
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """A `SpikeWhaleCache` before the prefill (`prepare_generation_cache`); args: transformers' generation mode,
-        batch size and the positions the call feeds."""
-        fed = kwargs.get("max_cache_length", args[2] if len(args) > 2 else None)
-        if not prepare_generation_cache(self, generation_config, model_kwargs, fed):
-            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-
-    def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
-        """An explicit `compile_config` compiles on any device (CPU included); without one, as in-library, a static
-        cache on an accelerator does. Never where `compile_blocker` objects."""
-        if generation_config.disable_compile or not isinstance(model_kwargs.get(CACHE_FIELD), SpikeWhaleCache):
-            return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
-        reason = compile_blocker(self.model)
-        if reason is not None:
-            if generation_config.compile_config is not None:
-                logger.warning_once(f"compile_config is ignored: decode steps run eagerly because {reason}.")
-            return False
-        return generation_config.compile_config is not None or (
-            generation_config.cache_implementation == "static"
-            and super()._valid_auto_compile_criteria(model_kwargs, generation_config))
-
-    def create_masks_for_generate(self, attention_mask=None, inputs_embeds=None, **kwargs):
-        """The chunk's own columns of the padding mask: the cache holds earlier keys' validity, and a fixed width keeps
-        a whole-forward compiled step one graph."""
-        if attention_mask is None or inputs_embeds is None:
-            return attention_mask
-        return attention_mask[:, -inputs_embeds.shape[1]:]
-
-    def get_compiled_call(self, compile_config):
-        """`generate(..., compile_config=...)`: compiles the one-token decode step per loop-plan run (`compile_decode`)
-        rather than the whole forward, which would unroll every slot of every pass into one graph."""
-        if compile_blocker(self.model) is not None:
-            return self.__call__
-        config = compile_config.to_dict() if compile_config is not None else {}
-        if config != getattr(self, "_decode_compile_config", None) or self.model._compiled_for is None:
-            kwargs = {k: v for k, v in config.items() if k in ("fullgraph", "backend", "mode", "options")
-                      or (k == "dynamic" and v is not None)}
-            self.compile_decode(**kwargs)
-            self._decode_compile_config = config
-        return self.__call__
-
-    def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
-        """`GenerationMixin.generate` on the loop-slot cache (`spike_whale_generate`), plus: a prompt past the context
-        raises before any work (`truncate_to_context=True` drops its oldest tokens); `use_mtp=True` decodes MTP
-        self-speculatively, ids identical to greedy (`mtp_draft_tokens`, `assistant_confidence_threshold`); a
-        conversation continues from `cache=out.cache` given the full ids."""
-        return spike_whale_generate(self, super().generate, inputs, generation_config, **kwargs)
-
-    def compile_decode(self, enable: bool = True, **compile_kwargs) -> None:
-        """Run one-token decode steps through `torch.compile`: one graph of `walk_run` (a loop pass; the weights are
-        shared) serves every pass and step; other chunks run the same walk eagerly. `compile_kwargs` go to
-        `torch.compile`. Parameter guards are skipped, so moving or re-typing the model raises until this is called
-        again. `enable=False` returns to eager decoding."""
-        if not enable:
-            self.model._compiled_run, self.model._compiled_for = None, None
-            return
-        self.model._compiled_run = compile_walk(*decode_compile_options(self.model, compile_kwargs))
-        self.model._compiled_for = (self.model.embed_tokens.weight.dtype, self.model.embed_tokens.weight.device)
 
     @can_return_tuple
     def forward(

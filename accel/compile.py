@@ -47,6 +47,11 @@ def _modeling(model):
     return sys.modules[type(model).__module__]
 
 
+def _generation(model):
+    """The model's own generation_utils module, the modeling module's sibling."""
+    return sys.modules[type(model).__module__.rpartition(".")[0] + ".generation_utils"]
+
+
 def compile_decode(model, enable: bool = True, persistent: bool = True, **compile_kwargs) -> None:
     """`model.compile_decode` specialised for CPU (see the module docstring); on another device it is the model's own.
     `persistent`: keep the walk and the product choices for later processes (inductor backend, plain weights, no CUDA
@@ -60,8 +65,8 @@ def compile_decode(model, enable: bool = True, persistent: bool = True, **compil
             return
         own(model, **compile_kwargs)
         return
-    modeling = _modeling(model)
-    options, compile_kwargs = modeling.decode_compile_options(model.model, compile_kwargs)  # raises where it cannot
+    modeling, generation = _modeling(model), _generation(model)
+    options, compile_kwargs = generation.decode_compile_options(model.model, compile_kwargs)  # raises where it cannot
     reset_compiled_products(model)
     inductor = compile_kwargs.get("backend", "inductor") == "inductor"
     # The walk multiplies the FFN's gate and up by their own chosen products; each attention's projections as one.
@@ -90,7 +95,7 @@ def compile_decode(model, enable: bool = True, persistent: bool = True, **compil
             and not torch._inductor.config.force_disable_caches and not options.get("triton.cudagraphs")):
         walk = PersistentDecodeWalk(model.model, options, compile_kwargs)
     else:
-        walk = modeling.compile_walk(options, compile_kwargs)
+        walk = generation.compile_walk(modeling.walk_run, options, compile_kwargs)
 
     def compiled_run(*args):
         # Weights given new storage since fusing are fused again, outside the graph.
@@ -263,10 +268,9 @@ class PersistentDecodeWalk:
     def __init__(self, model: nn.Module, options: dict, compile_kwargs: dict):
         options = {k: v for k, v in options.items() if k != "guard_filter_fn"}
         compile_kwargs = {k: v for k, v in compile_kwargs.items() if k not in ("fullgraph", "backend")}
-        modeling = sys.modules[type(model).__module__]
-        self.walk_run = modeling.walk_run
+        self.walk_run = _modeling(model).walk_run
         self.compile = torch.compile(self.walk_run, fullgraph=True, **compile_kwargs, options={
-            **options, "guard_filter_fn": stored_decode_guards(modeling.compiled_decode_guards)})
+            **options, "guard_filter_fn": stored_decode_guards(_generation(model).compiled_decode_guards)})
         self.folder = os.path.join(self.root(), self.key(model, options, compile_kwargs))
         self.graphs = []
         self.unread: list[str] | None = None  # stored graphs not read yet, listed on the first call

@@ -500,14 +500,14 @@ def test_int8_weight_only_decodes_through_compile_config(tmp_path, monkeypatch):
     layout alone (re-storing them column-major raised NotImplementedError for `aten.t`) and the compiled step gives the
     eager int8 ids. The graph's guards (the Hub model's `compiled_decode_guards`) check each quantized parameter's type
     but not its metadata (a Python `__tensor_flatten__` per weight per call)."""
-    import spike_whale.modeling_spike_whale as msw
+    import spike_whale.generation_utils as gu
     from torchao.quantization import Int8WeightOnlyConfig
     from transformers import CompileConfig, TorchAoConfig
 
     from spike_whale.accel import optimize_for_cpu
 
-    kept, keep = [], msw.compiled_decode_guards
-    monkeypatch.setattr(msw, "compiled_decode_guards",
+    kept, keep = [], gu.compiled_decode_guards
+    monkeypatch.setattr(gu, "compiled_decode_guards",
                         lambda entries: [kept.append(e) or k if k else k for e, k in zip(entries, keep(entries))])
     tiny_model(seed=7).save_pretrained(tmp_path)
     model = optimize_for_cpu(SpikeWhaleForCausalLM.from_pretrained(
