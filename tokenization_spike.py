@@ -7,8 +7,7 @@ Id layout (fixed; the released embeddings depend on it): 0..3 ``<pad> <unk> <bos
 bytes); 16384..16400 the 17 chat/tool/FIM specials; 16401..16511 111 reserved specials. ``len(tokenizer) == 16512``.
 The vocab file, ``spike_vocab.json`` (transformers reads any ``tokenizer.json`` as a `tokenizers` file), is
 ``{"vocab": {latin1_string: id}, "max_token_len": 24, "vocab_size": 16512, "algorithm": "length-max",
-"special_tokens": [...]}``; multi-byte ids it leaves undefined get the placeholder ``⟨unused_ID⟩`` (never produced).
-"""
+"special_tokens": [...]}``; multi-byte ids it leaves undefined get the placeholder ``⟨unused_ID⟩`` (never produced)."""
 
 from __future__ import annotations
 
@@ -120,10 +119,9 @@ def with_leading_space(words):
 
 
 def greedy_trie_pattern(tokens: Iterable[str], escape=re.escape, dispatch: int = 0) -> str:
-    """An ordered-alternation regex whose successive matches are the greedy longest-match segmentation: each trie
-    node becomes ``(?:child_1...|child_2...|)``, children first and the empty "stop here" alternative (on nodes that
-    are tokens) last, so a backtracking engine (Python's ``re``, Oniguruma) backs off to the longest token that is a
-    prefix of the rest of the text. All 256 bytes must be tokens for the matches to cover every input.
+    """An ordered-alternation regex whose successive matches are the greedy longest-match segmentation: each trie node
+    becomes ``(?:child_1...|child_2...|)``, the empty "stop here" alternative (on token nodes) last, so a backtracking
+    engine (``re``, Oniguruma) backs off to the longest token prefixing the rest; all 256 bytes must be tokens.
     ``dispatch=k`` (k >= 2) puts a node's children, when more than k, behind lookaheads on their first characters
     (``(?=[abc])(?:a...|b...|c...)|...``): the same matches, and Oniguruma skips a group with one class test."""
     if dispatch == 1 or dispatch < 0:
@@ -285,10 +283,9 @@ class SpikeTokenizerMixin:
 
     def __init__(self, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, unk_token=UNK_TOKEN, pad_token=PAD_TOKEN,
                  add_bos_token: bool = True, **kwargs):
-        """The base class's `__init__` with the named specials atomic, the layout's others as extra special tokens
-        (atomic, skipped by skip_special_tokens), the ChatML template and no clean-up by default; <pad>/<unk>/<bos>/
-        <eos> stay special even when the user points eos/pad/unk elsewhere, and a mapping of named extra tokens
-        stays named (model_specific_special_tokens). Then every layout special is checked at its id."""
+        """The base `__init__` with the named specials atomic, the layout's others as extra special tokens (atomic,
+        skipped by skip_special_tokens), the ChatML template and no clean-up by default; the four base specials stay
+        special wherever eos/pad/unk point, a mapping of extra tokens stays named; then each layout id is checked."""
         kwargs.pop("special_tokens_pattern", None)
         kwargs.pop("backend", None)  # "tokenizers" in a config the fast class wrote
         kwargs.setdefault("chat_template", CHATML_TEMPLATE)
@@ -459,9 +456,8 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
 
     def _with_bos(self, ids: list[int]) -> list[int]:
         ids = list(ids)
-        if self._add_bos_token and (getattr(_BOS_STATE, "force", False) or ids[:1] != [BOS_ID]):
-            return [BOS_ID] + ids
-        return ids
+        add = self._add_bos_token and (getattr(_BOS_STATE, "force", False) or ids[:1] != [BOS_ID])
+        return [BOS_ID] + ids if add else ids
 
     def build_inputs_with_special_tokens(self, token_ids_0, token_ids_1=None):
         """``[<bos>] + ids`` (ids unchanged when ``add_bos_token=False`` or they already start with <bos>)."""
@@ -595,8 +591,7 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
         literal, out, run = self._added_tokens_encoder, [], []
         for token in [*tokens, None]:
             if token is None or token in literal:  # specials and added tokens are written as they are
-                out.append(_latin1_to_bytes("".join(run)).decode("utf-8", errors="replace"))
-                out.append(token or "")
+                out += [_latin1_to_bytes("".join(run)).decode("utf-8", errors="replace"), token or ""]
                 run = []
             elif token not in self._unused_tokens:
                 run.append(token)

@@ -306,13 +306,12 @@ def _strip_leading_bos(text, text_pair):
     batched = isinstance(text, (list, tuple))
     if batched and not all(isinstance(t, str) for t in text):
         return text, text_pair, None
+    pairs_batched = batched and isinstance(text_pair, (list, tuple))
     firsts = list(text) if batched else [text]
-    seconds = list(text_pair) if batched and isinstance(text_pair, (list, tuple)) else [text_pair] * len(firsts)
+    seconds = list(text_pair) if pairs_batched else [text_pair] * len(firsts)
     flags = [tuple(isinstance(t, str) and t.startswith(BOS_TOKEN) for t in row) for row in zip(firsts, seconds)]
     if not any(map(any, flags)):
         return text, text_pair, None
     firsts, seconds = ([t[len(BOS_TOKEN):] if f[k] else t for t, f in zip(rows, flags)]
                        for k, rows in enumerate((firsts, seconds)))
-    if not batched:
-        return firsts[0], seconds[0], flags
-    return firsts, seconds if isinstance(text_pair, (list, tuple)) else text_pair, flags
+    return (firsts, seconds if pairs_batched else text_pair, flags) if batched else (firsts[0], seconds[0], flags)
