@@ -7,8 +7,7 @@ Id layout (fixed; the released embeddings depend on it): 0..3 ``<pad> <unk> <bos
 bytes); 16384..16400 the 17 chat/tool/FIM specials; 16401..16511 111 reserved specials. ``len(tokenizer) == 16512``.
 The vocab file, ``spike_vocab.json`` (transformers reads any ``tokenizer.json`` as a `tokenizers` file), is
 ``{"vocab": {latin1_string: id}, "max_token_len": 24, "vocab_size": 16512, "algorithm": "length-max",
-"special_tokens": [...]}``; multi-byte ids it leaves undefined get the placeholder ``⟨unused_ID⟩`` (never produced).
-"""
+"special_tokens": [...]}``; multi-byte ids it leaves undefined get the placeholder ``⟨unused_ID⟩`` (never produced)."""
 
 from __future__ import annotations
 
@@ -120,26 +119,23 @@ def with_leading_space(words):
 
 
 def greedy_trie_pattern(tokens: Iterable[str], escape=re.escape, dispatch: int = 0) -> str:
-    """An ordered-alternation regex whose successive matches are the greedy longest-match segmentation: each trie
-    node becomes ``(?:child_1...|child_2...|)``, children first and the empty "stop here" alternative (on nodes that
-    are tokens) last, so a backtracking engine (Python's ``re``, Oniguruma) backs off to the longest token that is a
-    prefix of the rest of the text. All 256 bytes must be tokens for the matches to cover every input.
+    """An ordered-alternation regex whose successive matches are the greedy longest-match segmentation: each trie node
+    becomes ``(?:child_1...|child_2...|)``, the empty "stop here" alternative (on token nodes) last, so a backtracking
+    engine (``re``, Oniguruma) backs off to the longest token prefixing the rest; all 256 bytes must be tokens.
     ``dispatch=k`` (k >= 2) puts a node's children, when more than k, behind lookaheads on their first characters
     (``(?=[abc])(?:a...|b...|c...)|...``): the same matches, and Oniguruma skips a group with one class test."""
     if dispatch == 1 or dispatch < 0:
         raise ValueError(f"dispatch must be 0 (off) or at least 2, got {dispatch}")
     root: dict = {}
     end = ""  # key marking "a token ends here" ("" is never a character key)
-    for tok in tokens:
-        if tok:
-            node = root
-            for ch in tok:
-                node = node.setdefault(ch, {})
-            node[end] = True
+    for tok in filter(None, tokens):
+        node = root
+        for ch in tok:
+            node = node.setdefault(ch, {})
+        node[end] = True
     if not root:
         raise ValueError("cannot compile an empty token set")
-    sizes: dict[int, int] = {}
-    patterns: dict[int, str] = {}
+    sizes, patterns = {}, {}  # subtree sizes and patterns by id(node)
     stack = [(root, False)]
     while stack:  # post-order without recursion: children before their parent
         node, children_done = stack.pop()
@@ -191,8 +187,7 @@ def normalize_vocab_data(data, source: str = "vocab") -> dict:
     raw = data["vocab"]
     if not isinstance(raw, Mapping) or not raw:
         raise ValueError(f"{source}: 'vocab' must be a non-empty JSON object mapping token strings to ids")
-    max_token_len = data.get("max_token_len")
-    max_token_len = DEFAULT_MAX_TOKEN_LEN if max_token_len is None else max_token_len
+    max_token_len = DEFAULT_MAX_TOKEN_LEN if data.get("max_token_len") is None else data["max_token_len"]
     if not isinstance(max_token_len, int) or isinstance(max_token_len, bool) or max_token_len < 1:
         raise ValueError(f"{source}: 'max_token_len' must be a positive integer, got {max_token_len!r}")
     if max_token_len > MAX_TOKEN_LEN_LIMIT:
@@ -201,13 +196,12 @@ def normalize_vocab_data(data, source: str = "vocab") -> dict:
             "matching compiles the tokens into a regular expression nested as deep as the longest token); "
             f"set it to {MAX_TOKEN_LEN_LIMIT} or less: longer tokens are then kept for decoding but never produced")
     listed = data.get("special_tokens")
-    if listed is not None:
-        if not isinstance(listed, (list, tuple)) or not all(isinstance(t, str) for t in listed):
-            raise ValueError(f"{source}: 'special_tokens' must be a list of strings")
-        unknown = [t for t in listed if t not in SPECIAL_TOKEN_IDS]
-        if unknown:
-            raise ValueError(f"{source}: unknown special tokens {unknown[:5]}; the spike_whale layout has exactly "
-                             f"{list(SPECIAL_TOKENS)} at ids {SPECIAL_START_ID}..{RESERVED_START_ID - 1}")
+    if listed is not None and (not isinstance(listed, (list, tuple)) or not all(isinstance(t, str) for t in listed)):
+        raise ValueError(f"{source}: 'special_tokens' must be a list of strings")
+    unknown = [t for t in listed or () if t not in SPECIAL_TOKEN_IDS]
+    if unknown:
+        raise ValueError(f"{source}: unknown special tokens {unknown[:5]}; the spike_whale layout has exactly "
+                         f"{list(SPECIAL_TOKENS)} at ids {SPECIAL_START_ID}..{RESERVED_START_ID - 1}")
     by_id: dict[int, str] = {}
     for token, idx in raw.items():
         if not isinstance(token, str) or token == "":
@@ -289,10 +283,9 @@ class SpikeTokenizerMixin:
 
     def __init__(self, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, unk_token=UNK_TOKEN, pad_token=PAD_TOKEN,
                  add_bos_token: bool = True, **kwargs):
-        """The base class's `__init__` with the named specials atomic, the layout's others as extra special tokens
-        (atomic, skipped by skip_special_tokens), the ChatML template and no clean-up by default; <pad>/<unk>/<bos>/
-        <eos> stay special even when the user points eos/pad/unk elsewhere, and a mapping of named extra tokens
-        stays named (model_specific_special_tokens). Then every layout special is checked at its id."""
+        """The base `__init__` with the named specials atomic, the layout's others as extra special tokens (atomic,
+        skipped by skip_special_tokens), the ChatML template and no clean-up by default; the four base specials stay
+        special wherever eos/pad/unk point, a mapping of extra tokens stays named; then each layout id is checked."""
         kwargs.pop("special_tokens_pattern", None)
         kwargs.pop("backend", None)  # "tokenizers" in a config the fast class wrote
         kwargs.setdefault("chat_template", CHATML_TEMPLATE)
@@ -300,8 +293,7 @@ class SpikeTokenizerMixin:
         extra, legacy = kwargs.pop("extra_special_tokens", None), kwargs.pop("additional_special_tokens", None)
         extra = (legacy if extra is None else extra) or []
         if isinstance(extra, Mapping):
-            kwargs["model_specific_special_tokens"] = {**dict(kwargs.get("model_specific_special_tokens") or {}),
-                                                       **dict(extra)}
+            kwargs["model_specific_special_tokens"] = {**(kwargs.get("model_specific_special_tokens") or {}), **extra}
             extra = []
         named = {"bos_token": bos_token, "eos_token": eos_token, "unk_token": unk_token, "pad_token": pad_token}
         kept = {str(t) for t in named.values() if t is not None}
@@ -314,8 +306,7 @@ class SpikeTokenizerMixin:
         if self.bos_token_id != BOS_ID:
             raise ValueError(f"bos_token resolves to id {self.bos_token_id}, the spike_whale layout requires {BOS_ID}")
         for token, idx in LAYOUT_SPECIALS.items():
-            got = self.convert_tokens_to_ids(token)
-            if got != idx:
+            if (got := self.convert_tokens_to_ids(token)) != idx:
                 raise ValueError(f"special token {token!r} resolved to id {got}, the spike_whale layout requires "
                                  f"{idx} (a stale added_tokens_decoder in tokenizer_config.json?)")
 
@@ -331,8 +322,7 @@ class SpikeTokenizerMixin:
             except (json.JSONDecodeError, UnicodeDecodeError) as err:
                 raise ValueError(f"{path} is not valid JSON ({err}): the file is truncated or damaged; copy it again "
                                  "or re-save the tokenizer with save_pretrained") from None
-            # the fast class reads it as a `tokenizers` file, which needs a "model"
-            fast = "tokenizer_file" in cls.vocab_files_names
+            fast = "tokenizer_file" in cls.vocab_files_names  # it reads a `tokenizers` file, which needs a "model"
             if fast and isinstance(data, Mapping) and "model" not in data and "vocab" not in data:
                 raise ValueError(f"{path} has no 'model', which a `tokenizers` file needs: the file is damaged; copy "
                                  "it again, re-save the tokenizer with save_pretrained, or delete it to build it from "
@@ -391,20 +381,17 @@ class SpikeTokenizerMixin:
                 return {key: mark(value) for key, value in obj.items()}
             return [mark(value) for value in obj] if isinstance(obj, (list, tuple)) else obj
 
-        for key in ("tools", "documents"):
-            if kwargs.get(key) is not None:
-                kwargs[key] = mark(kwargs[key])
+        kwargs.update({key: mark(kwargs.get(key)) for key in ("tools", "documents")})  # None stays None
         rendered = super().apply_chat_template(mark(conversation), tokenize=False, **kwargs)
         split_re = re.compile(re.escape(_MARK_START) + "(.*?)" + re.escape(_MARK_END), re.S)
         batched = not isinstance(rendered, str)
         ids = [[i for n, piece in enumerate(split_re.split(chat)) if piece
                 for i in self.encode(piece, add_special_tokens=False, split_special_tokens=bool(n % 2))]
                for chat in (rendered if batched else [rendered])]
-        if opts["truncation"] and opts["max_length"] is not None:
-            keep = opts["max_length"]
+        keep = opts["max_length"]
+        if opts["truncation"] and keep is not None:
             ids = [row[:keep] if self.truncation_side == "right" else row[-keep:] for row in ids]
-        rows = ids if batched else ids[0]
-        out = self.pad({"input_ids": rows}, padding=opts["padding"], max_length=opts["max_length"])
+        out = self.pad({"input_ids": ids if batched else ids[0]}, padding=opts["padding"], max_length=keep)
         out = BatchEncoding(dict(out), tensor_type=opts["return_tensors"], prepend_batch_axis=not batched)
         return out if opts["return_dict"] else out["input_ids"]
 
@@ -429,8 +416,7 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
 
     def __init__(self, vocab_file=None, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, unk_token=UNK_TOKEN,
                  pad_token=PAD_TOKEN, add_bos_token: bool = True, **kwargs):
-        # A folder holding a released custom-format tokenizer.json (and no spike_vocab.json) passes it as
-        # `tokenizer_file`; it is never recorded in the saved config.
+        # a folder with a released custom-format tokenizer.json and no spike_vocab.json passes it (never saved)
         tokenizer_file = kwargs.pop("tokenizer_file", None)
         source = vocab_file if vocab_file is not None else tokenizer_file
         self.vocab_file = None if source is None or isinstance(source, Mapping) else os.fspath(source)
@@ -470,9 +456,8 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
 
     def _with_bos(self, ids: list[int]) -> list[int]:
         ids = list(ids)
-        if self._add_bos_token and (getattr(_BOS_STATE, "force", False) or ids[:1] != [BOS_ID]):
-            return [BOS_ID] + ids
-        return ids
+        add = self._add_bos_token and (getattr(_BOS_STATE, "force", False) or ids[:1] != [BOS_ID])
+        return [BOS_ID] + ids if add else ids
 
     def build_inputs_with_special_tokens(self, token_ids_0, token_ids_1=None):
         """``[<bos>] + ids`` (ids unchanged when ``add_bos_token=False`` or they already start with <bos>)."""
@@ -481,7 +466,6 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
     def get_special_tokens_mask(self, token_ids_0, token_ids_1=None, already_has_special_tokens=False):
         if already_has_special_tokens:
             return super().get_special_tokens_mask(token_ids_0, token_ids_1, already_has_special_tokens=True)
-
         rows = [token_ids_0] if token_ids_1 is None else [token_ids_0, token_ids_1]
         return [int(self._add_bos_token and i == 0) for ids in rows for i in range(len(self._with_bos(ids)))]
 
@@ -607,8 +591,7 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
         literal, out, run = self._added_tokens_encoder, [], []
         for token in [*tokens, None]:
             if token is None or token in literal:  # specials and added tokens are written as they are
-                out.append(_latin1_to_bytes("".join(run)).decode("utf-8", errors="replace"))
-                out.append(token or "")
+                out += [_latin1_to_bytes("".join(run)).decode("utf-8", errors="replace"), token or ""]
                 run = []
             elif token not in self._unused_tokens:
                 run.append(token)

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from tokenizers import AddedToken as BackendAddedToken
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte alphabet, as ByteLevel's
 from transformers.tokenization_utils_base import AddedToken, BatchEncoding
 
 from .tokenization_spike import (
@@ -30,18 +31,8 @@ from .tokenization_spike import (
 TOKENIZER_FILE_NAME = "tokenizer.json"
 TRIE_DISPATCH = 4  # Oniguruma tries ordered alternatives one by one: lookahead-guarded groups of at most 4
 PIECE_TOKENS = 2  # greedy tokens per Split piece: fewer splits, few WordPiece probes
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte alphabet (what the ByteLevel pre-tokenizer and decoder use): byte -> one printable character."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
-
-
-_BYTE_CHAR = bytes_to_unicode()
-_LATIN1_TO_BYTE_LEVEL = str.maketrans({chr(b): c for b, c in _BYTE_CHAR.items()})
-_BYTE_LEVEL_TO_LATIN1 = {c: chr(b) for b, c in _BYTE_CHAR.items()}
+_LATIN1_TO_BYTE_LEVEL = str.maketrans({chr(b): c for b, c in bytes_to_unicode().items()})
+_BYTE_LEVEL_TO_LATIN1 = {c: chr(b) for b, c in bytes_to_unicode().items()}
 _PRINTABLE_ASCII = frozenset(map(chr, range(0x21, 0x7F)))
 
 
@@ -82,18 +73,15 @@ def piece_pattern(greedy: list[str], vocab: Mapping[str, int]) -> str:
 
 
 def build_backend(data: Mapping) -> Tokenizer:
-    """The `tokenizers` pipeline of a normalised vocab (`normalize_vocab_data`), with `SpikeTokenizer`'s ids. The greedy
-    tokens that are text are non-special added tokens, found by leftmost-longest Aho-Corasick over the text: that is
-    greedy longest match over the bytes as long as the tokens left out never start where a matched token could. The ones
-    left out lie inside one character, or are one character the ByteLevel decoder would misread ("é"); the runs no
-    matched token starts are whole characters, which ByteLevel, the piece regex and WordPiece cut into them. A vocab
-    with a token across a character boundary (b"d \xe2\x80", which can be neither matched nor left out) or text spelled
-    like another token's byte-level key gets the pieces alone: exact, slower."""
+    """The `tokenizers` pipeline of a normalised vocab (`normalize_vocab_data`), with `SpikeTokenizer`'s ids. The
+    greedy tokens that are text are added tokens found by leftmost-longest Aho-Corasick: greedy longest match over the
+    bytes while the tokens left out (inside one character, or one character ByteLevel would misread: "é") never start
+    where a matched one could; ByteLevel, the piece regex and WordPiece cut the rest. A vocab with a token across a
+    character boundary (b"d \xe2\x80") or text spelled like another token's byte-level key gets the pieces alone."""
     vocab = {token if token in LAYOUT_SPECIALS else token.translate(_LATIN1_TO_BYTE_LEVEL): idx
              for token, idx in data["vocab"].items()}
     greedy = list(greedy_tokens(data))
-    defined = set(vocab.values())
-    holes = [i for i in range(FIRST_MULTIBYTE_ID, SPECIAL_START_ID) if i not in defined]
+    holes = sorted(set(range(FIRST_MULTIBYTE_ID, SPECIAL_START_ID)) - set(vocab.values()))
     vocab.update({unused_token(i): i for i in holes})
     texts = {tok: text for tok in greedy if (text := _text(tok)) is not None and (
         len(text) > 1 or _decodes_as_itself(text))}
@@ -260,8 +248,7 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
         if all(ch in _BYTE_LEVEL_TO_LATIN1 for ch in token):
             spellings.append(_text("".join(map(_BYTE_LEVEL_TO_LATIN1.get, token))))
         for key in spellings:
-            index = None if key is None else self._tokenizer.token_to_id(key)
-            if index is not None:
+            if key is not None and (index := self._tokenizer.token_to_id(key)) is not None:
                 return index
         return self.unk_token_id
 
@@ -319,13 +306,12 @@ def _strip_leading_bos(text, text_pair):
     batched = isinstance(text, (list, tuple))
     if batched and not all(isinstance(t, str) for t in text):
         return text, text_pair, None
+    pairs_batched = batched and isinstance(text_pair, (list, tuple))
     firsts = list(text) if batched else [text]
-    seconds = list(text_pair) if batched and isinstance(text_pair, (list, tuple)) else [text_pair] * len(firsts)
+    seconds = list(text_pair) if pairs_batched else [text_pair] * len(firsts)
     flags = [tuple(isinstance(t, str) and t.startswith(BOS_TOKEN) for t in row) for row in zip(firsts, seconds)]
     if not any(map(any, flags)):
         return text, text_pair, None
     firsts, seconds = ([t[len(BOS_TOKEN):] if f[k] else t for t, f in zip(rows, flags)]
                        for k, rows in enumerate((firsts, seconds)))
-    if not batched:
-        return firsts[0], seconds[0], flags
-    return firsts, seconds if isinstance(text_pair, (list, tuple)) else text_pair, flags
+    return (firsts, seconds if pairs_batched else text_pair, flags) if batched else (firsts[0], seconds[0], flags)
