@@ -150,9 +150,8 @@ class _BatchSelection:
 
 
 class LoopSlotLayer(_BatchSelection, CacheLayerMixin):
-    """One loop-plan slot: static K (after QK-norm and RoPE) / V (after depth mixing), the Memory-Cache state (static
-    buffers updated in place), the Elo ratings, and the rollback history of those two (`history[kind]`: [(length,
-    state)], written by `SpikeWhaleCache.store_slot`, read by `crop`). Its length is the cache's."""
+    """One loop-plan slot of the cache's length: static K (after QK-norm and RoPE) / V (after depth mixing), the
+    Memory-Cache state, the Elo ratings and the rollback history of those two (`history[kind]`: [(length, state)])."""
 
     # Blocks write these buffers in place at static shapes (see `compile_decode`).
     # Declared only from transformers 5.24: earlier 5.x refuse assisted decoding with any compileable cache layer.
@@ -830,13 +829,12 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
 def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria,
                              generation_config: GenerationConfig, mtp_streamer=None, mtp_draft_tokens: int = 1,
                              mtp_confidence_threshold: float = 0.0, **model_kwargs):
-    """`generate(use_mtp=True)` (a `custom_generate`) with plain decoding's greedy ids or sampling law. A step feeds the
-    pending token and K drafts (MTP head k drafts the token k places past it; past the heads, y_{k+1} =
-    head_1(norm(y_k))) through one forward; the main head's choices are emitted as in `_sample` while they equal the
-    drafts in every unfinished row; the rest is cropped from the recording cache. Greedy drafts take the square root of
-    the repetition penalty (the heads learnt part of it). Sampling keeps a draft d ~ q with probability min(1, p/q),
-    else draws from norm(max(0, p - q)). The gate (`assistant_confidence_threshold`) stops drafting where a draft's top
-    probability is not above it in every unfinished row: it reads the context only, so the output law is unchanged."""
+    """`generate(use_mtp=True)` (a `custom_generate`) with plain decoding's greedy ids or sampling law. A forward feeds
+    the pending token and K drafts (head k drafts k places on; past the heads y_{k+1} = head_1(norm(y_k))); the main
+    head's choices are emitted as in `_sample` while they equal the drafts in every unfinished row, the rest is cropped.
+    Greedy drafts take the square root of the repetition penalty (the heads learnt part of it); sampling keeps d ~ q
+    with probability min(1, p/q), else draws from norm(max(0, p - q)). The gate (`assistant_confidence_threshold`) stops
+    drafting unless every unfinished row's top draft probability is above it: it reads the context only (law kept)."""
     streamer, K, threshold = mtp_streamer, mtp_draft_tokens, mtp_confidence_threshold
     heads, norm, do_sample = model.mtp_heads, model.model.norm, bool(generation_config.do_sample)
     return_dict = generation_config.return_dict_in_generate
