@@ -383,9 +383,8 @@ class SpikeWhaleCache(_BatchSelection, Cache):
             raise ValueError(
                 f"recurrent_states_to_keep must be >= 0 (or None: every length), got {recurrent_states_to_keep}")
         self.record_past = True
-        if recurrent_states_to_keep is not None:
-            recurrent_states_to_keep = max(recurrent_states_to_keep, self.min_states_to_keep)
-        self.recurrent_states_to_keep = recurrent_states_to_keep
+        self.recurrent_states_to_keep = (None if recurrent_states_to_keep is None
+                                         else max(recurrent_states_to_keep, self.min_states_to_keep))
 
     def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
         """How many of a forward's last tokens a `crop` may remove, the same for every slot: 0 when not recording,
@@ -878,14 +877,6 @@ def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processo
         unfinished = unfinished & ~stopping_criteria(input_ids, scores)
         return tok
 
-    def logits_and_drafts(h):
-        """Main logits [B, S, V] at the places of h [B, S, H] and the draft logits [B, S, K, V] from each place."""
-        states = [heads[i](h) for i in range(min(K, len(heads)))]
-        while len(states) < K:
-            states.append(heads[0](norm(states[-1])))
-        both = model.lm_head(torch.cat([h, torch.stack(states, 2).flatten(1, 2)], 1))
-        return both[:, :h.shape[1]], both[:, h.shape[1]:].unflatten(1, (h.shape[1], K))
-
     # Sampled drafts see the library's own (stateless) processors, so that q is close to the processed p; a caller's
     # processors run on emitted tokens only, as in plain decoding (they may keep state).
     library = [p for p in logits_processor if type(p).__module__.startswith("transformers.generation.")]
@@ -911,7 +902,7 @@ def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processo
     cache, embeds = model_kwargs.get(CACHE_FIELD), model_kwargs.get("inputs_embeds")
     past = cache.get_seq_length() if cache is not None else 0
     prompt = {"inputs_embeds": embeds[:, past:]} if embeds is not None else {"input_ids": input_ids[:, past:]}
-    no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)  # `logits_and_drafts` makes them
+    no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)  # made below, with the drafts' logits
     feed, drafts, dists = {**prompt, "attention_mask": model_kwargs.get("attention_mask")}, input_ids[:, :0], []
     try:
         while True:  # the prefill, then steps of the pending token and its drafts
@@ -921,7 +912,13 @@ def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processo
                 cache.activate_past_recording(recurrent_states_to_keep=K)
             k = drafts.shape[1]
             stats.forwards, stats.verify_steps = stats.forwards + 1, stats.verify_steps + int(k > 0)
-            logits, draft_logits = logits_and_drafts(out.last_hidden_state[:, -(k + 1):])
+            # One lm_head product: main logits [B, k + 1, V] at the fed places, draft logits [B, k + 1, K, V] from each.
+            h = out.last_hidden_state[:, -(k + 1):]
+            states = [heads[i](h) for i in range(min(K, len(heads)))]
+            while len(states) < K:
+                states.append(heads[0](norm(states[-1])))
+            both = model.lm_head(torch.cat([h, torch.stack(states, 2).flatten(1, 2)], 1))
+            logits, draft_logits = both[:, :k + 1], both[:, k + 1:].unflatten(1, (k + 1, K))
             for j in range(k + 1):  # the main head's choice after each fed token, while it equals the draft
                 tok = emit(logits[:, j], *((drafts[:, j], dists[j]) if j < k else ()))
                 if j == k or unfinished.max() == 0:
