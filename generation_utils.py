@@ -233,9 +233,9 @@ class SpikeWhaleCache(_BatchSelection, Cache):
     def __init__(self, config: SpikeWhaleConfig, max_cache_len: int | None = None):
         max_cache_len = max_cache_len or config.max_position_embeddings
         if max_cache_len > config.max_position_embeddings:
-            raise ValueError(f"max_cache_len={max_cache_len} exceeds max_position_embeddings="
-                             f"{config.max_position_embeddings}; positions past the context window are not defined "
-                             "for this model (widen the RoPE caches first).")
+            raise ValueError(
+                f"max_cache_len={max_cache_len} exceeds max_position_embeddings={config.max_position_embeddings}; "
+                "positions past the context window are not defined for this model (widen the RoPE caches first).")
         self.config = config
         super().__init__(layers=[LoopSlotLayer(self, max_cache_len) for _ in range(config.num_loop_slots)])
         self.n_mc_segments = math.ceil(max_cache_len / config.mc_segment_len)
@@ -451,9 +451,10 @@ class SpikeWhaleCache(_BatchSelection, Cache):
         for pos, state in reversed(history):
             if int(pos) == length:
                 return state
-        raise ValueError(f"Cannot roll the Memory-Cache state back to length {length}: no state was recorded there. "
-                         "Call cache.activate_past_recording() before the forward you may want to undo, with "
-                         "recurrent_states_to_keep at least the number of its tokens you may remove (None: all).")
+        raise ValueError(
+            f"Cannot roll the Memory-Cache state back to length {length}: no state was recorded there. Call "
+            "cache.activate_past_recording() before the forward you may want to undo, with recurrent_states_to_keep "
+            "at least the number of its tokens you may remove (None: all of them).")
 
     def _select(self, fn) -> None:
         for layer in self.layers:
@@ -756,11 +757,11 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
             raise ValueError(f"{asked} alone does not fit {where}: even a one-token prompt would need "
                              f"{new_tokens + 1} positions. Ask for at most {limit - 1} new tokens.")
         if not truncate:
-            raise ValueError(f"The prompt is {width} tokens and {asked}: {width + new_tokens} positions, more than "
-                             f"{where} (spike_whale never wraps positions or silently drops context). Shorten the "
-                             f"prompt to at most {limit - new_tokens} tokens, ask for at most {max(limit - width, 0)} "
-                             "new tokens, or pass truncate_to_context=True to drop the oldest prompt tokens (keeping "
-                             "<bos>).")
+            raise ValueError(
+                f"The prompt is {width} tokens and {asked}: {width + new_tokens} positions, more than {where} "
+                f"(spike_whale never wraps positions or silently drops context). Shorten the prompt to at most "
+                f"{limit - new_tokens} tokens, ask for at most {max(limit - width, 0)} new tokens, or pass "
+                "truncate_to_context=True to drop the oldest prompt tokens (keeping <bos>).")
         if ids is None:
             raise NotImplementedError("truncate_to_context=True drops the oldest input_ids, not inputs_embeds.")
         if past:
