@@ -1,8 +1,6 @@
-"""The loop-slot cache of spike_whale (per loop-plan slot K/V plus Memory-Cache state, and the Engram prefix) and its
-`generate`. A generic KV cache silently computes a different function for this model: the stack runs every layer
-`loop_count` times (so K/V are keyed by loop-plan slot, never by layer), the Memory Cache branch reads summaries of
-every earlier segment, and Engram reads an n-gram window that crosses the cache boundary.
-"""
+"""The loop-slot cache of spike_whale and its `generate`. A generic KV cache silently computes a different function
+for this model: the stack runs every layer `loop_count` times (K/V are keyed by loop-plan slot, never by layer), the
+Memory Cache reads summaries of every earlier segment, and Engram reads an n-gram window across the cache boundary."""
 
 from __future__ import annotations
 
@@ -27,11 +25,6 @@ logger = logging.get_logger(__name__)
 
 # The cache field of transformers' model and generate outputs: `cache` from 5.24, `past_key_values` before.
 CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
-
-
-def _dims(*dims: str):
-    """A `MemoryCacheState` field's per-row shape, by name of `MemoryCacheState.shapes`' sizes."""
-    return field(metadata={"dims": dims})
 
 
 @dataclass
@@ -90,21 +83,19 @@ class SegmentLayout:
 
 @dataclass
 class MemoryCacheState:
-    """Memory-Cache state of one slot: finished-segment summaries and the running sums of the current segment.
+    """Memory-Cache state of one slot: fin_M[b, i] = Σ_{m∈seg i} φ(k_m) v_mᵀ, fin_z[b, i] = Σ φ(k_m), fin_g[b, i] =
+    mean gate key of finished segment i (only i < the row's current segment is meaningful; the last entry is a write
+    sink); run_* the same sums over the current segment so far (run_g a sum, run_n its token count). Each field declares
+    its shape: allocation, copies, batch selection, snapshots and the footprint follow the fields."""
 
-    fin_M[b, i] = Σ_{m∈seg i} φ(k_m) v_mᵀ, fin_z[b, i] = Σ φ(k_m), fin_g[b, i] = mean gate key of segment i
-    (only i < the row's current segment is meaningful; the extra last entry is a write sink).
-    run_* are the same sums over the current segment so far (run_g a sum, run_n its token count).
-    Each field declares its shape: allocation, copies, batch selection, snapshots and the footprint follow the fields.
-    """
-
-    fin_M: torch.Tensor = _dims("entries", "nh", "hd", "hd")
-    fin_z: torch.Tensor = _dims("entries", "nh", "hd")
-    fin_g: torch.Tensor = _dims("entries", "gd")
-    run_M: torch.Tensor = _dims("nh", "hd", "hd")
-    run_z: torch.Tensor = _dims("nh", "hd")
-    run_g: torch.Tensor = _dims("gd")
-    run_n: torch.Tensor = _dims()
+    # Each field's per-row shape, by the names of the sizes in `shapes`.
+    fin_M: torch.Tensor = field(metadata={"dims": ("entries", "nh", "hd", "hd")})
+    fin_z: torch.Tensor = field(metadata={"dims": ("entries", "nh", "hd")})
+    fin_g: torch.Tensor = field(metadata={"dims": ("entries", "gd")})
+    run_M: torch.Tensor = field(metadata={"dims": ("nh", "hd", "hd")})
+    run_z: torch.Tensor = field(metadata={"dims": ("nh", "hd")})
+    run_g: torch.Tensor = field(metadata={"dims": ("gd",)})
+    run_n: torch.Tensor = field(metadata={"dims": ()})
 
     @classmethod
     def shapes(cls, n_seg: int, nh: int, hd: int, gd: int) -> dict[str, tuple[int, ...]]:
@@ -134,9 +125,8 @@ class MemoryCacheState:
                 mine.copy_(new)
 
     def snapshot(self) -> "MemoryCacheState":
-        """This state as a rollback point that survives later in-place updates: the running sums copied, the
-        finished-segment summaries shared. An entry is written once, when its segment finishes, and a row reads only
-        entries below its own segment, so a state rolled back to never reads an entry written after it."""
+        """A rollback point that survives later in-place updates: running sums copied, finished-segment summaries
+        shared (an entry is written once, when its segment ends, and a row reads only entries below its segment)."""
         return replace(self, **{name: getattr(self, name).clone() for name in _MC_DIMS if name.startswith("run_")})
 
 
@@ -154,9 +144,8 @@ class SlotState(NamedTuple):
 
 
 class SlotUpdate(NamedTuple):
-    """What a block hands back for its slot after a chunk (`SpikeWhaleCache.store_slot`): K/V buffers it allocated
-    (None when it wrote the slot's own in place), the new recurrent states and, while recording, those after each
-    of the chunk's last tokens."""
+    """A block's result for its slot after a chunk (`SpikeWhaleCache.store_slot`): K/V buffers it allocated (None: it
+    wrote the slot's own in place), the new recurrent states and, while recording, those after its last tokens."""
 
     kv: tuple[torch.Tensor, torch.Tensor] | None
     mc: MemoryCacheState | None
@@ -166,10 +155,9 @@ class SlotUpdate(NamedTuple):
 
 
 def write_kv(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int | torch.Tensor):
-    """Write a chunk's K/V [B, kvh, S, hd] into a slot's static buffers at `start`, in place: the one K/V write.
-    start an int (eager): returns views of everything written so far. start a 0-d tensor (under torch.compile, so that
-    the step's graph does not change with the length): returns the whole buffers, whose unwritten keys the attention
-    mask hides, as transformers' `StaticLayer` does."""
+    """Write a chunk's K/V [B, kvh, S, hd] into a slot's static buffers at `start`, in place. An int start (eager)
+    returns views of everything written so far; a 0-d tensor (compiled: the graph must not change with the length)
+    returns the whole buffers, whose unwritten keys the mask hides, as transformers' `StaticLayer` does."""
     if isinstance(start, torch.Tensor):
         at = start + torch.arange(k.shape[2], device=keys.device)
         keys.index_copy_(2, at, k)
@@ -182,8 +170,7 @@ def write_kv(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch
 
 
 def _mark_static(*tensors: torch.Tensor | None) -> None:
-    """Tell torch.compile these buffers keep their address, so CUDA graphs replay on them in place (as transformers'
-    static cache layers do)."""
+    """Tell torch.compile these buffers keep their address: CUDA graphs replay on them in place (as static layers)."""
     if not torch.compiler.is_compiling():
         for t in tensors:
             if t is not None:
@@ -217,9 +204,8 @@ class _BatchSelection:
 
 
 class LoopSlotLayer(_BatchSelection, CacheLayerMixin):
-    """One loop-plan slot: static K (after QK-norm and RoPE) / V (after depth mixing), the Memory-Cache state (static
-    buffers updated in place), the Elo ratings, and the rollback history of those two (`history[kind]`: [(length,
-    state)], written by `SpikeWhaleCache.store_slot`, read by `crop`). Its length is the cache's."""
+    """One loop-plan slot of the cache's length: static K (after QK-norm and RoPE) / V (after depth mixing), the
+    Memory-Cache state, the Elo ratings and the rollback history of those two (`history[kind]`: [(length, state)])."""
 
     # Blocks write these buffers in place at static shapes (see `compile_decode`).
     # Declared only from transformers 5.24: earlier 5.x refuse assisted decoding with any compileable cache layer.
@@ -252,10 +238,8 @@ class LoopSlotLayer(_BatchSelection, CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         end = start + key_states.shape[2]
         if end > self.max_cache_len:
-            raise ValueError(
-                f"The cache holds {self.max_cache_len} positions but this step needs {end}; create a "
-                f"SpikeWhaleCache with a larger max_cache_len (at most max_position_embeddings)."
-            )
+            raise ValueError(f"The cache holds {self.max_cache_len} positions but this step needs {end}; create a "
+                             "SpikeWhaleCache with a larger max_cache_len (at most max_position_embeddings).")
         return write_kv(self.keys, self.values, key_states, value_states, start)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -267,8 +251,7 @@ class LoopSlotLayer(_BatchSelection, CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.max_cache_len
 
-    def get_max_cache_shape(self) -> int:  # abstract in transformers < 5.2x
-        return self.max_cache_len
+    get_max_cache_shape = get_max_length  # abstract in transformers < 5.2x
 
     def reset(self) -> None:
         """Zero the buffers in place (they keep their addresses) and forget the history."""
@@ -290,15 +273,14 @@ class LoopSlotLayer(_BatchSelection, CacheLayerMixin):
 
 
 class SpikeWhaleCache(_BatchSelection, Cache):
-    """Cache of a SpikeWhale model: one `LoopSlotLayer` per loop-plan entry plus the state all slots share (`SHARED`:
-    padding mask, real-token counts, Memory-Cache segments, Engram compressed vectors, the n-gram prefix of the next
-    chunk) and one length. Each buffer is allocated once, on the device of the first tensor written to it (so an
-    accelerate `device_map` keeps each slot's state next to its layer), and updated in place, its address static.
+    """Cache of a SpikeWhale model: one `LoopSlotLayer` per loop-plan entry, the state all slots share (`SHARED`:
+    padding mask, real-token counts, Memory-Cache segments, Engram compressed vectors for the next chunk's n-gram
+    prefix) and one length. Each buffer is allocated once, on the device of the first tensor written to it (a
+    `device_map` keeps each slot's state next to its layer), and updated in place, its address static.
 
     Rollback: `crop(-k)` removes the last `k` positions. K/V and the Engram prefix are positional; the Memory-Cache
     and Elo states are not, so while recording (`activate_past_recording`) every forward records them at its start
-    and at the lengths a crop may return to, and `crop` restores those recorded at the new length.
-    """
+    and at the lengths a crop may return to, and `crop` restores those recorded at the new length."""
 
     SHARED = ("key_valid", "num_real", "mc_segment", "engram_c")  # the batch-first buffers every slot shares
 
@@ -307,8 +289,7 @@ class SpikeWhaleCache(_BatchSelection, Cache):
         if max_cache_len > config.max_position_embeddings:
             raise ValueError(
                 f"max_cache_len={max_cache_len} exceeds max_position_embeddings={config.max_position_embeddings}; "
-                "positions past the context window are not defined for this model (widen the RoPE caches first)."
-            )
+                "positions past the context window are not defined for this model (widen the RoPE caches first).")
         self.config = config
         super().__init__(layers=[LoopSlotLayer(self, max_cache_len) for _ in range(config.num_loop_slots)])
         self.n_mc_segments = math.ceil(max_cache_len / config.mc_segment_len)
@@ -343,8 +324,7 @@ class SpikeWhaleCache(_BatchSelection, Cache):
 
     @property
     def record_past(self) -> bool:
-        """Whether forwards record states for `crop`: every slot's flag (transformers' own generation loops end a
-        recording by clearing those)."""
+        """Whether forwards record states for `crop`: every slot's flag (transformers' loops clear those to stop)."""
         return all(layer.record_past for layer in self.layers)
 
     @record_past.setter
@@ -374,10 +354,8 @@ class SpikeWhaleCache(_BatchSelection, Cache):
             self.length = self.length.to(valid.device)
             _mark_static(self.key_valid, self.num_real, self.mc_segment, self.length)
         elif self.key_valid.shape[0] != b:
-            raise ValueError(
-                f"This cache holds a batch of {self.key_valid.shape[0]} rows but the input has {b}; "
-                "use a new cache (or batch_select_indices) for a different batch."
-            )
+            raise ValueError(f"This cache holds a batch of {self.key_valid.shape[0]} rows but the input has {b}; "
+                             "use a new cache (or batch_select_indices) for a different batch.")
 
     def slot_state(self, slot: int, kind: str):
         """A slot's recurrent state: kind "mc" (its `MemoryCacheState`) or "elo" (Elo ratings [B, heads, seq_len], the
@@ -391,10 +369,9 @@ class SpikeWhaleCache(_BatchSelection, Cache):
         return SlotState(*kv, *(self.slot_state(slot, kind) for kind in LoopSlotLayer.STATES))
 
     def store_slot(self, slot: int, update: SlotUpdate, end: int) -> None:
-        """Store what a block hands back for slot `slot` after a chunk that ends at `end`. The recurrent states are not
-        positional (every token adds to them): while recording, the states at the chunk's start and after each of its
-        tokens in `*_steps` but the last (which is the live state) are kept for `crop`. A Memory-Cache state is copied
-        into the slot's buffers, allocated by its first chunk."""
+        """Store a block's `update` for slot `slot` after a chunk ending at `end`. While recording, the non-positional
+        recurrent states at the chunk's start and after each token in `*_steps` but the last (the live state) are kept
+        for `crop`. A Memory-Cache state is copied into the slot's buffers, allocated by its first chunk."""
         layer = self.layers[slot]
         if update.kv is not None:
             layer.keys, layer.values = update.kv
@@ -453,17 +430,15 @@ class SpikeWhaleCache(_BatchSelection, Cache):
         return self.engram_c[:, at.clamp(min=0)] * (at >= 0)[None, :, None]
 
     def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
-        """Record the recurrent states at the start of every following forward and at each of its last
-        `recurrent_states_to_keep` lengths (every length when None), so that `crop` can remove up to that many of a
-        forward's tokens exactly. On across crops until `deactivate_past_recording()` (transformers' semantics);
-        transformers >= 5.25 passes the tokens its loop may crop, so an assisted prefill records only a few states."""
+        """Record the recurrent states at the start of every following forward and at its last
+        `recurrent_states_to_keep` lengths (all when None), so that `crop` can remove that many of its tokens exactly.
+        On across crops until `deactivate_past_recording()`; transformers >= 5.25 passes the tokens it may crop."""
         if recurrent_states_to_keep is not None and recurrent_states_to_keep < 0:
             raise ValueError(
                 f"recurrent_states_to_keep must be >= 0 (or None: every length), got {recurrent_states_to_keep}")
         self.record_past = True
-        if recurrent_states_to_keep is not None:
-            recurrent_states_to_keep = max(recurrent_states_to_keep, self.min_states_to_keep)
-        self.recurrent_states_to_keep = recurrent_states_to_keep
+        self.recurrent_states_to_keep = (None if recurrent_states_to_keep is None
+                                         else max(recurrent_states_to_keep, self.min_states_to_keep))
 
     def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
         """How many of a forward's last tokens a `crop` may remove, the same for every slot: 0 when not recording,
@@ -486,17 +461,14 @@ class SpikeWhaleCache(_BatchSelection, Cache):
                 hist[key] = keep([(int(p), s) for p, s in entries])
 
     def crop(self, max_length: int) -> None:
-        """Roll the cache back (transformers 5.x): `crop(-k)` removes the last `k` positions, `crop(n)` with n > 0
-        keeps the first `n`, `crop(0)` removes nothing. K/V, padding and the Engram prefix are positional; the
-        recurrent states are restored from those recorded at the new length (`ValueError` where none was). Records no
-        longer needed are dropped; a recording stays on (assisted decoding activates it once and crops every step)."""
+        """Roll back: `crop(-k)` removes the last `k` positions, `crop(n > 0)` keeps the first `n`, `crop(0)` nothing.
+        The recurrent states are restored from those recorded at the new length (`ValueError` where none was). Records
+        no longer needed are dropped; recording stays on (assisted decoding activates it once and crops every step)."""
         old_len = self.seq_len
         new_len = old_len + max_length if max_length <= 0 else max_length
         if not 0 <= new_len <= old_len:
-            raise ValueError(
-                f"Cannot crop a cache of length {old_len} with crop({max_length}): crop(-k) removes k "
-                f"positions (0 <= k <= {old_len}), crop(n) keeps the first n."
-            )
+            raise ValueError(f"Cannot crop a cache of length {old_len} with crop({max_length}): crop(-k) removes k "
+                             f"positions (0 <= k <= {old_len}), crop(n) keeps the first n.")
         if new_len == old_len:
             if self.record_past:  # keep the states at the last chunk's start and at the current length
                 keep = (int(self._chunk_start), old_len)
@@ -507,9 +479,8 @@ class SpikeWhaleCache(_BatchSelection, Cache):
         # Every state is looked up before anything is touched, so a failed crop leaves the cache intact.
         restored = [(layer, kind, self._recorded(layer.history.get(kind, []), new_len))
                     for layer in self.layers for kind in LoopSlotLayer.STATES if getattr(layer, kind) is not None]
-        segment = None
-        if self.mc_segment is not None and self.config.use_memory_cache:
-            segment = self._recorded(self._history.get("segment", []), new_len)
+        segment = (self._recorded(self._history.get("segment", []), new_len)
+                   if self.mc_segment is not None and self.config.use_memory_cache else None)
         for layer, kind, state in restored:
             if kind == "mc":
                 layer.mc.copy_(state)  # None: back before the first chunk, the empty state
@@ -535,10 +506,9 @@ class SpikeWhaleCache(_BatchSelection, Cache):
             if int(pos) == length:
                 return state
         raise ValueError(
-            f"Cannot roll the Memory-Cache state back to length {length}: no state was recorded there. "
-            "Call cache.activate_past_recording() before the forward you may want to undo, with "
-            "recurrent_states_to_keep at least the number of its tokens you may remove (None: all of them)."
-        )
+            f"Cannot roll the Memory-Cache state back to length {length}: no state was recorded there. Call "
+            "cache.activate_past_recording() before the forward you may want to undo, with recurrent_states_to_keep "
+            "at least the number of its tokens you may remove (None: all of them).")
 
     def _select(self, fn) -> None:
         for layer in self.layers:
@@ -670,11 +640,9 @@ def _as_assistant_call(generation_config: GenerationConfig, kwargs: dict) -> tup
         config.update(**_SAMPLING_NEUTRAL)  # fields this transformers lacks are left out
     kwargs = config.update(**kwargs)
     if kwargs.get("logits_processor") is not None:
-        kwargs["logits_processor"] = LogitsProcessorList(
-            p for p in kwargs["logits_processor"]
-            if not (type(p).__module__.startswith("transformers.generation.")
-                    and getattr(config, _PROCESSOR_FIELDS.get(type(p).__name__, ""), None) is not None)
-        )
+        kwargs["logits_processor"] = LogitsProcessorList(p for p in kwargs["logits_processor"] if not (
+            type(p).__module__.startswith("transformers.generation.")
+            and getattr(config, _PROCESSOR_FIELDS.get(type(p).__name__, ""), None) is not None))
     return config, kwargs
 
 
@@ -733,14 +701,12 @@ class HealedTailLogitsProcessor(LogitsProcessor):
         per_prompt = input_ids.shape[0] // len(self.tails)  # beams and return sequences repeat each prompt
         out = []
         for row, generated in enumerate(input_ids[:, self.prompt_length:].tolist()):
-            rest, spent = self.tails[row // per_prompt], len(generated)
-            for i, token in enumerate(generated):
-                if not rest:
-                    spent = i
-                    break
-                text = self.index.text_of.get(token)
+            rest, spent = self.tails[row // per_prompt], 0
+            while rest and spent < len(generated):
+                text = self.index.text_of.get(generated[spent])
                 # A token off the tail (a finished row's padding) ends the constraint as covering the tail does.
                 rest = rest[len(text):] if text is not None and rest.startswith(text) else ""
+                spent += 1
             out.append((rest, spent))
         return out
 
@@ -764,11 +730,9 @@ def _heal_prompt(ids: torch.Tensor, mask: torch.Tensor | None, tokenizer):
     if tokenizer is None:
         raise ValueError("token_healing=True needs the prompt's tokenizer: pass tokenizer=... to generate.")
     if getattr(tokenizer, "greedy_vocab", None) is None:
-        raise ValueError(
-            f"token_healing=True re-spells the prompt's tail with the tokens of a greedy longest-match tokenizer "
-            f"(`tokenizer.greedy_vocab`), which {type(tokenizer).__name__} does not have: pass this model's "
-            "SpikeTokenizer/SpikeTokenizerFast, or token_healing=False."
-        )
+        raise ValueError("token_healing=True re-spells the prompt's tail with the tokens of a greedy longest-match "
+                         f"tokenizer (`tokenizer.greedy_vocab`), which {type(tokenizer).__name__} does not have: pass "
+                         "this model's SpikeTokenizer/SpikeTokenizerFast, or token_healing=False.")
     index = GreedyVocabIndex(tokenizer.greedy_vocab)
     real = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
     rows, tails = [], []
@@ -851,8 +815,7 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
                 f"The prompt is {width} tokens and {asked}: {width + new_tokens} positions, more than {where} "
                 f"(spike_whale never wraps positions or silently drops context). Shorten the prompt to at most "
                 f"{limit - new_tokens} tokens, ask for at most {max(limit - width, 0)} new tokens, or pass "
-                "truncate_to_context=True to drop the oldest prompt tokens (keeping <bos>)."
-            )
+                "truncate_to_context=True to drop the oldest prompt tokens (keeping <bos>).")
         if ids is None:
             raise NotImplementedError("truncate_to_context=True drops the oldest input_ids, not inputs_embeds.")
         if past:
@@ -920,13 +883,12 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
 def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria,
                              generation_config: GenerationConfig, mtp_streamer=None, mtp_draft_tokens: int = 1,
                              mtp_confidence_threshold: float = 0.0, **model_kwargs):
-    """`generate(use_mtp=True)` (a `custom_generate`) with plain decoding's greedy ids or sampling law. A step feeds the
-    pending token and K drafts (MTP head k drafts the token k places past it; past the heads, y_{k+1} =
-    head_1(norm(y_k))) through one forward; the main head's choices are emitted as in `_sample` while they equal the
-    drafts in every unfinished row; the rest is cropped from the recording cache. Greedy drafts take the square root of
-    the repetition penalty (the heads learnt part of it). Sampling keeps a draft d ~ q with probability min(1, p/q),
-    else draws from norm(max(0, p - q)). The gate (`assistant_confidence_threshold`) stops drafting where a draft's top
-    probability is not above it in every unfinished row: it reads the context only, so the output law is unchanged."""
+    """`generate(use_mtp=True)` (a `custom_generate`) with plain decoding's greedy ids or sampling law. A forward feeds
+    the pending token and K drafts (head k drafts k places on; past the heads y_{k+1} = head_1(norm(y_k))); the main
+    head's choices are emitted as in `_sample` while they equal the drafts in every unfinished row, the rest is cropped.
+    Greedy drafts take the square root of the repetition penalty (the heads learnt part of it); sampling keeps d ~ q
+    with probability min(1, p/q), else draws from norm(max(0, p - q)). The gate (`assistant_confidence_threshold`) stops
+    drafting unless every unfinished row's top draft probability is above it: it reads the context only (law kept)."""
     streamer, K, threshold = mtp_streamer, mtp_draft_tokens, mtp_confidence_threshold
     heads, norm, do_sample = model.mtp_heads, model.model.norm, bool(generation_config.do_sample)
     return_dict = generation_config.return_dict_in_generate
@@ -970,14 +932,6 @@ def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processo
         unfinished = unfinished & ~stopping_criteria(input_ids, scores)
         return tok
 
-    def logits_and_drafts(h):
-        """Main logits [B, S, V] at the places of h [B, S, H] and the draft logits [B, S, K, V] from each place."""
-        states = [heads[i](h) for i in range(min(K, len(heads)))]
-        while len(states) < K:
-            states.append(heads[0](norm(states[-1])))
-        both = model.lm_head(torch.cat([h, torch.stack(states, 2).flatten(1, 2)], 1))
-        return both[:, :h.shape[1]], both[:, h.shape[1]:].unflatten(1, (h.shape[1], K))
-
     # Sampled drafts see the library's own (stateless) processors, so that q is close to the processed p; a caller's
     # processors run on emitted tokens only, as in plain decoding (they may keep state).
     library = [p for p in logits_processor if type(p).__module__.startswith("transformers.generation.")]
@@ -988,7 +942,7 @@ def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processo
 
     def draft(draft_logits, k):
         """Up to k drafts [B, k'] from draft logits [B, K, V] (fewer where the gate stops) and their distributions."""
-        ctx, out, dists = input_ids, [], []
+        ctx, dists = input_ids, []
         for i in range(k):
             next_scores = draft_processor(ctx, draft_logits[:, i].float())
             dist = torch.softmax(next_scores, dim=-1) if do_sample or threshold > 0 else None
@@ -996,15 +950,14 @@ def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processo
                 stats.withheld += 1
                 break
             d = padded(torch.multinomial(dist, num_samples=1).squeeze(1) if do_sample else next_scores.argmax(-1))
-            out.append(d)
             dists.append(dist)
             ctx = torch.cat([ctx, d[:, None]], dim=-1)
-        return (torch.stack(out, 1) if out else input_ids[:, :0]), dists
+        return ctx[:, input_ids.shape[1]:], dists
 
     cache, embeds = model_kwargs.get(CACHE_FIELD), model_kwargs.get("inputs_embeds")
     past = cache.get_seq_length() if cache is not None else 0
     prompt = {"inputs_embeds": embeds[:, past:]} if embeds is not None else {"input_ids": input_ids[:, past:]}
-    no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)  # `logits_and_drafts` makes them
+    no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)  # made below, with the drafts' logits
     feed, drafts, dists = {**prompt, "attention_mask": model_kwargs.get("attention_mask")}, input_ids[:, :0], []
     try:
         while True:  # the prefill, then steps of the pending token and its drafts
@@ -1014,7 +967,13 @@ def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processo
                 cache.activate_past_recording(recurrent_states_to_keep=K)
             k = drafts.shape[1]
             stats.forwards, stats.verify_steps = stats.forwards + 1, stats.verify_steps + int(k > 0)
-            logits, draft_logits = logits_and_drafts(out.last_hidden_state[:, -(k + 1):])
+            # One lm_head product: main logits [B, k + 1, V] at the fed places, draft logits [B, k + 1, K, V] from each.
+            h = out.last_hidden_state[:, -(k + 1):]
+            states = [heads[i](h) for i in range(min(K, len(heads)))]
+            while len(states) < K:
+                states.append(heads[0](norm(states[-1])))
+            both = model.lm_head(torch.cat([h, torch.stack(states, 2).flatten(1, 2)], 1))
+            logits, draft_logits = both[:, :k + 1], both[:, k + 1:].unflatten(1, (k + 1, K))
             for j in range(k + 1):  # the main head's choice after each fed token, while it equals the draft
                 tok = emit(logits[:, j], *((drafts[:, j], dists[j]) if j < k else ()))
                 if j == k or unfinished.max() == 0:
