@@ -20,7 +20,7 @@ from tokenizers import AddedToken as BackendAddedToken
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte alphabet, as ByteLevel's
-from transformers.tokenization_utils_base import AddedToken, BatchEncoding
+from transformers.tokenization_utils_base import AddedToken, BatchEncoding, PaddingStrategy, TruncationStrategy
 
 from .tokenization_spike import (
     BOS_TOKEN, BYTE_OFFSET, EOS_TOKEN, FIRST_MULTIBYTE_ID, LAYOUT_SPECIALS, PAD_TOKEN, SPECIAL_START_ID, UNK_ID,
@@ -205,10 +205,12 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
         out.convert_to_tensors(return_tensors, prepend_batch_axis=not batched)
         return out
 
-    def _encode_without_offsets(self, text, add_special_tokens, split_special_tokens, padding_strategy,
-                                truncation_strategy, max_length=None, stride=0, pad_to_multiple_of=None,
-                                padding_side=None, return_tensors=None, return_attention_mask=None,
-                                return_special_tokens_mask=False, return_length=False, verbose=True, **_):
+    def _encode_without_offsets(self, text, add_special_tokens, split_special_tokens,
+                                padding_strategy=PaddingStrategy.DO_NOT_PAD,
+                                truncation_strategy=TruncationStrategy.DO_NOT_TRUNCATE, max_length=None, stride=0,
+                                pad_to_multiple_of=None, padding_side=None, return_tensors=None,
+                                return_attention_mask=None, return_special_tokens_mask=False, return_length=False,
+                                verbose=True, **_):
         """`_encode_plus` of a call that returns nothing needing character offsets: `encode_batch_fast`, which skips
         them (they are most of `encode_batch`'s time: docs/performance.md 10.1). The `Encoding`s behind
         ``char_to_token``, ``word_ids`` and ``tokens`` are made, with offsets, when first read (`EncodingsOnDemand`)."""

@@ -145,6 +145,8 @@ def test_specials_inside_text_and_bos_rules(pair):
     enc = fast(["<bos>ab", "ab"], return_offsets_mapping=True)
     assert enc["offset_mapping"][0][1:] == [(s + 5, e + 5) for s, e in enc["offset_mapping"][1][1:]]
     assert fast(["a", "b"], ["<bos>c", "d"])["input_ids"] == slow(["a", "b"], ["<bos>c", "d"])["input_ids"]
+    for text in texts:  # transformers' `tokenize` calls `_encode_plus` without padding or truncation strategies
+        assert fast.tokenize(text) == slow.tokenize(text), text
 
 
 def test_slow_from_a_fast_folder_recognises_every_special_after_every_byte(pair, tmp_path):
