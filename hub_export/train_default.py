@@ -260,17 +260,21 @@ def train_lm(args, ids: torch.Tensor, held_ids: torch.Tensor, log) -> tuple[Spik
     base_lrs = [group["lr"] / args.lr for group in opt.param_groups]
     ckpt_path = os.path.join(work, "checkpoint.pt")
     commands_path = os.path.join(work, "commands.json")
-    commands = json.load(open(commands_path)) if args.resume and os.path.exists(commands_path) else []
-    commands.append(args.command)
-    with open(commands_path, "w") as handle:
-        json.dump(commands, handle)
     step, spent = 0, 0.0
     if args.resume and os.path.exists(ckpt_path):
         state = torch.load(ckpt_path, weights_only=False)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step, spent = state["step"], state["elapsed"]
+        if step < min(args.max_steps, args.stop_at_step or args.max_steps) and spent >= 60 * args.time_budget_min:
+            # Before the record lists this command: a run that trains no step must leave the record as it was.
+            raise SystemExit(f"error: --time-budget-min {args.time_budget_min:g} is spent already: it counts the whole "
+                             f"run, which has trained {spent / 60:.1f} min; pass a larger one")
         log(f"resumed at step {step} ({spent / 60:.1f} min spent)")
+    commands = json.load(open(commands_path)) if args.resume and os.path.exists(commands_path) else []
+    commands.append(args.command)
+    with open(commands_path, "w") as handle:
+        json.dump(commands, handle)
     g = torch.Generator().manual_seed(args.seed + step)
     model.train()
     bf16 = use_bf16(args.bf16)
@@ -416,7 +420,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup-steps", type=int, default=30)
     p.add_argument("--max-steps", type=int, default=4000)
     p.add_argument("--time-budget-min", type=float, default=80.0,
-                   help="stop a run that is slower than planned (the schedule follows --max-steps only)")
+                   help="stop a run that is slower than planned; counts the whole run across --resume (the schedule "
+                        "follows --max-steps only)")
     p.add_argument("--eval-every", type=int, default=50, help="log the held-out loss every N steps")
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--log-every", type=int, default=10)

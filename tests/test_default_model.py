@@ -138,6 +138,10 @@ def test_training_is_deterministic_and_resumable(tmp_path):
     assert train_default.main([str(resumed)] + common + ["--stop-at-step", "2"]) == 0
     first = json.load(open(resumed / "training_record.json"))
     assert first["steps"] == 2 and first["stopped_by"].startswith("stop_at_step")
+    # --time-budget-min counts the whole run: one spent already is refused before the record lists the command.
+    with pytest.raises(SystemExit, match="--time-budget-min 1e-09 is spent already"):
+        train_default.main([str(resumed)] + common + ["--resume", "--time-budget-min", "1e-9"])
+    assert len(json.load(open(resumed / "training" / "commands.json"))) == 1
     assert train_default.main([str(resumed)] + common + ["--resume"]) == 0
     record = json.load(open(resumed / "training_record.json"))
     assert record["steps"] == 3 and record["stopped_by"] == "max_steps" and len(record["commands"]) == 2
