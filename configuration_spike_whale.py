@@ -68,10 +68,6 @@ class LoopPlan:
     def __len__(self) -> int:
         return len(self.entries)
 
-    @property
-    def num_slots(self) -> int:
-        return len(self.entries)
-
     @functools.cached_property
     def runs(self) -> tuple[tuple[int, int, int | None], ...]:
         """The plan cut at pass starts: (first slot, end slot, loop pass or None if the run starts no pass).
@@ -86,52 +82,29 @@ class LoopPlan:
 
 # Byrne-100M-Ultra-MC, the base preset, as its differences from the field defaults (the family's config.py).
 _PRESET_BYRNE_100M = dict(
-    hidden_size=768,
-    max_position_embeddings=1024,
-    tie_word_embeddings=True,
-    num_attention_heads=12,
-    q_lora_rank=128,
-    qk_rope_head_dim=16,
-    o_lora_rank=128,
-    use_moe=False,
-    moe_intermediate_size=2048,
-    engram_compress_dim=32,
-    engram_num_heads=2,
-    hrm_refine_steps=1,
-    hrm_refine_dim=128,
-    use_abstain_head=False,
+    hidden_size=768, max_position_embeddings=1024, tie_word_embeddings=True,
+    num_attention_heads=12, q_lora_rank=128, qk_rope_head_dim=16, o_lora_rank=128,
+    use_moe=False, moe_intermediate_size=2048,
+    engram_compress_dim=32, engram_num_heads=2,
+    hrm_refine_steps=1, hrm_refine_dim=128, use_abstain_head=False,
     use_memory_cache=True,
 )
 
-# Byrne-15M-Looped, the small looped sibling. Stated by the 114M card: 10 layers looped 3 times, MoE 4 routed + 1
-# shared experts of width 160 (top-2), 8 heads / 1 KV head of 64 = 32 RoPE + 32, Elo attention, Engram table 1024,
-# HRM 3 steps, abstain head, no Memory Cache, ~15.2M active / ~18.9M total. Inferred: hidden 384 with tied embeddings
-# (config.py: tying was mandatory at 15M, the embedding being 42% of the budget); the ranks, Engram and HRM widths
-# and the switches not stated are [U] choices (18.76M total / 15.07M active).
+# Byrne-15M-Looped, the small looped sibling: layers, loops, MoE, heads, Elo, Engram table, HRM steps, abstain head
+# and no Memory Cache as the 114M card states; hidden 384 with tied embeddings (config.py: mandatory at 15M), the
+# ranks, Engram and HRM widths and the other switches inferred (18.76M total / 15.07M active).
 _PRESET_BYRNE_15M_LOOPED = dict(
     _PRESET_BYRNE_100M,
-    hidden_size=384,
-    num_hidden_layers=10,
-    num_attention_heads=8,
-    num_key_value_heads=1,
-    qk_rope_head_dim=32,
-    q_lora_rank=64,
-    o_lora_rank=64,
-    use_moe=True,
-    moe_intermediate_size=160,
-    n_routed_experts=4,
-    use_elo=True,
+    hidden_size=384, num_hidden_layers=10,
+    num_attention_heads=8, num_key_value_heads=1, qk_rope_head_dim=32, q_lora_rank=64, o_lora_rank=64, use_elo=True,
+    use_moe=True, moe_intermediate_size=160, n_routed_experts=4,
     engram_table_size=1024,
-    hrm_refine_steps=3,
-    hrm_refine_dim=256,
-    use_abstain_head=True,
-    use_depth_attention=False,
-    use_memory_cache=False,
+    hrm_refine_steps=3, hrm_refine_dim=256, use_abstain_head=True,
+    use_depth_attention=False, use_memory_cache=False,
 )
 
 # Every preset is the base preset plus its differences.
 PRESETS: dict[str, dict] = {
-    # Byrne-15M-Looped (see `_PRESET_BYRNE_15M_LOOPED` for what is stated and what is inferred).
     "byrne-15m-looped": dict(_PRESET_BYRNE_15M_LOOPED),
     # Byrne-100M-Ultra-MC base_62k / dpo_3200 (trained at 1024 tokens).
     "byrne-100m-ultra-mc": dict(_PRESET_BYRNE_100M),
@@ -142,24 +115,13 @@ PRESETS: dict[str, dict] = {
     # A small model with every 114M mechanism on, used by `spike-whale init-tiny` and the demo.
     "tiny": dict(
         _PRESET_BYRNE_100M,
-        hidden_size=64,
-        num_hidden_layers=4,
-        max_position_embeddings=512,
-        num_attention_heads=4,
-        q_lora_rank=32,
-        head_dim=16,
-        qk_rope_head_dim=8,
-        o_lora_rank=32,
+        hidden_size=64, num_hidden_layers=4, max_position_embeddings=512,
+        num_attention_heads=4, q_lora_rank=32, head_dim=16, qk_rope_head_dim=8, o_lora_rank=32,
         moe_intermediate_size=128,
-        engram_compress_dim=8,
-        engram_table_size=256,
+        engram_compress_dim=8, engram_table_size=256,
         hrm_refine_dim=32,
-        loop_count=2,
-        depth_attention_stride=2,
-        mc_segment_len=16,
-        mc_num_heads=2,
-        mc_head_dim=8,
-        mc_gate_dim=16,
+        loop_count=2, depth_attention_stride=2,
+        mc_segment_len=16, mc_num_heads=2, mc_head_dim=8, mc_gate_dim=16,
     ),
 }
 
@@ -252,10 +214,8 @@ class SpikeWhaleConfig(PretrainedConfig):
     model_type = "spike_whale"
     _auto_class = "AutoConfig"
     # Scalars and helper fields of `SpikeWhaleCausalLMOutput` that `Trainer.predict` should not gather.
-    keys_to_ignore_at_inference = [
-        "cache", "last_hidden_state", "lm_loss", "z_loss", "mtp_loss", "hrm_loss", "abstain_loss",
-        "moe_aux_loss", "abstain_threshold",
-    ]
+    keys_to_ignore_at_inference = ["cache", "last_hidden_state", "lm_loss", "z_loss", "mtp_loss", "hrm_loss",
+                                   "abstain_loss", "moe_aux_loss", "abstain_threshold"]
 
     # Standard
     vocab_size: int = 16512
@@ -363,31 +323,25 @@ class SpikeWhaleConfig(PretrainedConfig):
             super().__post_init__(**kwargs)
         self.validate_architecture()
 
-    def validate_architecture(self) -> None:
-        """The one place every field is checked (transformers' `validate_architecture` hook)."""
-        self.validate_spike_whale()
-
     def validate_numbers(self) -> None:
         """Raise a `ValueError` naming the first numeric field outside its range (`_NUMERIC_FIELDS`): a NaN or
         negative epsilon, say, builds a model whose every logit is NaN."""
         for name, (allowed, switch) in _NUMERIC_FIELDS.items():
             value = getattr(self, name)
-            if (switch is None or getattr(self, switch)) and not allowed.admits(value):
-                if value is None and getattr(type(self), name) is None:
-                    continue
+            nullable = value is None and getattr(type(self), name) is None
+            if (switch is None or getattr(self, switch)) and not nullable and not allowed.admits(value):
                 raise ValueError(f"SpikeWhaleConfig: `{name}` must be {allowed}, got {value!r}.")
         token_id = _Range(True, 0, self.vocab_size, excluded="hi")
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
             listed = name == "eos_token_id" and isinstance(value, list)
             if not all(i is None or token_id.admits(i) for i in (value if listed else [value])):
-                raise ValueError(
-                    f"SpikeWhaleConfig: `{name}` must be None or a token id, {token_id} (the vocabulary)"
-                    f"{', or a list of them' if name == 'eos_token_id' else ''}, got {value!r}."
-                )
+                raise ValueError(f"SpikeWhaleConfig: `{name}` must be None or a token id, {token_id} (the vocabulary)"
+                                 f"{', or a list of them' if name == 'eos_token_id' else ''}, got {value!r}.")
 
-    def validate_spike_whale(self) -> None:
-        """Raise a `ValueError` naming the fields of any out-of-range value or self-contradicting combination."""
+    def validate_architecture(self) -> None:
+        """transformers' validation hook, the one place every field is checked: raise a `ValueError` naming the fields
+        of any out-of-range value or self-contradicting combination."""
 
         def fail(msg: str) -> None:
             raise ValueError(f"SpikeWhaleConfig: {msg}")
@@ -469,10 +423,9 @@ class SpikeWhaleConfig(PretrainedConfig):
                 plan.update({f"layers.*.attn.{name}": "colwise" for name in per_head})
         swiglu = {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
         moe_layers = set(self.moe_layers) if self.use_moe else set()
-        ffns = (["layers.*.ffn"] if len(moe_layers) < self.num_hidden_layers else []) + (
-            ["layers.*.ffn.experts.*"] + (["layers.*.ffn.shared_experts"] if self.n_shared_experts else [])
-            if moe_layers else []
-        )
+        ffns = ["layers.*.ffn"] if len(moe_layers) < self.num_hidden_layers else []
+        if moe_layers:
+            ffns += ["layers.*.ffn.experts.*"] + (["layers.*.ffn.shared_experts"] if self.n_shared_experts else [])
         plan.update({f"{ffn}.{name}": style for ffn in ffns for name, style in swiglu.items()})
         if self.use_engram:
             if "embedding_rowwise" in styles:
