@@ -1,10 +1,8 @@
 """SpikeWhale v2 / Byrne configuration.
 
-Every field of the family's `config.py` is kept with the same name and default, so a released
-`config.json` loads through `SpikeWhaleConfig(**json)`. Three defaults that contradict the released
-checkpoints are corrected: `bos_token_id=2`, `eos_token_id=3` (the 0/1 defaults point at `<pad>`/`<unk>`)
-and an explicit `pad_token_id=0`.
-"""
+Every field of the family's `config.py` is kept with the same name and default, so a released `config.json` loads
+through `SpikeWhaleConfig(**json)`. Three defaults that contradict the released checkpoints are corrected:
+`bos_token_id=2`, `eos_token_id=3` (the 0/1 defaults point at `<pad>`/`<unk>`) and an explicit `pad_token_id=0`."""
 
 from __future__ import annotations
 
@@ -41,11 +39,8 @@ def _declared_fields(cls) -> list[str]:
 
 @dataclass(frozen=True)
 class LoopPlan:
-    """The ordered (layer, pass) walk of the looped stack; cache slot = index into `entries`.
-
-    `pass_starts[i]` is True where a loop pass begins: the per-pass embedding is added there and the
-    depth-attention state is reset.
-    """
+    """The ordered (layer, pass) walk of the looped stack; cache slot = index into `entries`. `pass_starts[i]` is True
+    where a loop pass begins: the per-pass embedding is added there and the depth-attention state is reset."""
 
     entries: tuple[tuple[int, int], ...]
     pass_starts: tuple[bool, ...]
@@ -53,16 +48,12 @@ class LoopPlan:
     @classmethod
     def from_config(cls, config: "SpikeWhaleConfig") -> "LoopPlan":
         n_layers, loops = config.num_hidden_layers, config.loop_count
-        if config.loop_mode == "full":
-            prefix, middle, suffix = [], list(range(n_layers)), []
-        else:
-            width = config.loop_middle_layers or n_layers // 2
-            head = (n_layers - width) // 2
-            prefix = list(range(head))
-            middle = list(range(head, head + width))
-            suffix = list(range(head + width, n_layers))
-        passes = [(layer, p, j == 0) for p in range(loops) for j, layer in enumerate(middle)]
-        walk = [(layer, 0, False) for layer in prefix] + passes + [(layer, loops - 1, False) for layer in suffix]
+        # "full" loops every layer, "middle_split" the middle `loop_middle_layers` (default half): the rest run once
+        width = n_layers if config.loop_mode == "full" else config.loop_middle_layers or n_layers // 2
+        head = (n_layers - width) // 2
+        walk = [(layer, 0, False) for layer in range(head)]
+        walk += [(layer, p, j == 0) for p in range(loops) for j, layer in enumerate(range(head, head + width))]
+        walk += [(layer, loops - 1, False) for layer in range(head + width, n_layers)]
         return cls(tuple((layer, p) for layer, p, _ in walk), tuple(start for _, _, start in walk))
 
     def __len__(self) -> int:
@@ -72,12 +63,8 @@ class LoopPlan:
     def runs(self) -> tuple[tuple[int, int, int | None], ...]:
         """The plan cut at pass starts: (first slot, end slot, loop pass or None if the run starts no pass).
         Depth attention reads only layers of its own run."""
-        cuts = [i for i, start in enumerate(self.pass_starts) if start and i > 0] + [len(self.entries)]
-        runs, lo = [], 0
-        for hi in cuts:
-            runs.append((lo, hi, self.entries[lo][1] if self.pass_starts[lo] else None))
-            lo = hi
-        return tuple(runs)
+        cuts = [0] + [i for i, start in enumerate(self.pass_starts) if start and i > 0] + [len(self.entries)]
+        return tuple((lo, hi, self.entries[lo][1] if self.pass_starts[lo] else None) for lo, hi in zip(cuts, cuts[1:]))
 
 
 # Byrne-100M-Ultra-MC, the base preset, as its differences from the field defaults (the family's config.py).
@@ -128,8 +115,7 @@ PRESETS: dict[str, dict] = {
 
 @dataclass(frozen=True)
 class _Range:
-    """The values a numeric field admits: integers (never a bool) or finite numbers, from `lo` to `hi`; an end named
-    in `excluded` ("lo", "hi") is left out."""
+    """Admitted values: integers (not bools) or finite numbers from `lo` to `hi`, minus the ends named in `excluded`."""
 
     integer: bool
     lo: float = -math.inf
@@ -165,12 +151,11 @@ _NUMERIC_FIELDS: dict[str, tuple[_Range, str | None]] = {
                      "loop_count", "loop_middle_layers", "hc_sinkhorn_iters"), (_COUNT, None)),
     "qk_rope_head_dim": (_Range(True, 2), None),
     "num_nextn_predict_layers": (_COUNT0, None),
-    "rms_norm_eps": (_POSITIVE, None),
-    "hc_eps": (_POSITIVE, None),
+    **dict.fromkeys(("rms_norm_eps", "hc_eps"), (_POSITIVE, None)),
     "rope_theta": (_Range(False, 1, excluded="lo"), None),
     "fractal_rope_gamma": (_Range(False, 0, 1), None),
-    "initializer_range": (_NON_NEGATIVE, None),
-    **dict.fromkeys(("zloss_coef", "mtp_loss_weight", "moe_aux_loss_coef", "abstain_loss_weight"), (_NON_NEGATIVE, None)),
+    **dict.fromkeys(("initializer_range", "zloss_coef", "mtp_loss_weight", "moe_aux_loss_coef", "abstain_loss_weight"),
+                    (_NON_NEGATIVE, None)),
     **dict.fromkeys(("hidden_dropout", "attention_dropout"), (_DROPOUT, None)),
     "elo_k_init": (_FINITE, "use_elo"),
     **dict.fromkeys(("n_routed_experts", "num_experts_per_tok"), (_COUNT, "use_moe")),
@@ -191,8 +176,7 @@ _NUMERIC_FIELDS: dict[str, tuple[_Range, str | None]] = {
 
 
 def registered_tp_styles() -> set[str]:
-    """The tensor-parallel style names the installed transformers registers (the set grew across 5.x; the module
-    moved to `transformers.distributed` in later releases)."""
+    """The tensor-parallel style names the installed transformers registers (the set and its module vary in 5.x)."""
     for module in ("transformers.distributed.tensor_parallel", "transformers.integrations.tensor_parallel"):
         try:
             return set(importlib.import_module(module).ALL_PARALLEL_STYLES)
@@ -202,14 +186,11 @@ def registered_tp_styles() -> set[str]:
 
 
 class SpikeWhaleConfig(PretrainedConfig):
-    r"""Configuration of a SpikeWhale v2 (Byrne) looped decoder.
-
-    Field names and defaults are those of the family's `config.py` (`PRESETS`, `from_preset`: the released
-    checkpoints and the 15M sibling). A combination that cannot work raises `ValueError` naming the fields. Port
-    choices: `hc_sinkhorn_iters`/`hc_eps` parameterise a Sinkhorn projection the static Byrne Hyper-Connections do not
-    have, so only their defaults are accepted; Elo takes precedence over DERF; `hidden_dropout` drops each sub-layer
-    output before the residual streams (training only).
-    """
+    r"""Configuration of a SpikeWhale v2 (Byrne) looped decoder; `from_preset` gives the released checkpoints' and the
+    15M sibling's. A combination that cannot work raises `ValueError` naming the fields. Port choices:
+    `hc_sinkhorn_iters`/`hc_eps` parameterise a Sinkhorn projection the static Byrne Hyper-Connections do not have, so
+    only their defaults are accepted; Elo takes precedence over DERF; `hidden_dropout` drops each sub-layer output
+    before the residual streams (training only)."""
 
     model_type = "spike_whale"
     _auto_class = "AutoConfig"
@@ -400,21 +381,16 @@ class SpikeWhaleConfig(PretrainedConfig):
     @property
     def base_model_tp_plan(self) -> dict[str, str]:
         """transformers' tensor-parallel plan, naming only modules this config builds and styles the installed
-        transformers registers. Split: attention heads (with their DERF/Elo parameters, from `local_params`), FFNs and
-        experts, Engram tables and gate, HRM. Replicated: the low-rank latents (normed over their full width), norms,
-        scalars, the router, the Memory-Cache branch (its packed qkv has no three-way style) and Engram fusion. No
-        pipeline plan: every loop pass re-enters the first layers."""
+        transformers registers. Replicated: the low-rank latents (normed over their full width), norms, scalars, the
+        router, the Memory-Cache branch (its packed qkv has no three-way style) and Engram fusion. No pipeline plan:
+        every loop pass re-enters the first layers."""
         styles = registered_tp_styles()
         plan = {}
         per_head = ("elo_gain", "elo_k") if self.use_elo else ()
         per_head = per_head or (("derf_alpha", "derf_bias", "derf_gamma") if self.use_derf else ())
         if not per_head or "local_params" in styles:
-            plan.update({
-                "layers.*.attn.q_b_proj": "colwise",
-                "layers.*.attn.k_proj": "colwise",
-                "layers.*.attn.v_proj": "colwise",
-                "layers.*.attn.o_a_proj": "rowwise",
-            })
+            attn = {"q_b_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_a_proj": "rowwise"}
+            plan.update({f"layers.*.attn.{name}": style for name, style in attn.items()})
             # One weight shared by the heads: each rank's gradient covers only its heads (TP training, 5.24+).
             if self.use_qk_norm and "replicated_with_grad_allreduce" in styles:
                 plan["layers.*.attn.q_norm"] = plan["layers.*.attn.k_norm"] = "replicated_with_grad_allreduce"
@@ -474,9 +450,8 @@ SIZE_FIELDS: dict[str, tuple[str, int | None, str | None]] = {
 
 
 def refuse_oversized_config(args: tuple, kwargs: dict) -> None:
-    """Refuse a config (config.json, `config=` or field kwargs) asking for over 4× what a local folder's safetensors
-    headers hold in a `SIZE_FIELDS` field, before a module is built (a meta build still grows with the layers).
-    args, kwargs: those of `from_pretrained`."""
+    """Refuse a config (config.json, `config=` or field kwargs of `from_pretrained(*args, **kwargs)`) asking for over
+    4× what a local folder's safetensors hold in a `SIZE_FIELDS` field, before even a meta model is built."""
     source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
     if source is None:
         return

@@ -2,12 +2,9 @@
 """Slow (pure Python) tokenizer of the spike_whale models: greedy longest match over the UTF-8 bytes of the text
 against a Length-MAX vocabulary. A flat Hub file: it imports only the standard library and ``transformers``.
 
-Id layout (fixed; the released embeddings depend on it): 0..3 ``<pad> <unk> <bos> <eos>``; byte b at b + 4 (token
-``chr(b)``, one latin-1 character per byte); 260..16383 multi-byte tokens (latin-1 strings of 2..max_token_len
-bytes); 16384..16400 the 17 chat/tool/FIM specials; 16401..16511 111 reserved specials. ``len(tokenizer) == 16512``.
-The vocab file, ``spike_vocab.json`` (transformers reads any ``tokenizer.json`` as a `tokenizers` file), is
-``{"vocab": {latin1_string: id}, "max_token_len": 24, "vocab_size": 16512, "algorithm": "length-max",
-"special_tokens": [...]}``; multi-byte ids it leaves undefined get the placeholder ``⟨unused_ID⟩`` (never produced)."""
+The id layout (the constants below) is fixed: the released embeddings depend on it. Tokens are latin-1 strings, one
+character per UTF-8 byte. The vocab file is ``spike_vocab.json`` (format: `normalize_vocab_data`), since transformers
+reads any ``tokenizer.json`` as a `tokenizers` file."""
 
 from __future__ import annotations
 
@@ -119,11 +116,10 @@ def with_leading_space(words):
 
 
 def greedy_trie_pattern(tokens: Iterable[str], escape=re.escape, dispatch: int = 0) -> str:
-    """An ordered-alternation regex whose successive matches are the greedy longest-match segmentation: each trie node
-    becomes ``(?:child_1...|child_2...|)``, the empty "stop here" alternative (on token nodes) last, so a backtracking
-    engine (``re``, Oniguruma) backs off to the longest token prefixing the rest; all 256 bytes must be tokens.
-    ``dispatch=k`` (k >= 2) puts a node's children, when more than k, behind lookaheads on their first characters
-    (``(?=[abc])(?:a...|b...|c...)|...``): the same matches, and Oniguruma skips a group with one class test."""
+    """A regex whose successive matches are the greedy longest-match segmentation (all 256 bytes must be tokens): each
+    trie node becomes ``(?:child_1...|child_2...|)``, the empty "stop here" alternative (on token nodes) last, so a
+    backtracking engine (``re``, Oniguruma) backs off to the longest token prefixing the rest. ``dispatch=k`` (k >= 2)
+    guards over k children with lookaheads on their first characters, so Oniguruma skips a group with one test."""
     if dispatch == 1 or dispatch < 0:
         raise ValueError(f"dispatch must be 0 (off) or at least 2, got {dispatch}")
     root: dict = {}
@@ -174,9 +170,8 @@ def _dispatch_groups(first_chars: list[str], alts: list[str], size: int, escape)
 
 
 def normalize_vocab_data(data, source: str = "vocab") -> dict:
-    """Validate a Length-MAX vocab object and return it completed to the full 16,512-id layout (missing base
-    specials, chat specials and reserved slots filled in, ``vocab`` ordered by id, unknown keys kept). Anything that
-    contradicts the layout raises `ValueError` naming `source` and the fix."""
+    """A Length-MAX vocab object validated and completed to the 16,512-id layout (specials and reserved slots filled
+    in, ``vocab`` ordered by id, unknown keys kept); a contradiction raises `ValueError` naming `source` and the fix."""
     if not isinstance(data, Mapping):
         raise ValueError(f"{source}: expected a JSON object with a 'vocab' key, got {type(data).__name__}")
     if "model" in data and "vocab" not in data:
@@ -239,15 +234,13 @@ def normalize_vocab_data(data, source: str = "vocab") -> dict:
 
 
 def greedy_tokens(data: Mapping) -> dict[str, int]:
-    """The tokens greedy matching may emit (latin-1 string -> id) of a normalised vocab: the bytes and the multi-byte
-    tokens up to max_token_len (longer ones stay decodable but are never produced)."""
+    """The tokens greedy matching emits (latin-1 string -> id): the bytes and multi-byte tokens up to max_token_len."""
     return {tok: idx for tok, idx in data["vocab"].items()
             if BYTE_OFFSET <= idx < SPECIAL_START_ID and len(tok) <= data["max_token_len"]}
 
 
 def load_vocab_file(source) -> dict:
-    """Read and validate a Length-MAX vocab file (``spike_vocab.json``, or a released custom-format tokenizer.json);
-    also a vocab dict, or None for the byte-level vocab (the 256 bytes only)."""
+    """The validated vocab of a Length-MAX file (or a released tokenizer.json), a vocab dict, or None (bytes only)."""
     if source is None:
         source = {"vocab": {chr(b): b + BYTE_OFFSET for b in range(256)}}
     if isinstance(source, Mapping):
@@ -274,8 +267,7 @@ def special_token(token):
 
 
 class SpikeTokenizerMixin:
-    """What both spike_whale tokenizer classes share: the layout's specials, the vocab in file format and saving it,
-    the chat template default and sanitizing, and keeping ``add_bos_token`` on disk."""
+    """What both tokenizer classes share: layout specials, the vocab file, the chat template, ``add_bos_token``."""
 
     model_input_names = ["input_ids", "attention_mask"]
     padding_side = "left"
@@ -283,9 +275,8 @@ class SpikeTokenizerMixin:
 
     def __init__(self, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, unk_token=UNK_TOKEN, pad_token=PAD_TOKEN,
                  add_bos_token: bool = True, **kwargs):
-        """The base `__init__` with the named specials atomic, the layout's others as extra special tokens (atomic,
-        skipped by skip_special_tokens), the ChatML template and no clean-up by default; the four base specials stay
-        special wherever eos/pad/unk point, a mapping of extra tokens stays named; then each layout id is checked."""
+        """The base `__init__` with every layout special atomic (the four base ones special wherever eos/pad/unk point),
+        the ChatML template and no clean-up by default; then each layout id is checked."""
         kwargs.pop("special_tokens_pattern", None)
         kwargs.pop("backend", None)  # "tokenizers" in a config the fast class wrote
         kwargs.setdefault("chat_template", CHATML_TEMPLATE)
@@ -358,10 +349,9 @@ class SpikeTokenizerMixin:
         return super().save_chat_templates(save_directory, tokenizer_config, filename_prefix, save_jinja_files)
 
     def apply_chat_template(self, conversation, **kwargs):
-        """transformers' `apply_chat_template` with ``sanitize_control_tokens=True`` by default whenever the output is
-        tokenized without an assistant mask: special-token strings inside messages, tools and documents are encoded
-        as text, so a user message cannot open a system turn; the template's own markers stay special. Pass ``False``
-        for the raw behaviour; ``tokenize=False`` returns the plain string, which cannot carry the difference."""
+        """``sanitize_control_tokens=True`` by default when tokenizing without an assistant mask: special-token strings
+        in messages, tools and documents are encoded as text (the template's own stay special), so a user message
+        cannot open a system turn; ``tokenize=False`` returns the plain string, which cannot carry the difference."""
         sanitize = kwargs.pop("sanitize_control_tokens", None)
         if sanitize is None:
             sanitize = bool(kwargs.get("tokenize", True)) and not kwargs.get("return_assistant_tokens_mask", False)
@@ -406,11 +396,9 @@ _BOS_STATE = threading.local()
 
 
 class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
-    """Greedy longest-match byte tokenizer over a Length-MAX vocabulary (slow, pure Python; the reference): a trie
-    regex (`greedy_trie_pattern`) whose matches are the greedy segmentation of the UTF-8 bytes. Special-token strings
-    in the text are atomic unless ``split_special_tokens=True``; decoding is UTF-8 with ``errors="replace"``.
-    `vocab_file`: ``spike_vocab.json``, a released custom-format ``tokenizer.json`` or a vocab dict (none: the 256
-    bytes and the specials). `add_bos_token` (default True): prepend ``<bos>``, never twice, and no ``<eos>``."""
+    """The reference tokenizer (slow, pure Python): `greedy_trie_pattern` over the UTF-8 bytes, special-token strings
+    atomic unless ``split_special_tokens=True``. `vocab_file`: ``spike_vocab.json``, a released ``tokenizer.json`` or
+    a vocab dict (none: bytes and specials only). `add_bos_token`: prepend ``<bos>``, never twice, and no ``<eos>``."""
 
     vocab_files_names = {"vocab_file": VOCAB_FILE_NAME}
 
@@ -552,8 +540,8 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
         `prepare_for_model` gives, with one regex pass and one dict lookup per token."""
         split = self.split_special_tokens if split_special_tokens is None else split_special_tokens
         ids = [self._text_ids(t, split) for t in rows]
-        if add_special_tokens and self._add_bos_token:  # never twice, as in `prepare_for_model`
-            ids = [row if row[:1] == [BOS_ID] else [BOS_ID] + row for row in ids]
+        if add_special_tokens:
+            ids = [self._with_bos(row) for row in ids]
         for row in ids:
             self._eventual_warn_about_too_long_sequence(row, max_length, verbose)
         batched = not isinstance(text, str)
@@ -603,9 +591,8 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
         transformers would read as a `tokenizers` file."""
         path = pretrained_model_name_or_path
         if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
-            for hub_only in ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder",
-                             "trust_remote_code", "proxies", "user_agent", "_from_pipeline", "_from_auto",
-                             "_commit_hash"):
+            for hub_only in ("cache_dir", "force_download", "local_files_only", "trust_remote_code", "_from_pipeline",
+                             "token", "revision", "subfolder", "proxies", "user_agent", "_from_auto", "_commit_hash"):
                 kwargs.pop(hub_only, None)
             kwargs.setdefault("name_or_path", os.fspath(path))
             return cls(path, *init_inputs, **kwargs)

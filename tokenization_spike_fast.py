@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Mapping, Sequence
 
@@ -28,12 +27,10 @@ from .tokenization_spike import (
     load_vocab_file, normalize_vocab_data, unused_token, with_leading_space,
 )
 
-TOKENIZER_FILE_NAME = "tokenizer.json"
 TRIE_DISPATCH = 4  # Oniguruma tries ordered alternatives one by one: lookahead-guarded groups of at most 4
 PIECE_TOKENS = 2  # greedy tokens per Split piece: fewer splits, few WordPiece probes
 _LATIN1_TO_BYTE_LEVEL = str.maketrans({chr(b): c for b, c in bytes_to_unicode().items()})
 _BYTE_LEVEL_TO_LATIN1 = {c: chr(b) for b, c in bytes_to_unicode().items()}
-_PRINTABLE_ASCII = frozenset(map(chr, range(0x21, 0x7F)))
 
 
 def _onig_escape(ch: str) -> str:
@@ -50,20 +47,18 @@ def _text(token: str) -> str | None:
 
 
 def crosses_a_character(token: str) -> bool:
-    """A token (latin-1 string) that is not valid UTF-8 and has a character start after its first byte: part of one
-    character and another, such as b"d \xe2\x80". The added-token matcher cannot find it (`build_backend`)."""
+    """A token that is not UTF-8 with a character start after its first byte (b"d \xe2\x80"): unmatchable as text."""
     return _text(token) is None and any(not 0x80 <= ord(ch) < 0xC0 for ch in token[1:])
 
 
 def _decodes_as_itself(text: str) -> bool:
     """The ByteLevel decoder maps a token through the byte alphabet when every character is in it, else keeps it."""
-    return all(ch in _PRINTABLE_ASCII for ch in text) or not all(ch in _BYTE_LEVEL_TO_LATIN1 for ch in text)
+    return all(0x21 <= ord(ch) < 0x7F for ch in text) or not all(ch in _BYTE_LEVEL_TO_LATIN1 for ch in text)
 
 
 def piece_pattern(greedy: list[str], vocab: Mapping[str, int]) -> str:
-    """A `Split` regex whose matches are runs of up to `PIECE_TOKENS` greedy tokens (byte-level), cut so that
-    WordPiece's longest match over `vocab` gives back exactly those tokens: a token starting with the first character
-    of a key greedy matching never emits (a special, a token over max_token_len, a matched text) is a piece alone."""
+    """A `Split` regex matching runs of up to `PIECE_TOKENS` greedy tokens that WordPiece's longest match gives back:
+    a token starting like a key greedy matching never emits (a special, one over max_token_len...) is a piece alone."""
     greedy_set = set(greedy)
     alone = {key[0] for key in vocab if key not in greedy_set and key[0] in _BYTE_LEVEL_TO_LATIN1}
     runs = [tok for tok in greedy if tok[0] not in alone]
@@ -73,11 +68,10 @@ def piece_pattern(greedy: list[str], vocab: Mapping[str, int]) -> str:
 
 
 def build_backend(data: Mapping) -> Tokenizer:
-    """The `tokenizers` pipeline of a normalised vocab (`normalize_vocab_data`), with `SpikeTokenizer`'s ids. The
-    greedy tokens that are text are added tokens found by leftmost-longest Aho-Corasick: greedy longest match over the
-    bytes while the tokens left out (inside one character, or one character ByteLevel would misread: "é") never start
-    where a matched one could; ByteLevel, the piece regex and WordPiece cut the rest. A vocab with a token across a
-    character boundary (b"d \xe2\x80") or text spelled like another token's byte-level key gets the pieces alone."""
+    """The `tokenizers` pipeline of a normalised vocab, with `SpikeTokenizer`'s ids: ByteLevel, the piece regex and
+    WordPiece, after the greedy tokens that are text as added tokens (leftmost-longest Aho-Corasick is greedy longest
+    match while those left out, inside one character or one ByteLevel would misread, "é", never start where a matched
+    one could), unless a token crosses characters (b"d \xe2\x80") or a text is spelled like another token's key."""
     vocab = {token if token in LAYOUT_SPECIALS else token.translate(_LATIN1_TO_BYTE_LEVEL): idx
              for token, idx in data["vocab"].items()}
     greedy = list(greedy_tokens(data))
@@ -125,11 +119,10 @@ def _vocab_data_from_backend(backend: Tokenizer) -> dict:
 
 
 class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
-    """`SpikeTokenizer` on `tokenizers`: its arguments, ids, decodes, ``add_bos_token``, specials and chat template,
-    plus offsets and batching in Rust. `tokenizer_file`: a ``tokenizer.json`` written by this class; without one
-    (a folder holding only the released vocab too) the pipeline is built from the vocab (`build_backend`)."""
+    """`SpikeTokenizer` on `tokenizers` (its arguments, ids, decodes and specials; offsets and batching in Rust).
+    `tokenizer_file`: a ``tokenizer.json`` this class wrote; without one the pipeline is built from the vocab."""
 
-    vocab_files_names = {"vocab_file": VOCAB_FILE_NAME, "tokenizer_file": TOKENIZER_FILE_NAME}
+    vocab_files_names = {"vocab_file": VOCAB_FILE_NAME, "tokenizer_file": "tokenizer.json"}
     slow_tokenizer_class = SpikeTokenizer
 
     def __init__(self, vocab_file=None, tokenizer_file=None, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
@@ -177,22 +170,22 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
                      is_split_into_words: bool = False, split_special_tokens=None, **kwargs):
         split = self.split_special_tokens if split_special_tokens is None else split_special_tokens
         if is_split_into_words:  # as SpikeTokenizer: each word with a leading space
-            text, text_pair = with_leading_space(text), with_leading_space(text_pair)
-        # Never <bos> twice, as SpikeTokenizer: a leading special "<bos>" is dropped (the post-processor adds it)
-        # and the offsets shifted back.
+            return super()._encode_plus(with_leading_space(text), with_leading_space(text_pair), add_special_tokens,
+                                        *args, is_split_into_words=True, split_special_tokens=split, **kwargs)
+        # Never <bos> twice, as SpikeTokenizer: a leading "<bos>" goes (the post-processor adds one), offsets shift
         stripped = None
-        if add_special_tokens and self.add_bos_token and not split and not is_split_into_words:
+        if add_special_tokens and self.add_bos_token and not split:
             text, text_pair, stripped = _strip_leading_bos(text, text_pair)
         # plain text (a string or a non-empty list of them) in a call without offsets, overflow or type ids
         plain = isinstance(text, str) or bool(text) and isinstance(text, (list, tuple)) and all(
             isinstance(t, str) for t in text)
         no_offsets = not any(kwargs.get(key) for key in ("return_offsets_mapping", "return_overflowing_tokens",
                                                          "return_token_type_ids", "sanitize_control_tokens"))
-        if not args and text_pair is None and not is_split_into_words and plain and no_offsets:
+        if not args and text_pair is None and plain and no_offsets:
             return self._encode_without_offsets(text, add_special_tokens, split, **kwargs)
         if not stripped:
-            return super()._encode_plus(text, text_pair, add_special_tokens, *args,
-                                        is_split_into_words=is_split_into_words, split_special_tokens=split, **kwargs)
+            return super()._encode_plus(text, text_pair, add_special_tokens, *args, split_special_tokens=split,
+                                        **kwargs)
         return_tensors = kwargs.pop("return_tensors", None)
         out = super()._encode_plus(text, text_pair, add_special_tokens, *args, split_special_tokens=split, **kwargs)
         batched = isinstance(text, (list, tuple))
@@ -211,9 +204,8 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
                                 pad_to_multiple_of=None, padding_side=None, return_tensors=None,
                                 return_attention_mask=None, return_special_tokens_mask=False, return_length=False,
                                 verbose=True, **_):
-        """`_encode_plus` of a call that returns nothing needing character offsets: `encode_batch_fast`, which skips
-        them (they are most of `encode_batch`'s time: docs/performance.md 10.1). The `Encoding`s behind
-        ``char_to_token``, ``word_ids`` and ``tokens`` are made, with offsets, when first read (`EncodingsOnDemand`)."""
+        """`_encode_plus` of a call needing no character offsets, by `encode_batch_fast`, which skips them (most of
+        `encode_batch`'s time); the `Encoding`s (``char_to_token``, ``word_ids``...) are made on first read."""
         batch = [text] if isinstance(text, str) else list(text)
         self.set_truncation_and_padding(padding_strategy=padding_strategy, truncation_strategy=truncation_strategy,
                                         max_length=max_length, stride=stride, pad_to_multiple_of=pad_to_multiple_of,
@@ -244,9 +236,11 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
     def _convert_token_to_id_with_added_voc(self, token: str) -> int:
         # A token may also be given as the slow class writes it (its bytes as latin-1), as its text (" é"), or as the
         # byte-level spelling of a matched token ("fÃ¼r" for "für").
-        spellings = [token, token.translate(_LATIN1_TO_BYTE_LEVEL)]
-        with contextlib.suppress(UnicodeEncodeError):  # a lone surrogate has no UTF-8 bytes
-            spellings.append(token.encode("utf-8").decode("latin-1").translate(_LATIN1_TO_BYTE_LEVEL))
+        try:
+            utf8 = token.encode("utf-8").decode("latin-1")
+        except UnicodeEncodeError:  # a lone surrogate (no UTF-8 bytes) is in no vocabulary: <unk>, as in the slow class
+            return self.unk_token_id
+        spellings = [token, token.translate(_LATIN1_TO_BYTE_LEVEL), utf8.translate(_LATIN1_TO_BYTE_LEVEL)]
         if all(ch in _BYTE_LEVEL_TO_LATIN1 for ch in token):
             spellings.append(_text("".join(map(_BYTE_LEVEL_TO_LATIN1.get, token))))
         for key in spellings:
@@ -261,9 +255,8 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
 
 
 class EncodingsOnDemand(Sequence):
-    """`BatchEncoding.encodings` of a call without offsets (`_encode_without_offsets`): on first read the rows are
-    encoded again by `encode_batch` under that call's truncation, padding and split_special_tokens, so they are a
-    plain call's `Encoding`s. Tokens added since would change the ids: that raises instead."""
+    """`BatchEncoding.encodings` of a call without offsets: on first read, `encode_batch` of its rows under its
+    truncation, padding and split_special_tokens; tokens added since would change the ids, so that raises."""
 
     def __init__(self, backend: Tokenizer, batch: list[str], add_special_tokens: bool, without_offsets: list):
         settings = backend.truncation, backend.padding, backend.encode_special_tokens

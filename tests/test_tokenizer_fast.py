@@ -149,6 +149,14 @@ def test_specials_inside_text_and_bos_rules(pair):
         assert fast.tokenize(text) == slow.tokenize(text), text
 
 
+def test_lone_surrogate_token_is_unk_as_in_the_slow_class(pair):
+    """A token string holding a lone surrogate is in no vocabulary: <unk>, not a UnicodeEncodeError from `tokenizers`."""
+    slow, fast = pair
+    for tokens in ("\ud800", "a\udfff", ["\ud800", "a", "<eos>"]):
+        assert fast.convert_tokens_to_ids(tokens) == slow.convert_tokens_to_ids(tokens), tokens
+    assert fast.convert_tokens_to_ids("\ud800") == slow.convert_tokens_to_ids("\ud800") == fast.unk_token_id == 1
+
+
 def test_slow_from_a_fast_folder_recognises_every_special_after_every_byte(pair, tmp_path):
     """Issue 39 item 14: the slow class loaded from a folder the fast one saved took tokenizer.json's added tokens
     (the matcher's greedy tokens) as its own, so "Z <bos>" gave " <", "bo", "s", ">" instead of the special, and it
