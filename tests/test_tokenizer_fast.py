@@ -150,7 +150,7 @@ def test_specials_inside_text_and_bos_rules(pair):
 
 
 def test_lone_surrogate_token_is_unk_as_in_the_slow_class(pair):
-    """A token string holding a lone surrogate is in no vocabulary: <unk>, not a UnicodeEncodeError from `tokenizers`."""
+    """A token string holding a lone surrogate is in no vocabulary: <unk>, not a UnicodeEncodeError (`tokenizers`)."""
     slow, fast = pair
     for tokens in ("\ud800", "a\udfff", ["\ud800", "a", "<eos>"]):
         assert fast.convert_tokens_to_ids(tokens) == slow.convert_tokens_to_ids(tokens), tokens
