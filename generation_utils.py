@@ -1002,8 +1002,7 @@ def compile_walk(walk_run, options: dict, compile_kwargs: dict):
 
 def decode_compile_options(model, compile_kwargs: dict) -> tuple[dict, dict]:
     """(inductor options, torch.compile kwargs) of a compiled decode walk: dynamic shapes, `compiled_decode_guards`, no
-    per-call asserts (the guards pin sizes and strides), `mode` as options, CUDA graphs only on CUDA. Raises, naming
-    the reason, where the decode steps cannot compile (`compile_blocker`)."""
+    per-call asserts (the guards pin sizes and strides), `mode` as options, CUDA graphs only on CUDA."""
     reason = compile_blocker(model)
     if reason is not None:
         raise ValueError(f"compile_decode() cannot compile this model's decode steps because {reason}; they run "
@@ -1091,10 +1090,9 @@ class SpikeWhaleGenerationMixin(GenerationMixin):
         return spike_whale_generate(self, super().generate, inputs, generation_config, **kwargs)
 
     def compile_decode(self, enable: bool = True, **compile_kwargs) -> None:
-        """Run one-token decode steps through `torch.compile`: one graph of `walk_run` (a loop pass; the weights are
-        shared) serves every pass and step; other chunks run the same walk eagerly. `compile_kwargs` go to
-        `torch.compile`. Parameter guards are skipped, so moving or re-typing the model raises until this is called
-        again. `enable=False` returns to eager decoding."""
+        """Run one-token decode steps through `torch.compile(**compile_kwargs)`: one graph of `walk_run` (a loop pass;
+        the weights are shared) serves every pass and step; other chunks run the same walk eagerly. Parameter guards
+        are skipped, so moving or re-typing the model raises until this is called again. `enable=False`: eager."""
         model = self.model
         if not enable:
             model._compiled_run, model._compiled_for = None, None
