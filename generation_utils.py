@@ -12,8 +12,8 @@ from typing import NamedTuple
 
 import torch
 from transformers import (
-    GenerationConfig, GenerationMixin, LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor, StoppingCriteria,
-    StoppingCriteriaList,
+    GenerationConfig, GenerationMixin, LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
+    StoppingCriteria, StoppingCriteriaList,
 )
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.generation import GenerateDecoderOnlyOutput
@@ -86,9 +86,8 @@ class MemoryCacheState:
     """Memory-Cache state of one slot: fin_M[b, i] = Σ_{m∈seg i} φ(k_m) v_mᵀ, fin_z[b, i] = Σ φ(k_m), fin_g[b, i] =
     mean gate key of finished segment i (only i < the row's current segment is meaningful; the last entry is a write
     sink); run_* the same sums over the current segment so far (run_g a sum, run_n its token count). Each field declares
-    its shape: allocation, copies, batch selection, snapshots and the footprint follow the fields."""
+    its per-row shape, sizes named in `shapes`: allocation, copies, batch selection, snapshots and footprint follow."""
 
-    # Each field's per-row shape, by the names of the sizes in `shapes`.
     fin_M: torch.Tensor = field(metadata={"dims": ("entries", "nh", "hd", "hd")})
     fin_z: torch.Tensor = field(metadata={"dims": ("entries", "nh", "hd")})
     fin_g: torch.Tensor = field(metadata={"dims": ("entries", "gd")})
@@ -169,12 +168,11 @@ def write_kv(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch
     return keys[:, :, :end], values[:, :, :end]
 
 
-def _mark_static(*tensors: torch.Tensor | None) -> None:
+def _mark_static(*tensors: torch.Tensor) -> None:
     """Tell torch.compile these buffers keep their address: CUDA graphs replay on them in place (as static layers)."""
     if not torch.compiler.is_compiling():
         for t in tensors:
-            if t is not None:
-                torch._dynamo.mark_static_address(t)
+            torch._dynamo.mark_static_address(t)
 
 
 def _select_into(t: torch.Tensor, fn, filled: int | None = None) -> torch.Tensor:
@@ -219,14 +217,13 @@ class LoopSlotLayer(_BatchSelection, CacheLayerMixin):
         self.cache = cache
         self.max_cache_len = max_cache_len
         self.mc: MemoryCacheState | None = None
-        self.elo: torch.Tensor | None = None  # Elo attention: [B, heads, length] ratings of the cached keys
+        self.elo: torch.Tensor | None = None  # Elo ratings [B, heads, length] of the cached keys (un-scaled Σ of steps)
         self.record_past = False  # set on every slot by `SpikeWhaleCache.activate_past_recording`
         self.history: dict[str, list] = {}
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        b, h, _, d = key_states.shape
-        self.keys = key_states.new_zeros(b, h, self.max_cache_len, d)
-        self.values = value_states.new_zeros(b, value_states.shape[1], self.max_cache_len, value_states.shape[-1])
+        self.keys = key_states.new_zeros(*key_states.shape[:2], self.max_cache_len, key_states.shape[-1])
+        self.values = value_states.new_zeros(*value_states.shape[:2], self.max_cache_len, value_states.shape[-1])
         _mark_static(self.keys, self.values)
         self.is_initialized = True
 
@@ -273,16 +270,17 @@ class LoopSlotLayer(_BatchSelection, CacheLayerMixin):
 
 
 class SpikeWhaleCache(_BatchSelection, Cache):
-    """Cache of a SpikeWhale model: one `LoopSlotLayer` per loop-plan entry, the state all slots share (`SHARED`:
-    padding mask, real-token counts, Memory-Cache segments, Engram compressed vectors for the next chunk's n-gram
-    prefix) and one length. Each buffer is allocated once, on the device of the first tensor written to it (a
-    `device_map` keeps each slot's state next to its layer), and updated in place, its address static.
+    """Cache of a SpikeWhale model: one `LoopSlotLayer` per loop-plan entry, one length and the batch-first state all
+    slots share (`SHARED`): padding mask key_valid [B, max_cache_len], real-token counts num_real [B], Memory-Cache
+    segments mc_segment [B], Engram compressed vectors engram_c [B, max_cache_len, cd] (the next chunk's n-gram
+    prefix). Each buffer is allocated once, on the device of the first tensor written to it (a `device_map` keeps
+    each slot's state next to its layer), and updated in place, its address static.
 
     Rollback: `crop(-k)` removes the last `k` positions. K/V and the Engram prefix are positional; the Memory-Cache
     and Elo states are not, so while recording (`activate_past_recording`) every forward records them at its start
     and at the lengths a crop may return to, and `crop` restores those recorded at the new length."""
 
-    SHARED = ("key_valid", "num_real", "mc_segment", "engram_c")  # the batch-first buffers every slot shares
+    SHARED = ("key_valid", "num_real", "mc_segment", "engram_c")
 
     def __init__(self, config: SpikeWhaleConfig, max_cache_len: int | None = None):
         max_cache_len = max_cache_len or config.max_position_embeddings
@@ -297,10 +295,7 @@ class SpikeWhaleCache(_BatchSelection, Cache):
         # would be a constant of the graph: one recompile per step); eager code reads its host copy (`seq_len`).
         self.length = torch.zeros((), dtype=torch.long)
         self._seq_len: int | None = 0
-        self.key_valid: torch.Tensor | None = None  # [B, max_cache_len] bool
-        self.num_real: torch.Tensor | None = None  # [B] long
-        self.mc_segment: torch.Tensor | None = None  # [B] long
-        self.engram_c: torch.Tensor | None = None  # [B, max_cache_len, cd]
+        self.key_valid = self.num_real = self.mc_segment = self.engram_c = None  # `SHARED`, allocated on first use
         self.recurrent_states_to_keep: int | None = None  # see `activate_past_recording`
         self.min_states_to_keep = 0  # a floor under that bound (`generate` raises it for growing draft counts)
         self._history: dict[str, list] = {}  # "segment" -> [(length, each row's segment)]; slots keep their own
@@ -340,10 +335,6 @@ class SpikeWhaleCache(_BatchSelection, Cache):
     def get_max_length(self, layer_idx: int | None = None) -> int:  # not on transformers < 5.2x's `Cache`
         return self.max_cache_len
 
-    @property
-    def batch_size(self) -> int:
-        return -1 if self.key_valid is None else self.key_valid.shape[0]
-
     def begin(self, valid: torch.Tensor) -> None:
         """Allocate the shared state for a batch on first use (lazily, on the device of `valid`)."""
         b = valid.shape[0]
@@ -358,8 +349,7 @@ class SpikeWhaleCache(_BatchSelection, Cache):
                              "use a new cache (or batch_select_indices) for a different batch.")
 
     def slot_state(self, slot: int, kind: str):
-        """A slot's recurrent state: kind "mc" (its `MemoryCacheState`) or "elo" (Elo ratings [B, heads, seq_len], the
-        un-scaled Σ of rating steps of its cached keys); None before the first chunk."""
+        """A slot's recurrent state, kind "mc" or "elo" (`LoopSlotLayer.STATES`); None before the first chunk."""
         return getattr(self.layers[slot], kind)
 
     def slot(self, slot: int) -> SlotState:
@@ -525,7 +515,6 @@ class SpikeWhaleCache(_BatchSelection, Cache):
         for name in self.SHARED:
             if getattr(self, name) is not None:
                 getattr(self, name).zero_()
-        self._history = {}
         self.deactivate_past_recording()
 
 
@@ -578,27 +567,6 @@ def caller_length_wins(config: GenerationConfig, passed: GenerationConfig | None
     if caller["max_length"] and not caller["max_new_tokens"]:
         config.max_new_tokens = None
     return config
-
-
-def prepare_generation_cache(model, generation_config: GenerationConfig, model_kwargs: dict,
-                             fed: int | None = None) -> bool:
-    """Put a `SpikeWhaleCache` in `model_kwargs` before the prefill: "static" sized to this call (`fed`, the positions
-    transformers counts it feeding, + 1; else `max_length`) or `max_cache_len` if larger, else to the context window.
-    False where transformers' own preparation applies (a cache passed in, use_cache=False)."""
-    impl = generation_config.cache_implementation
-    if model_kwargs.get(CACHE_FIELD) is not None or generation_config.use_cache is False:
-        return False
-    if impl not in (None, "static", "dynamic", "dynamic_full"):  # "dynamic_full": no sliding layers, never had here
-        raise NotImplementedError(
-            f"cache_implementation={impl!r} is not available for spike_whale: no generic (offloaded, quantized, "
-            "sliding) cache holds its per-loop-slot K/V, Memory-Cache and Engram state. Use \"static\" or \"dynamic\".")
-    length = fed + 1 if fed is not None else generation_config.max_length or 0
-    size = max(length, getattr(generation_config, "max_cache_len", None) or 0, 1) if impl == "static" else None
-    cache = model_kwargs[CACHE_FIELD] = SpikeWhaleCache(
-        model.config, max_cache_len=min(size, model.config.max_position_embeddings) if size else None)
-    if getattr(generation_config, "is_assistant", False):  # a draft model's candidates get rolled back
-        cache.activate_past_recording(recurrent_states_to_keep=getattr(generation_config, "num_assistant_tokens", None))
-    return True
 
 
 def _prompt_width(ids, embeds, mask, bos_id) -> int:
@@ -753,8 +721,7 @@ def _heal_prompt(ids: torch.Tensor, mask: torch.Tensor | None, tokenizer):
 
 
 def spike_whale_generate(model, parent_generate, inputs=None, generation_config=None, **kwargs):
-    """`SpikeWhaleForCausalLM.generate`: checks the inputs and the context window before any work, heals or truncates
-    the prompt where asked, routes `use_mtp=True` through `custom_generate`; `parent_generate` does the rest."""
+    """`SpikeWhaleGenerationMixin.generate` on the model; `parent_generate` is transformers' own."""
     if getattr(generation_config, "is_assistant", False):
         generation_config, kwargs = _as_assistant_call(generation_config, kwargs)
     own = ("use_mtp", "truncate_to_context", "mtp_draft_tokens")  # arguments transformers does not know
@@ -847,8 +814,7 @@ def spike_whale_generate(model, parent_generate, inputs=None, generation_config=
         cache.min_states_to_keep = max(new_tokens, 0)
 
     if use_mtp:
-        # Read before transformers fills its defaults for a separate assistant model (0.4 and 20): unset by the
-        # caller and by generation_config.json means no gate and one draft per MTP head.
+        # Unset (`_effective_generation_config`): no gate and one draft per MTP head.
         heads, threshold = len(getattr(model, "mtp_heads", ())), eff.assistant_confidence_threshold
         threshold = 0.0 if threshold is None else threshold
         name = "mtp_draft_tokens" if draft_tokens is not None else "num_assistant_tokens"
@@ -1031,24 +997,16 @@ def compiled_decode_guards(entries) -> list[bool]:
 def compile_walk(walk_run, options: dict, compile_kwargs: dict):
     """The model's `walk_run` through `torch.compile`; the blocks' Python floats (eps, ...) are traced as constants."""
     compiled = torch.compile(walk_run, options=options, **compile_kwargs)
-
-    def compiled_run(*args):
-        with torch._dynamo.config.patch(specialize_float=True):
-            return compiled(*args)
-
-    return compiled_run
+    return torch._dynamo.config.patch(specialize_float=True)(compiled)
 
 
 def decode_compile_options(model, compile_kwargs: dict) -> tuple[dict, dict]:
     """(inductor options, torch.compile kwargs) of a compiled decode walk: dynamic shapes, `compiled_decode_guards`, no
-    per-call asserts (the guards pin sizes and strides), `mode` as options, CUDA graphs only on CUDA. Raises, naming
-    the reason, where the decode steps cannot compile (`compile_blocker`)."""
+    per-call asserts (the guards pin sizes and strides), `mode` as options, CUDA graphs only on CUDA."""
     reason = compile_blocker(model)
     if reason is not None:
-        raise ValueError(
-            f"compile_decode() cannot compile this model's decode steps because {reason}; they run eagerly. "
-            "Generate without it."
-        )
+        raise ValueError(f"compile_decode() cannot compile this model's decode steps because {reason}; they run "
+                         "eagerly. Generate without it.")
     compile_kwargs = {"dynamic": True, **compile_kwargs}
     options = {"guard_filter_fn": compiled_decode_guards, "size_asserts": False, "alignment_asserts": False,
                "scalar_asserts": False}
@@ -1074,11 +1032,23 @@ class SpikeWhaleGenerationMixin(GenerationMixin):
         return caller_length_wins(config, generation_config, kwargs), model_kwargs
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """A `SpikeWhaleCache` before the prefill (`prepare_generation_cache`); args: transformers' generation mode,
-        batch size and the positions the call feeds."""
-        fed = kwargs.get("max_cache_length", args[2] if len(args) > 2 else None)
-        if not prepare_generation_cache(self, generation_config, model_kwargs, fed):
+        """A `SpikeWhaleCache` before the prefill: "static" sized to this call (args[2]: the positions transformers
+        counts it feeding, + 1; else `max_length`) or `max_cache_len` if larger, else to the context window.
+        transformers' own preparation where a cache is passed in or use_cache=False."""
+        impl = generation_config.cache_implementation
+        if model_kwargs.get(CACHE_FIELD) is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if impl not in (None, "static", "dynamic", "dynamic_full"):  # "dynamic_full": no sliding layers, never had here
+            raise NotImplementedError(
+                f"cache_implementation={impl!r} is not available for spike_whale: no generic (offloaded, quantized, "
+                'sliding) cache holds its per-loop-slot K/V, Memory-Cache and Engram state. Use "static" or "dynamic".')
+        fed = kwargs.get("max_cache_length", args[2] if len(args) > 2 else None)
+        length = fed + 1 if fed is not None else generation_config.max_length or 0
+        size = max(length, getattr(generation_config, "max_cache_len", None) or 0, 1) if impl == "static" else None
+        cache = model_kwargs[CACHE_FIELD] = SpikeWhaleCache(
+            self.config, max_cache_len=min(size, self.config.max_position_embeddings) if size else None)
+        if getattr(generation_config, "is_assistant", False):  # a draft model's candidates get rolled back
+            cache.activate_past_recording(getattr(generation_config, "num_assistant_tokens", None))
 
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
         """An explicit `compile_config` compiles on any device (CPU included); without one, as in-library, a static
@@ -1104,8 +1074,6 @@ class SpikeWhaleGenerationMixin(GenerationMixin):
     def get_compiled_call(self, compile_config):
         """`generate(..., compile_config=...)`: compiles the one-token decode step per loop-plan run (`compile_decode`)
         rather than the whole forward, which would unroll every slot of every pass into one graph."""
-        if compile_blocker(self.model) is not None:
-            return self.__call__
         config = compile_config.to_dict() if compile_config is not None else {}
         if config != getattr(self, "_decode_compile_config", None) or self.model._compiled_for is None:
             kwargs = {k: v for k, v in config.items() if k in ("fullgraph", "backend", "mode", "options")
@@ -1115,19 +1083,19 @@ class SpikeWhaleGenerationMixin(GenerationMixin):
         return self.__call__
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
-        """`GenerationMixin.generate` on the loop-slot cache (`spike_whale_generate`), plus: a prompt past the context
-        raises before any work (`truncate_to_context=True` drops its oldest tokens); `use_mtp=True` decodes MTP
-        self-speculatively, ids identical to greedy (`mtp_draft_tokens`, `assistant_confidence_threshold`); a
-        conversation continues from `cache=out.cache` given the full ids."""
+        """`GenerationMixin.generate` on the loop-slot cache (`spike_whale_generate`), inputs checked before any work: a
+        prompt past the context raises (`truncate_to_context=True` drops its oldest tokens); `token_healing` re-spells
+        its tail; `use_mtp=True` decodes MTP self-speculatively, ids identical to greedy (`mtp_draft_tokens`,
+        `assistant_confidence_threshold`); `cache=out.cache` with the full ids continues a conversation."""
         return spike_whale_generate(self, super().generate, inputs, generation_config, **kwargs)
 
     def compile_decode(self, enable: bool = True, **compile_kwargs) -> None:
-        """Run one-token decode steps through `torch.compile`: one graph of `walk_run` (a loop pass; the weights are
-        shared) serves every pass and step; other chunks run the same walk eagerly. `compile_kwargs` go to
-        `torch.compile`. Parameter guards are skipped, so moving or re-typing the model raises until this is called
-        again. `enable=False` returns to eager decoding."""
+        """Run one-token decode steps through `torch.compile(**compile_kwargs)`: one graph of `walk_run` (a loop pass;
+        the weights are shared) serves every pass and step; other chunks run the same walk eagerly. Parameter guards
+        are skipped, so moving or re-typing the model raises until this is called again. `enable=False`: eager."""
+        model = self.model
         if not enable:
-            self.model._compiled_run, self.model._compiled_for = None, None
+            model._compiled_run, model._compiled_for = None, None
             return
-        self.model._compiled_run = compile_walk(self.model.walk_run, *decode_compile_options(self.model, compile_kwargs))
-        self.model._compiled_for = (self.model.embed_tokens.weight.dtype, self.model.embed_tokens.weight.device)
+        model._compiled_run = compile_walk(model.walk_run, *decode_compile_options(model, compile_kwargs))
+        model._compiled_for = (model.embed_tokens.weight.dtype, model.embed_tokens.weight.device)
