@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 
+MARK = "bench_vllm result: "
 
 def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     import torch
@@ -89,14 +90,14 @@ def write_llama_anchor(model_dir: str, out_dir: str) -> str:
 
 
 def measure(kind: str, model_dir: str, args) -> dict:
-    """One measurement in a fresh interpreter; its JSON is the last line it prints."""
+    """One measurement in a fresh interpreter; its JSON is the line it prints after `MARK` (vLLM logs to stdout too)."""
     cmd = [sys.executable, __file__, model_dir, "--run", kind, "--requests", str(args.requests), "--new-tokens",
            str(args.new_tokens), "--prompt-len", str(args.prompt_len), "--dtype", args.dtype,
            "--cpu-memory-fraction", str(args.cpu_memory_fraction)] + (["--enforce-eager"] if args.enforce_eager else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{kind} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith(MARK)][-1][len(MARK):])
 
 
 def main() -> None:
@@ -114,7 +115,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.run:
         result = run_vllm(args.model_dir, args) if args.run == "vllm" else run_hf(args.model_dir, args)
-        print(json.dumps(result))
+        print(MARK + json.dumps(result), flush=True)
         return
 
     results = {"vllm_spike_whale": measure("vllm", args.model_dir, args),
