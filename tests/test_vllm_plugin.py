@@ -169,11 +169,14 @@ def test_chunked_prefill_is_token_exact(folder, prompts, references, budget):
     assert got == references
 
 
-def test_prefix_cache_hit_resumes_from_a_saved_state(folder, hf_model):
-    """A second request shares a long prefix with the first: vLLM serves the prefix from its cache (K/V and the
-    recurrent state saved at a block boundary) and prefills only the rest; the tokens still equal transformers'."""
+def test_prefix_cache_hit_resumes_from_a_saved_state(folder, hf_model, prompts, references):
+    """With prefix caching on (vLLM's "align" mode for the state): the mixed batch, then a request sharing a long
+    prefix with an earlier one, which vLLM serves from its cache (K/V and the recurrent state saved at a block
+    boundary), prefilling only the rest; the tokens still equal transformers'."""
     engine = make_llm(folder, enable_prefix_caching=True, max_num_seqs=4)
     try:
+        assert engine.llm_engine.vllm_config.cache_config.mamba_cache_mode == "align"
+        batch = tokens(generate(engine, prompts))
         block = engine.llm_engine.vllm_config.cache_config.block_size
         shared = prompts_of([block + 37], seed=1)[0]
         first, second = shared + prompts_of([11], seed=2)[0], shared + prompts_of([6], seed=3)[0]
@@ -181,7 +184,9 @@ def test_prefix_cache_hit_resumes_from_a_saved_state(folder, hf_model):
         out_second = generate(engine, [second])[0]
     finally:
         close(engine)
-    assert out_second.num_cached_tokens > 0
+    assert batch == references
+    assert out_first.num_cached_tokens == 0
+    assert out_second.num_cached_tokens >= block
     assert list(out_first.outputs[0].token_ids) == reference(hf_model, first)
     assert list(out_second.outputs[0].token_ids) == reference(hf_model, second)
 
