@@ -169,26 +169,36 @@ def test_chunked_prefill_is_token_exact(folder, prompts, references, budget):
     assert got == references
 
 
-def test_prefix_cache_hit_resumes_from_a_saved_state(folder, hf_model, prompts, references):
+def test_prefix_cache_hit_resumes_from_a_saved_state(folder, hf_model, prompts, references, monkeypatch):
     """With prefix caching on (vLLM's "align" mode for the state): the mixed batch, then a request sharing a long
     prefix with an earlier one, which vLLM serves from its cache (K/V and the recurrent state saved at a block
-    boundary), prefilling only the rest; the tokens still equal transformers'."""
+    boundary), prefilling only the rest; the tokens still equal transformers'. Negative control: a third such request
+    whose resumed state is read as empty (at every step that starts on a block boundary) does not."""
     engine = make_llm(folder, enable_prefix_caching=True, max_num_seqs=4)
     try:
         assert engine.llm_engine.vllm_config.cache_config.mamba_cache_mode == "align"
         batch = tokens(generate(engine, prompts))
         block = engine.llm_engine.vllm_config.cache_config.block_size
         shared = prompts_of([block + 37], seed=1)[0]
-        first, second = shared + prompts_of([11], seed=2)[0], shared + prompts_of([6], seed=3)[0]
+        first, second, third = (shared + tail for tail in prompts_of([11, 6, 9], seed=2))
         out_first = generate(engine, [first])[0]
         out_second = generate(engine, [second])[0]
+        gather = plugin_model.StepCache._gather
+
+        def drop_resumed(self, buf):
+            resumed = (self.ctx_lens > 0) & (self.ctx_lens % block == 0)
+            return gather(self, buf).masked_fill_(resumed.view(-1, *[1] * (buf.dim() - 1)), 0.0)
+
+        monkeypatch.setattr(plugin_model.StepCache, "_gather", drop_resumed)
+        out_third = generate(engine, [third])[0]
     finally:
         close(engine)
     assert batch == references
     assert out_first.num_cached_tokens == 0
-    assert out_second.num_cached_tokens >= block
+    assert out_second.num_cached_tokens >= block and out_third.num_cached_tokens >= block
     assert list(out_first.outputs[0].token_ids) == reference(hf_model, first)
     assert list(out_second.outputs[0].token_ids) == reference(hf_model, second)
+    assert list(out_third.outputs[0].token_ids) != reference(hf_model, third)
 
 
 def test_speculative_decoding_is_refused_at_engine_start(folder):

@@ -188,6 +188,7 @@ class StepCache:
         R, W = valid.shape
         self.hub, self.slots, self.rows, self.valid, self.plan_layers = hub, slots, rows, valid, plan_layers
         self.attn = [slot.attn for slot in slots]
+        self.ctx_lens = ctx_lens  # each row's cached tokens
         self.fresh = ctx_lens == 0  # these rows start from the empty state, whatever their state blocks hold
         self.seq_len = int(ctx_lens.max())
         self.max_cache_len = self.seq_len + W
