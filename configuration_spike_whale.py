@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import glob
 import importlib
 import json
@@ -59,7 +58,7 @@ class LoopPlan:
     def __len__(self) -> int:
         return len(self.entries)
 
-    @functools.cached_property
+    @property
     def runs(self) -> tuple[tuple[int, int, int | None], ...]:
         """The plan cut at pass starts: (first slot, end slot, loop pass or None if the run starts no pass).
         Depth attention reads only layers of its own run."""
