@@ -3,14 +3,15 @@ the same folder, and against vLLM serving an in-library Llama of the same per-to
 
 Every engine gets the same work: N concurrent requests (default 32) of random token prompts, each decoding M new
 tokens (default 128) greedily with EOS ignored; tok/s counts the new tokens over the wall time of the whole batch.
-Each measurement runs in a fresh interpreter of the vLLM venv (scripts/test_vllm.sh builds one).
+Each measurement runs in a fresh interpreter of the vLLM venv (scripts/test_vllm.sh builds one), every engine with
+`--threads` torch threads (vLLM's CPU backend would otherwise keep one core for itself and compute on the rest).
 
 The Llama anchor unrolls the loop: hidden size, heads and vocabulary of the folder, one layer per loop-plan slot, the
 dense FFN width, tied embeddings (for the 114M preset this is `benchmarks/_common.py`'s anchor: 48 layers, hidden
 768, 12/2 heads of 64, FFN 2048). Random weights: the work per token, not the text, is what is compared.
 
 usage: python benchmarks/bench_vllm.py MODEL_DIR [--requests 32] [--new-tokens 128] [--prompt-len 64]
-           [--dtype float32] [--json OUT.json]
+           [--dtype float32] [--threads 2] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def measure(kind: str, model_dir: str, args) -> dict:
     cmd = [sys.executable, __file__, model_dir, "--run", kind, "--requests", str(args.requests), "--new-tokens",
            str(args.new_tokens), "--prompt-len", str(args.prompt_len), "--dtype", args.dtype,
            "--cpu-memory-fraction", str(args.cpu_memory_fraction)] + (["--enforce-eager"] if args.enforce_eager else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     if proc.returncode != 0:
         raise SystemExit(f"{kind} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return json.loads([line for line in proc.stdout.splitlines() if line.startswith(MARK)][-1][len(MARK):])
@@ -107,6 +108,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of every engine (OMP_NUM_THREADS)")
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile (both vLLM runs)")
     parser.add_argument("--cpu-memory-fraction", type=float, default=0.3,
                         help="vLLM's gpu_memory_utilization, the share of host memory its CPU backend reserves")
@@ -125,7 +127,7 @@ def main() -> None:
     sw, hf, llama = (results[k]["tok_s"] for k in ("vllm_spike_whale", "transformers_spike_whale", "vllm_llama_anchor"))
     summary = {
         "requests": args.requests, "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "dtype": args.dtype,
-        "enforce_eager": args.enforce_eager, "results": results,
+        "enforce_eager": args.enforce_eager, "threads": args.threads, "results": results,
         "vllm_over_transformers": sw / hf, "spike_whale_over_llama_in_vllm": sw / llama,
     }
     print(f"{'engine':<34}{'new tokens':>12}{'seconds':>10}{'tok/s':>10}")
