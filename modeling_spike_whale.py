@@ -24,10 +24,8 @@ from transformers.utils import logging
 from transformers.utils.generic import can_return_tuple
 
 from .configuration_spike_whale import LoopPlan, SpikeWhaleConfig, refuse_oversized_config
-from .generation_utils import (
-    CACHE_FIELD, MemoryCacheState, SegmentLayout, SlotState, SlotUpdate, SpikeWhaleCache, SpikeWhaleGenerationMixin,
-    write_kv,
-)
+from .generation_utils import (CACHE_FIELD, MemoryCacheState, SegmentLayout, SlotState, SlotUpdate, SpikeWhaleCache,
+                               SpikeWhaleGenerationMixin, write_kv)
 
 logger = logging.get_logger(__name__)
 
@@ -88,16 +86,8 @@ class KeepsFloat32(nn.Module):
         return super()._apply(keep, recurse)
 
 
-class SpikeWhaleRMSNorm(nn.Module):
+class SpikeWhaleRMSNorm(nn.RMSNorm):
     """y = x · rsqrt(mean(x²) + ε) · w (ε inside the root; bit-identical to the reference's formula in float32)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(rope_dim: int, theta: float, fractal: bool, gamma: float) -> torch.Tensor:
@@ -121,8 +111,7 @@ class SpikeWhaleRotaryEmbedding(KeepsFloat32):
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__()
         self.config = config
-        half = config.qk_rope_head_dim // 2
-        P = config.max_position_embeddings
+        half, P = config.qk_rope_head_dim // 2, config.max_position_embeddings
         f32 = torch.float32  # whatever the default dtype (`_from_config(dtype=...)`)
         self.register_buffer("inv_freq", torch.empty(half, dtype=f32), persistent=True)
         self.register_buffer("cos_cache", torch.empty(P, half, dtype=f32), persistent=True)
@@ -225,9 +214,8 @@ class MemoryCacheBranch(KeepsFloat32):
         self.mc_gate = nn.Parameter(torch.zeros(1, dtype=f32))
 
     def forward(self, u: torch.Tensor, ctx: ForwardContext, state: MemoryCacheState | None, proj: tuple | None = None):
-        """(output [B, S, H], the state after the chunk, the states after each recorded token), None without a cache;
-        state: before the chunk (None: empty). The chunk form runs on the first `lay.split` tokens, the step form on
-        the rest."""
+        """(output [B, S, H], state after the chunk, states after each recorded token; None without a cache) from the
+        state before it (None: empty): the chunk form on the first `lay.split` tokens, the step form on the rest."""
         lay = ctx.segments_on(u.device)
         B, S, _ = u.shape
         # Autocast is turned off only where it is on: its nodes keep AOTAutograd from caching a compiled graph.
@@ -349,8 +337,7 @@ class MemoryCacheBranch(KeepsFloat32):
             own_den = own_den + first[..., None] * torch.einsum("bshd,bhd->bsh", fq, state.run_z)
             own_g = own_g + first[..., None] * state.run_g[:, None]
             own_n = own_n + first * state.run_n[:, None]
-            for total, running in ((seg_M, state.run_M), (seg_z, state.run_z), (seg_g, state.run_g),
-                                   (seg_n, state.run_n)):
+            for total, running in zip((seg_M, seg_z, seg_g, seg_n), (state.run_M, state.run_z, state.run_g, state.run_n)):
                 total[:, 0] += running
         seg_gmean = seg_g / seg_n.clamp(min=1)[..., None] if R > 1 else None
 
@@ -742,20 +729,19 @@ class SpikeWhaleAttention(nn.Module):
         return y, weights, None, None
 
     def forward(self, u: torch.Tensor, ctx: ForwardContext, state: SlotState | None, depth_sources: tuple):
-        """(output [B, S, H], depth entry, weights, the slot's `SlotUpdate`), each but the output possibly None; the
+        """(output [B, S, H], depth (k, v), weights, the slot's `SlotUpdate`), each but the output possibly None; the
         slot's K/V buffers (`state`) are written in place at `ctx.past`."""
         B, S, _ = u.shape
         proj = self.input_projections(u)
         q_lat, k, v = proj[:3]
-        # -1 heads: under tensor parallelism a rank holds its share of them.
-        q = self.q_b_proj(self.q_a_norm(q_lat)).view(B, S, -1, self.hd)
+        q = self.q_b_proj(self.q_a_norm(q_lat)).view(B, S, -1, self.hd)  # -1: a tensor-parallel rank's heads
         k = k.view(B, S, -1, self.hd)
         if self.use_qk_norm:  # before the transpose: the same values, on a contiguous layout
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, S, -1, self.hd).transpose(1, 2)
         cos, sin = ctx.rope_tables(self.rope, u.device, q.dtype)
         q, k = apply_partial_rope(torch.cat([q, k], 1), cos, sin).split([q.shape[1], k.shape[1]], 1)
-        depth_entry = (k, v) if self.is_depth_checkpoint else None
+        depth_entry = (k, v) if self.is_depth_checkpoint else (None, None)
         if self.depth_gate is not None and depth_sources:
             gate = self.depth_gate
             tanh_gate = derived(self, ("depth", v.dtype), lambda: _as(torch.tanh(gate), v.dtype), gate)
@@ -935,7 +921,7 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
         if self.ve_gate is not None:
             h = h + torch.tanh(self.ve_gate).to(h.dtype) * token_embed.to(h.device, h.dtype)
         depth_sources = tuple(zip(depth_flat[0::2], depth_flat[1::2]))
-        a, depth_entry, weights, update = self.attn(self.attn_norm(h), ctx, state, depth_sources)
+        a, (dk, dv), weights, update = self.attn(self.attn_norm(h), ctx, state, depth_sources)
         if self.training and self.hidden_dropout:
             a = F.dropout(a, self.hidden_dropout, True)
         X = self.hc_attn(X, a) if self.use_hc else X + a
@@ -945,7 +931,6 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
         if self.training and self.hidden_dropout:
             f = F.dropout(f, self.hidden_dropout, True)
         X = self.hc_ffn(X, f) if self.use_hc else X + f
-        dk, dv = depth_entry if depth_entry is not None else (None, None)
         return X, aux, dk, dv, weights, update
 
 
@@ -1505,9 +1490,9 @@ class SpikeWhaleForCausalLM(SpikeWhaleGenerationMixin, SpikeWhalePreTrainedModel
             if terms:
                 mtp_loss = torch.stack(terms).mean()
                 loss = loss + cfg.mtp_loss_weight * mtp_loss
-        steps = out.refinement_states or ()
-        if cfg.use_hrm_refine and cfg.hrm_deep_supervision and len(steps) > 1:
-            hrm_loss = torch.stack([_cross_entropy(self.lm_head(s[:, :n_pred]), target) for s in steps[:-1]]).sum()
+        earlier = out.refinement_states[:-1]  # HRM steps before the last (none without HRM)
+        if cfg.hrm_deep_supervision and earlier:
+            hrm_loss = torch.stack([_cross_entropy(self.lm_head(s[:, :n_pred]), target) for s in earlier]).sum()
             loss = loss + hrm_loss
         if self.abstain_head is not None:
             a_logit = self.abstain_head(h[:, :n_pred]).squeeze(-1).float()
