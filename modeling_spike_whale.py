@@ -91,9 +91,8 @@ class SpikeWhaleRMSNorm(nn.RMSNorm):
 
 
 def rope_inv_freq(rope_dim: int, theta: float, fractal: bool, gamma: float) -> torch.Tensor:
-    """Inverse frequencies θ^(−e_j): geometric e_j = 2j/rd, or exponents on the middle-thirds Cantor set.
-
-    Cantor: band j's ternary digits are twice its binary digits (k_j ∈ {0, 2, 6, 8, 18, ...}), rescaled so the
+    """Inverse frequencies θ^(−e_j): geometric e_j = 2j/rd, or exponents on the middle-thirds Cantor set:
+    band j's ternary digits are twice its binary digits (k_j ∈ {0, 2, 6, 8, 18, ...}), rescaled so the
     first exponent is 0 and the last equals the geometric endpoint (rd−2)/rd; γ interpolates linearly."""
     n = rope_dim // 2
     if not fractal or gamma == 0:
@@ -244,9 +243,8 @@ class MemoryCacheBranch(KeepsFloat32):
 
     def _features(self, x: torch.Tensor, proj: tuple | None = None):
         """φ(q), φ(k), v [B, S, nh, hd] and the gate query u / key W_k x [B, S, gd]; proj: `input_projections(x)`."""
-        B, S, _ = x.shape
         qkv, g = proj if proj is not None else self.input_projections(x)
-        qkv = qkv.view(B, S, 3, self.nh, self.hd)
+        qkv = qkv.view(*x.shape[:2], 3, self.nh, self.hd)
         fq, fk = (F.elu(qkv[:, :, :2] * _as(self.feature_scale, torch.float32)) + 1.0).unbind(2)  # φ: q, k in one call
         gu, gk = g[..., : self.gd] + _as(self.gate_bias, torch.float32), g[..., self.gd :]
         return fq, fk, qkv[:, :, 2], gu, gk
@@ -263,7 +261,6 @@ class MemoryCacheBranch(KeepsFloat32):
 
     def _read(self, fq, gu, own: tuple | None, cands: tuple | None) -> torch.Tensor:
         """y_t [B, S, nh, hd], γ = softmax over the candidates' ⟨u_t, ḡ⁽ⁱ⁾⟩ and the own segment's ⟨u_t, own_g⟩/own_n.
-
         own: (φ(q_t)ᵀM_t, φ(q_t)·z_t, Σ W_k x, count) of the token's own segment so far, or None where `cands` ends
         with it (step form). cands: (M [B, I, nh, hd, hd], z [B, I, nh, hd], ḡ [B, I, gd], readable [B, S, I]|None)."""
         if cands is None:
@@ -337,7 +334,8 @@ class MemoryCacheBranch(KeepsFloat32):
             own_den = own_den + first[..., None] * torch.einsum("bshd,bhd->bsh", fq, state.run_z)
             own_g = own_g + first[..., None] * state.run_g[:, None]
             own_n = own_n + first * state.run_n[:, None]
-            for total, running in zip((seg_M, seg_z, seg_g, seg_n), (state.run_M, state.run_z, state.run_g, state.run_n)):
+            for total, running in ((seg_M, state.run_M), (seg_z, state.run_z), (seg_g, state.run_g),
+                                   (seg_n, state.run_n)):
                 total[:, 0] += running
         seg_gmean = seg_g / seg_n.clamp(min=1)[..., None] if R > 1 else None
 
@@ -373,9 +371,8 @@ class MemoryCacheBranch(KeepsFloat32):
         return y, replace(state, **running)
 
     def _step(self, j: int, fq, fk, v, gu, gk, lay: SegmentLayout, state: MemoryCacheState):
-        """The step form on chunk token j: y [B, 1, nh, hd] and the state after it. Where the token starts a segment
-        the running sums become finished entry `base + rel`; they then gain φ(k)vᵀ, φ(k), W_k x and 1. It reads the
-        finished entries below its segment and its running totals as one more candidate. No host sync."""
+        """The step form on chunk token j: y [B, 1, nh, hd] and the state after it (a token that starts a segment first
+        files the running sums as finished entry `base + rel`); it reads the entries below its segment and its own."""
         B = fq.shape[0]
         run_M, run_z, run_g, run_n = state.run_M, state.run_z, state.run_g, state.run_n
         if lay.n_rel > 1:  # a token of the chunk starts a segment (fin_* in place: see `_chunk`)
@@ -427,7 +424,6 @@ class TokenCompressor(nn.Module):
 
 class MultiHeadHashLookup(KeepsFloat32):
     """r_t = mean over available n ≤ N and heads j of table_j[idx_{n,j}(t)], where h = Σ_k P_{n,k} c_{t−n+1+k}.
-
     Sign-bit LSH: idx = Σ_b [h_b > 0]·2^b over ⌈log2 T⌉ projections per head; legacy: idx = trunc(|h|) mod T.
     The projections are random float32 buffers saved with the weights (loaded, never regenerated)."""
 
@@ -462,10 +458,9 @@ class MultiHeadHashLookup(KeepsFloat32):
         return ((h > 0).long() * weights).sum(-1) % self.table_size
 
     def forward(self, c: torch.Tensor, prefix: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """c [B, S, cd] for the chunk, prefix [B, N−1, cd] (the cached codes before it), positions [B, S]."""
-        B, S, _ = c.shape
-        ext = torch.cat([prefix.to(c.dtype), c], 1)
-        pad = self.max_ngram - 1
+        """c [B, S, cd] for the chunk, prefix [B, N−1, cd] (the cached codes before it, None: zeros), positions."""
+        S, pad = c.shape[1], self.max_ngram - 1
+        ext = F.pad(c, (0, 0, pad, 0)) if prefix is None else torch.cat([prefix.to(c.dtype), c], 1)
         out, count = 0.0, 0.0
         for n in range(1, self.max_ngram + 1):
             window = torch.stack([ext[:, pad - n + 1 + k : pad - n + 1 + k + S] for k in range(n)], 2)
@@ -507,8 +502,6 @@ class EngramMemory(nn.Module):
         """(engram output, the chunk's codes for the cache, the lookup r for fusion); hash_source: the token
         embeddings the hash reads when x is something else (soft prompts)."""
         c = self.compressor(x if hash_source is None else hash_source)
-        if prefix is None:
-            prefix = c.new_zeros(c.shape[0], self.lookup.max_ngram - 1, c.shape[-1])
         r = self.lookup(c, prefix, positions).to(x.dtype)
         return self.gate(r, x), c, r
 
@@ -556,7 +549,6 @@ class HCOutputMix(nn.Module):
 
 class DepthAttention:
     """ṽ_t = Σ_d softmax_d(⟨q̄_t, k_d(t)⟩/√hd) v_d(t);  v ← v + tanh(g)·(ṽ − v)   (across layers, per position).
-
     q̄: the mean of a KV group's query heads; sources d: this pass's earlier checkpoint layers (every
     `depth_attention_stride`-th) plus the current one."""
 
@@ -622,16 +614,16 @@ def _visible(mask, is_causal, S: int, N: int, device) -> torch.Tensor:
     return torch.ones(1, 1, S, N, dtype=torch.bool, device=device)
 
 
-def _scores(q, k) -> torch.Tensor:
-    """s = q·kᵀ/√hd in float32 with the KV heads expanded to their GQA groups: [B, nh, S, N]."""
-    return q.float() @ repeat_kv(k, q.shape[1] // k.shape[1]).float().transpose(-1, -2) / math.sqrt(q.shape[-1])
+def _scores(q, k, mask, is_causal) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s = q·kᵀ/√hd in float32 with the KV heads expanded to their GQA groups [B, nh, S, N], its visible keys)."""
+    s = q.float() @ repeat_kv(k, q.shape[1] // k.shape[1]).float().transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return s, _visible(mask, is_causal, s.shape[2], s.shape[3], s.device)
 
 
 def derf_attention(q, k, v, mask, is_causal, dropout, alpha, beta, gamma):
     """DERF: w = γ_h·(erf(α_h·s + β_h) + 1)/2 on the visible scores (0 elsewhere), renormalised by (Σ w + 1e-8).
     γ_h cancels except through the 1e-8 floor; it is kept for checkpoint compatibility."""
-    s = _scores(q, k)
-    vis = _visible(mask, is_causal, s.shape[2], s.shape[3], s.device)
+    s, vis = _scores(q, k, mask, is_causal)
     a, b, g = (t.float()[None, :, None, None] for t in (alpha, beta, gamma))
     w = g * (torch.erf(a * s + b) + 1) / 2 * vis
     w = w / (w.sum(-1, keepdim=True) + 1e-8)
@@ -642,9 +634,8 @@ def elo_attention(q, k, v, mask, is_causal, dropout, gain, k_factor, past_rating
     """Elo attention, float32: attn_t = softmax_j(s_tj + gain_h·K_h·R_tj), R_tj = Σ_{t'<t} Δ_t'j, Δ_tj = a key's
     attention share minus the uniform one (none from padding), so the cache carries Σ Δ per key. Returns (output,
     weights, ratings after the chunk [B, nh, P+S], after each query [B, nh, S, P+S])."""
-    s = _scores(q, k)
+    s, vis = _scores(q, k, mask, is_causal)
     B, nh, S, N = s.shape
-    vis = _visible(mask, is_causal, S, N, s.device)
     masked = s.masked_fill(~vis, float("-inf"))
     p = torch.softmax(masked, -1)
     visf = vis.float()
@@ -838,19 +829,9 @@ class SpikeWhaleMoE(nn.Module):
             w = w / w.sum(-1, keepdim=True).clamp(min=1e-20)
         return idx, w * self.routed_scaling_factor, scores
 
-    def dispatch(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Σ_j w_j · expert_{idx_j}(x), each expert run once on its (token, slot) pairs sorted together."""
-        flat = idx.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
-        tok = order // self.top_k
-        groups = x[tok].split(counts)
-        y = torch.cat([expert(g) for expert, g in zip(self.experts, groups)])
-        y = y * w.flatten()[order].to(y.dtype)[:, None]
-        return torch.zeros_like(x).index_add_(0, tok, y)
-
     def forward(self, u: torch.Tensor, ctx: ForwardContext | None = None):
-        """u [B, S, H] → (output [B, S, H], load-balance loss or None)."""
+        """u [B, S, H] → (output [B, S, H], load-balance loss or None); each expert runs once on its (token, slot)
+        pairs, sorted together."""
         B, S, H = u.shape
         flat = u.reshape(B * S, H)
         real = (ctx.valid.to(u.device).reshape(-1).nonzero().squeeze(1) if ctx is not None
@@ -859,15 +840,18 @@ class SpikeWhaleMoE(nn.Module):
         token_ids = ids.to(u.device).reshape(-1)[real] if ids is not None else None
         x = flat[real]
         idx, w, scores = self.route(x, token_ids)
-        y = self.dispatch(x, idx, w)
+        order = idx.flatten().argsort(stable=True)
+        tok = order // self.top_k
+        counts = torch.bincount(idx.flatten(), minlength=self.n_experts)  # routed slots per expert
+        y = torch.cat([expert(g) for expert, g in zip(self.experts, x[tok].split(counts.tolist()))])
+        y = torch.zeros_like(x).index_add_(0, tok, y * w.flatten()[order].to(y.dtype)[:, None])
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         out = torch.zeros_like(flat).index_copy(0, real, y).view(B, S, H)
         aux = None
         if not self.hash_routing and x.shape[0]:
-            f = torch.bincount(idx.flatten(), minlength=self.n_experts).float() / idx.numel()
             P = (scores / scores.sum(-1, keepdim=True)).mean(0)
-            aux = self.n_experts * (f * P).sum()
+            aux = self.n_experts * (counts.float() / idx.numel() * P).sum()
         return out, aux
 
 
@@ -1047,9 +1031,6 @@ class SpikeWhaleModelOutput(BaseModelOutputWithPast):
     refinement_states: tuple[torch.Tensor, ...] | None = None
     moe_aux_loss: torch.FloatTensor | None = None
 
-    if CACHE_FIELD != "cache":  # transformers < 5.24: `out.cache` reads the field under its old name
-        cache = property(lambda self: self.past_key_values)
-
 
 class SpikeWhaleModel(SpikeWhalePreTrainedModel):
     """Embeddings + Engram, the looped block stack walked by the loop plan, HC output mix, HRM and final norm."""
@@ -1150,10 +1131,9 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             raise ValueError(f"The cache holds {cache.max_cache_len} positions but {past + S} are needed; "
                              "use a larger cache.")
 
-        if static:  # a mask whenever one may be needed
-            needs_mask = cache is not None or attention_mask is not None
-        else:
-            needs_mask = not bool(valid.all()) or (past > 0 and (S > 1 or not bool(cache.key_valid[:, :past].all())))
+        # Static: a mask whenever one may be needed; else for padding, a chunk after the cache, or padding cached.
+        needs_mask = (cache is not None or attention_mask is not None) if static else (
+            not bool(valid.all()) or (past > 0 and (S > 1 or not bool(cache.key_valid[:, :past].all()))))
         attn_mask, is_causal, key_valid = None, False, None
         if needs_mask:
             q_idx = (past + torch.arange(S, device=device))[:, None]
@@ -1200,10 +1180,9 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         with torch.inference_mode() if inference else contextlib.nullcontext():
             for lo, hi, loop_pass in self.loop_plan.runs:
                 states = tuple(cache.slot(s) for s in range(lo, hi)) if cache is not None else (None,) * (hi - lo)
-                run = self.walk_run
-                if compiled and all(s.keys is not None and (s.mc is not None) == self.config.use_memory_cache
-                                    for s in states):
-                    run = self._compiled_run
+                fits = compiled and all(s.keys is not None and (s.mc is not None) == self.config.use_memory_cache
+                                        for s in states)
+                run = self._compiled_run if fits else self.walk_run
                 pass_embed = None  # [1, H], for a run that starts a loop pass
                 if loop_pass is not None and self.loop_pass_embed is not None:
                     index = torch.full((1,), loop_pass, dtype=torch.long, device=X.device)
@@ -1222,8 +1201,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         return X, aux_terms
 
     def _decode_step_compiles(self, ctx: ForwardContext, cache: SpikeWhaleCache | None) -> bool:
-        """Whether this chunk runs the compiled `walk_run`: one token per row on a warm cache, in eval, no per-slot
-        outputs, static sizes."""
+        """Whether the compiled `walk_run` runs: a static one-token eval step on a warm cache, no per-slot outputs."""
         if (cache is None or ctx.past == 0 or ctx.positions.shape[1] != 1 or self.training or ctx.need_weights
                 or ctx.keep_streams or not ctx.static):
             return False
@@ -1258,9 +1236,8 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         def pack(t: torch.Tensor) -> torch.Tensor:
             return t.flatten(0, 1)[dest].view(B, S, *t.shape[2:])
 
-        mask = unpack(torch.ones(B, S, dtype=torch.long, device=inputs_embeds.device))
-        out = self(input_ids=unpack(input_ids) if input_ids is not None else None,
-                   inputs_embeds=unpack(inputs_embeds), attention_mask=mask,
+        out = self(input_ids=unpack(input_ids) if input_ids is not None else None, inputs_embeds=unpack(inputs_embeds),
+                   attention_mask=unpack(torch.ones_like(starts, dtype=torch.long)),
                    position_ids=unpack(position_ids.expand(B, S)), use_cache=False,
                    output_hidden_states=output_hidden_states, return_dict=True)
         hidden_states = tuple(pack(t) for t in out.hidden_states) if out.hidden_states is not None else None
@@ -1371,8 +1348,9 @@ class SpikeWhaleCausalLMOutput(CausalLMOutputWithPast):
     abstain_threshold: float | None = None
     last_hidden_state: torch.FloatTensor | None = None
 
-    if CACHE_FIELD != "cache":  # transformers < 5.24: `out.cache` reads the field under its old name
-        cache = property(lambda self: self.past_key_values)
+
+if CACHE_FIELD != "cache":  # transformers < 5.24: `out.cache` reads the field under its old name
+    SpikeWhaleModelOutput.cache = SpikeWhaleCausalLMOutput.cache = property(lambda self: self.past_key_values)
 
 
 def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -1477,37 +1455,34 @@ class SpikeWhaleForCausalLM(SpikeWhaleGenerationMixin, SpikeWhalePreTrainedModel
         target = shifted(1)
         n_pred = target.shape[1]
         counted = target != -100
-        lm_loss = _cross_entropy(logits[:, :n_pred], target)
-        loss = lm_loss
-        z_loss = mtp_loss = hrm_loss = abstain_loss = None
+        terms = dict(lm_loss=_cross_entropy(logits[:, :n_pred], target), z_loss=None, mtp_loss=None, hrm_loss=None,
+                     abstain_loss=None, moe_aux_loss=out.moe_aux_loss)
         if cfg.zloss_coef:
             lse = torch.logsumexp(logits[:, :n_pred].float(), -1)
-            z_loss = (lse.pow(2) * counted).sum() / counted.sum().clamp(min=1)
-            loss = loss + cfg.zloss_coef * z_loss
+            terms["z_loss"] = (lse.pow(2) * counted).sum() / counted.sum().clamp(min=1)
         if self.mtp_heads and cfg.mtp_loss_weight:
-            terms = [_cross_entropy(self.lm_head(head(h[:, : t.shape[1]])), t)
-                     for k, head in enumerate(self.mtp_heads, start=1) if (t := shifted(k + 1)).shape[1] >= 1]
-            if terms:
-                mtp_loss = torch.stack(terms).mean()
-                loss = loss + cfg.mtp_loss_weight * mtp_loss
+            mtp = [_cross_entropy(self.lm_head(head(h[:, : t.shape[1]])), t)
+                   for k, head in enumerate(self.mtp_heads, start=1) if (t := shifted(k + 1)).shape[1] >= 1]
+            if mtp:
+                terms["mtp_loss"] = torch.stack(mtp).mean()
         earlier = out.refinement_states[:-1]  # HRM steps before the last (none without HRM)
         if cfg.hrm_deep_supervision and earlier:
-            hrm_loss = torch.stack([_cross_entropy(self.lm_head(s[:, :n_pred]), target) for s in earlier]).sum()
-            loss = loss + hrm_loss
+            terms["hrm_loss"] = torch.stack([_cross_entropy(self.lm_head(s[:, :n_pred]), target)
+                                             for s in earlier]).sum()
         if self.abstain_head is not None:
             a_logit = self.abstain_head(h[:, :n_pred]).squeeze(-1).float()
             wrong = (logits[:, :n_pred].detach().argmax(-1) != target).float().to(a_logit.device)
             pos_weight = torch.tensor(float(cfg.abstain_pos_weight), device=a_logit.device)
             bce = F.binary_cross_entropy_with_logits(a_logit, wrong, pos_weight=pos_weight, reduction="none")
             keep = counted.to(a_logit.device)
-            abstain_loss = (bce * keep).sum() / keep.sum().clamp(min=1)
-            if cfg.abstain_loss_weight:
-                loss = loss + cfg.abstain_loss_weight * abstain_loss.to(loss.device)
-        moe_aux_loss = out.moe_aux_loss
-        if moe_aux_loss is not None and cfg.moe_aux_loss_coef:
-            loss = loss + cfg.moe_aux_loss_coef * moe_aux_loss.to(loss.device)
-        return dict(loss=loss, lm_loss=lm_loss, z_loss=z_loss, mtp_loss=mtp_loss, hrm_loss=hrm_loss,
-                    abstain_loss=abstain_loss, moe_aux_loss=moe_aux_loss)
+            terms["abstain_loss"] = (bce * keep).sum() / keep.sum().clamp(min=1)
+        coefs = dict(z_loss=cfg.zloss_coef, mtp_loss=cfg.mtp_loss_weight, hrm_loss=1,
+                     abstain_loss=cfg.abstain_loss_weight, moe_aux_loss=cfg.moe_aux_loss_coef)
+        loss = terms["lm_loss"]
+        for name, coef in coefs.items():  # the sum of `SpikeWhaleCausalLMOutput`, terms in order
+            if terms[name] is not None and coef:
+                loss = loss + coef * terms[name].to(loss.device)
+        return dict(loss=loss, **terms)
 
 
 SpikeWhaleLM = SpikeWhaleForCausalLM
