@@ -1107,7 +1107,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                              "it sees; to pack several sequences in one row, pass position_ids restarting at 0 for "
                              "each (padding-free packing).")
 
-    def _context(self, B, S, device, attention_mask, position_ids, cache, static: bool) -> ForwardContext:
+    def _context(self, B, S, device, attention_mask, position_ids, cache, static: bool, **fields) -> ForwardContext:
         compiling = torch.compiler.is_compiling()
         past = (cache.length.to(device) if compiling else cache.seq_len) if cache is not None else 0
         valid = (attention_mask[:, -S:].to(device=device, dtype=torch.bool) if attention_mask is not None
@@ -1162,7 +1162,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             segments = SegmentLayout.build(positions, valid, base, L, n_fin, steps, static)
         sizes = dict(max_cache_len=cache.max_cache_len, n_mc_segments=cache.n_mc_segments) if cache is not None else {}
         return ForwardContext(positions, valid, attn_mask, is_causal, segments, key_valid, past=past, record=record,
-                              attn_implementation=self.config._attn_implementation, static=static, **sizes)
+                              attn_implementation=self.config._attn_implementation, static=static, **sizes, **fields)
 
     def _run_slots(self, X, token_embed, engram_r, ctx: ForwardContext, cache: SpikeWhaleCache | None,
                    hidden_states: list | None, attentions: list | None):
@@ -1300,9 +1300,8 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                                               "DataCollatorWithFlattening writes them, with position_ids only. Drop "
                                               "the attention_mask, or pad the sequences into separate rows.")
         cache = (cache if cache is not None else SpikeWhaleCache(cfg)) if use_cache else None
-        ctx = self._context(B, S, device, attention_mask, position_ids, cache, static)
-        ctx.token_ids, ctx.need_weights = input_ids, bool(output_attentions)
-        ctx.keep_streams = bool(output_hidden_states)
+        ctx = self._context(B, S, device, attention_mask, position_ids, cache, static, token_ids=input_ids,
+                            need_weights=bool(output_attentions), keep_streams=bool(output_hidden_states))
         if eager_weights:
             ctx.attn_implementation = "eager"
 
@@ -1397,12 +1396,11 @@ class SpikeWhaleForCausalLM(SpikeWhaleGenerationMixin, SpikeWhalePreTrainedModel
         """See `SpikeWhaleModel.forward`; `shift_labels[:, t]`, position t's target, replaces the shifting of labels."""
         cache = cache if cache is not None else past_key_values
         if cache is not None and not isinstance(cache, SpikeWhaleCache):
-            if isinstance(cache, Cache) and cache.get_seq_length() == 0:
-                cache, use_cache = None, True
-            else:
+            if not (isinstance(cache, Cache) and cache.get_seq_length() == 0):  # an empty one is replaced
                 raise TypeError(f"spike_whale needs a SpikeWhaleCache (K/V per loop-plan slot plus Memory-Cache "
                                 f"state); got {type(cache).__name__}. Pass cache=None and use_cache=True to have the "
                                 "model create one.")
+            cache, use_cache = None, True
         if self.training:
             use_cache = False
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
