@@ -1098,9 +1098,8 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             return
         compiling = torch.compiler.is_compiling()
         past = (cache.length if compiling else cache.seq_len) if cache is not None else 0
-        width = attention_mask.shape[-1]  # a compiled step reads the last S columns of any width
-        if attention_mask.dim() != 2 or attention_mask.shape[0] != B or not (
-                width >= S if compiling else width in (S, past + S)):
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != B or not (  # compiled: reads the last S columns
+                attention_mask.shape[1] >= S if compiling else attention_mask.shape[1] in (S, past + S)):
             raise ValueError(f"attention_mask must be a 2D [batch, past + seq] = [{B}, {past + S}] padding mask (1 = "
                              f"real token), got shape {tuple(attention_mask.shape)}. Custom 4D masks are not "
                              "supported: the Memory Cache and Engram need each token's sequence, not only which keys "
