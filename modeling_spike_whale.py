@@ -1106,7 +1106,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                              "it sees; to pack several sequences in one row, pass position_ids restarting at 0 for "
                              "each (padding-free packing).")
 
-    def _context(self, B, S, device, attention_mask, position_ids, cache, static: bool, **fields) -> ForwardContext:
+    def _context(self, B, S, device, attention_mask, position_ids, cache, static: bool) -> ForwardContext:
         compiling = torch.compiler.is_compiling()
         past = (cache.length.to(device) if compiling else cache.seq_len) if cache is not None else 0
         valid = (attention_mask[:, -S:].to(device=device, dtype=torch.bool) if attention_mask is not None
@@ -1161,7 +1161,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             segments = SegmentLayout.build(positions, valid, base, L, n_fin, steps, static)
         sizes = dict(max_cache_len=cache.max_cache_len, n_mc_segments=cache.n_mc_segments) if cache is not None else {}
         return ForwardContext(positions, valid, attn_mask, is_causal, segments, key_valid, past=past, record=record,
-                              attn_implementation=self.config._attn_implementation, static=static, **sizes, **fields)
+                              attn_implementation=self.config._attn_implementation, static=static, **sizes)
 
     def _run_slots(self, X, token_embed, engram_r, ctx: ForwardContext, cache: SpikeWhaleCache | None,
                    hidden_states: list | None, attentions: list | None):
@@ -1299,8 +1299,9 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                                               "DataCollatorWithFlattening writes them, with position_ids only. Drop "
                                               "the attention_mask, or pad the sequences into separate rows.")
         cache = (cache if cache is not None else SpikeWhaleCache(cfg)) if use_cache else None
-        ctx = self._context(B, S, device, attention_mask, position_ids, cache, static, token_ids=input_ids,
-                            need_weights=bool(output_attentions), keep_streams=bool(output_hidden_states))
+        ctx = self._context(B, S, device, attention_mask, position_ids, cache, static)
+        ctx.token_ids, ctx.need_weights = input_ids, bool(output_attentions)
+        ctx.keep_streams = bool(output_hidden_states)
         if eager_weights:
             ctx.attn_implementation = "eager"
 
