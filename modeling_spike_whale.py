@@ -1,8 +1,7 @@
 """SpikeWhale v2 / Byrne: a looped MLA decoder with depth attention, Hyper-Connections, Engram and a Memory Cache.
 
-Every forward works on a chunk of positions with optional state carried in a `SpikeWhaleCache`, so a full
-recompute, a prefill and any mix of multi-token decode steps compute the same function.
-"""
+Every forward works on a chunk of positions with state carried in a `SpikeWhaleCache`, so a full recompute, a prefill
+and any mix of multi-token decode steps compute the same function."""
 
 from __future__ import annotations
 
@@ -18,18 +17,15 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.masking_utils import (
-    ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask, flex_attention_mask, sdpa_mask,
-)
+from transformers.masking_utils import (ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask, flex_attention_mask,
+                                       sdpa_mask)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 from transformers.utils.generic import can_return_tuple
 
 from .configuration_spike_whale import LoopPlan, SpikeWhaleConfig, refuse_oversized_config
-from .generation_utils import (
-    CACHE_FIELD, MemoryCacheState, SegmentLayout, SlotState, SlotUpdate, SpikeWhaleCache, SpikeWhaleGenerationMixin,
-    write_kv,
-)
+from .generation_utils import (CACHE_FIELD, MemoryCacheState, SegmentLayout, SlotState, SlotUpdate, SpikeWhaleCache,
+                               SpikeWhaleGenerationMixin, write_kv)
 
 logger = logging.get_logger(__name__)
 
@@ -39,8 +35,7 @@ CHECKPOINT_KEY_RENAMES: dict[str, str] = {}
 
 
 def reads_values_free(device: torch.device) -> bool:
-    """Whether eager code may read tensor values on the host for free: elsewhere than the CPU a read waits for every
-    queued kernel, so a decode step there reads none and assumes the worst."""
+    """Whether eager code may read tensor values on the host for free (off the CPU a read waits for queued kernels)."""
     return device.type == "cpu"
 
 
@@ -50,9 +45,8 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def derived(module: nn.Module, key, fn, *params: torch.Tensor) -> torch.Tensor:
-    """fn() of `params` (an HC softmax, a gate's tanh), kept on `module` while `params` are unchanged (same tensors,
-    storage and version), so a decode step does not redo it in every slot. Recomputed with gradients on, under
-    torch.compile and for inference tensors (which count no versions)."""
+    """fn() of `params` (an HC softmax, a gate's tanh), kept on `module` while `params` are unchanged, so a decode
+    step does not redo it in every slot; recomputed with gradients on, compiling, or for inference tensors."""
     if torch.is_grad_enabled() or torch.compiler.is_compiling() or any(p.is_inference() for p in params):
         return fn()
     tag = tuple((id(p), p._version, p.data_ptr()) for p in params)
@@ -74,8 +68,7 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class KeepsFloat32(nn.Module):
-    """Stays float32 under `.to(bf16)`/`.half()`, as `from_pretrained(dtype=...)` keeps it
-    (`_keep_in_fp32_modules_strict`), so a cast model equals the same model loaded in that dtype."""
+    """Stays float32 under `.to(bf16)`/`.half()`, as `from_pretrained(dtype=...)` keeps it (fp32-strict modules)."""
 
     float32_children = True  # False: its submodules follow the model
 
@@ -93,22 +86,13 @@ class KeepsFloat32(nn.Module):
         return super()._apply(keep, recurse)
 
 
-class SpikeWhaleRMSNorm(nn.Module):
+class SpikeWhaleRMSNorm(nn.RMSNorm):
     """y = x · rsqrt(mean(x²) + ε) · w (ε inside the root; bit-identical to the reference's formula in float32)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(rope_dim: int, theta: float, fractal: bool, gamma: float) -> torch.Tensor:
-    """Inverse frequencies θ^(−e_j): geometric e_j = 2j/rd, or exponents on the middle-thirds Cantor set.
-
-    Cantor: band j's ternary digits are twice its binary digits (k_j ∈ {0, 2, 6, 8, 18, ...}), rescaled so the
+    """Inverse frequencies θ^(−e_j): geometric e_j = 2j/rd, or exponents on the middle-thirds Cantor set:
+    band j's ternary digits are twice its binary digits (k_j ∈ {0, 2, 6, 8, 18, ...}), rescaled so the
     first exponent is 0 and the last equals the geometric endpoint (rd−2)/rd; γ interpolates linearly."""
     n = rope_dim // 2
     if not fractal or gamma == 0:
@@ -126,8 +110,7 @@ class SpikeWhaleRotaryEmbedding(KeepsFloat32):
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__()
         self.config = config
-        half = config.qk_rope_head_dim // 2
-        P = config.max_position_embeddings
+        half, P = config.qk_rope_head_dim // 2, config.max_position_embeddings
         f32 = torch.float32  # whatever the default dtype (`_from_config(dtype=...)`)
         self.register_buffer("inv_freq", torch.empty(half, dtype=f32), persistent=True)
         self.register_buffer("cos_cache", torch.empty(P, half, dtype=f32), persistent=True)
@@ -181,10 +164,6 @@ class ForwardContext:
     static: bool = False  # no value is read on the host (`reads_values_free`): masks and layout assume the worst
     memo: dict = field(default_factory=dict, repr=False, compare=False)  # see `rope_tables`
 
-    @property
-    def cached(self) -> bool:
-        return self.max_cache_len > 0
-
     def once(self, key, fn):
         """fn(), computed once per forward (every time under torch.compile, which keeps no memo)."""
         if torch.compiler.is_compiling():
@@ -215,10 +194,8 @@ class MemoryCacheBranch(KeepsFloat32):
         γ_{t,i} = softmax_{i≤s} ⟨u_t, ḡ⁽ⁱ⁾⟩,   u_t = W_u x_t + b,   ḡ⁽ⁱ⁾ = mean_{m∈i} W_k x_m (running mean for i = s)
         y_t = Σ_i γ_{t,i} φ(q_t)ᵀM⁽ⁱ⁾ / (Σ_i γ_{t,i} φ(q_t)·z⁽ⁱ⁾ + ε)        (one global normaliser)
 
-    in two forms, as linear attention is: the chunk form (`_chunk`: any length, segment boundaries and padding
-    inside) and the one-token step form (`_step`). Recording for `crop` is the chunk form, then steps. Segments are
-    aligned to positions 0, L, 2L, ... Float32 with autocast off, from float32 weights under any load dtype
-    (`_keep_in_fp32_modules_strict`); int8 loads quantize its projections unless `modules_to_not_convert` names them."""
+    in a chunk form (`_chunk`: any length, segment boundaries and padding inside) and a one-token step form
+    (`_step`); segments start at positions 0, L, 2L, ... Float32 with autocast off, under any load dtype."""
 
     eps = 1e-6
     read_floats = 1 << 18  # the most floats of weighted query rows `_read` builds at once
@@ -236,9 +213,8 @@ class MemoryCacheBranch(KeepsFloat32):
         self.mc_gate = nn.Parameter(torch.zeros(1, dtype=f32))
 
     def forward(self, u: torch.Tensor, ctx: ForwardContext, state: MemoryCacheState | None, proj: tuple | None = None):
-        """(output [B, S, H], the state after the chunk, the states after each recorded token); states are None
-        without a cache. state: the state before the chunk (None: empty); proj: see `_features`. The chunk form runs
-        on the first `split` tokens (`SegmentLayout`), the step form on the rest."""
+        """(output [B, S, H], state after the chunk, states after each recorded token; None without a cache) from the
+        state before it (None: empty): the chunk form on the first `lay.split` tokens, the step form on the rest."""
         lay = ctx.segments_on(u.device)
         B, S, _ = u.shape
         # Autocast is turned off only where it is on: its nodes keep AOTAutograd from caching a compiled graph.
@@ -266,11 +242,9 @@ class MemoryCacheBranch(KeepsFloat32):
         return _as(out, u.dtype), state, (steps if ctx.record else None)
 
     def _features(self, x: torch.Tensor, proj: tuple | None = None):
-        """φ(q), φ(k), v [B, S, nh, hd] and the gate query u / key W_k x [B, S, gd]; proj: precomputed
-        (qkv_proj(x), gate_proj(x))."""
-        B, S, _ = x.shape
+        """φ(q), φ(k), v [B, S, nh, hd] and the gate query u / key W_k x [B, S, gd]; proj: `input_projections(x)`."""
         qkv, g = proj if proj is not None else self.input_projections(x)
-        qkv = qkv.view(B, S, 3, self.nh, self.hd)
+        qkv = qkv.view(*x.shape[:2], 3, self.nh, self.hd)
         fq, fk = (F.elu(qkv[:, :, :2] * _as(self.feature_scale, torch.float32)) + 1.0).unbind(2)  # φ: q, k in one call
         gu, gk = g[..., : self.gd] + _as(self.gate_bias, torch.float32), g[..., self.gd :]
         return fq, fk, qkv[:, :, 2], gu, gk
@@ -287,7 +261,6 @@ class MemoryCacheBranch(KeepsFloat32):
 
     def _read(self, fq, gu, own: tuple | None, cands: tuple | None) -> torch.Tensor:
         """y_t [B, S, nh, hd], γ = softmax over the candidates' ⟨u_t, ḡ⁽ⁱ⁾⟩ and the own segment's ⟨u_t, own_g⟩/own_n.
-
         own: (φ(q_t)ᵀM_t, φ(q_t)·z_t, Σ W_k x, count) of the token's own segment so far, or None where `cands` ends
         with it (step form). cands: (M [B, I, nh, hd, hd], z [B, I, nh, hd], ḡ [B, I, gd], readable [B, S, I]|None)."""
         if cands is None:
@@ -307,9 +280,8 @@ class MemoryCacheBranch(KeepsFloat32):
             own_num, own_den, own_g, own_n = own
             scores = torch.cat([scores, (gu * own_g).sum(-1, keepdim=True) / own_n.clamp(min=1)[..., None]], -1)
         gamma = torch.softmax(scores, dim=-1)
-        # Σ_i γ_{t,i} φ(q_t)ᵀ[M⁽ⁱ⁾ | z⁽ⁱ⁾] as one GEMM per head: rows [γ_{t,1}φ(q_t), …, γ_{t,I}φ(q_t)] times the
-        # stacked [M⁽ⁱ⁾ | z⁽ⁱ⁾], so no token builds its own hd × hd memory; built `read_floats` at a time, as a long
-        # prefill's would otherwise be tens of MiB of fresh pages per slot.
+        # Σ_i γ_{t,i} φ(q_t)ᵀ[M⁽ⁱ⁾ | z⁽ⁱ⁾] as one GEMM per head (rows γ_{t,i}φ(q_t) times the stacked [M⁽ⁱ⁾ | z⁽ⁱ⁾]):
+        # no token builds its own hd × hd memory; `read_floats` at a time, or a long prefill's rows take tens of MiB.
         g_cand = gamma[..., :I] if own is not None else gamma
         fq_heads = fq.transpose(1, 2).contiguous()
         Mz = torch.cat([cand_M, cand_z[..., None]], -1).transpose(1, 2).reshape(B, nh, I * hd, hd + 1)
@@ -327,9 +299,8 @@ class MemoryCacheBranch(KeepsFloat32):
 
     def _chunk(self, fq, fk, v, gu, gk, lay: SegmentLayout, state: MemoryCacheState | None, ctx: ForwardContext):
         """The chunk form on the first n = `lay.split` tokens: y [B, n, nh, hd] and the state after them (None without
-        a cache). Per block of the buffer (`SegmentLayout`), in O(n·W): the causal sums Σ_{m≤t} (φq_t·φk_m) v_m,
-        φq_t·φk_m, W_k x_m and 1, and the totals M, z, Σ W_k x, count (the cache's running sums join block 0). A token
-        reads the cache's finished segments, the chunk's earlier blocks and its own block's causal sums."""
+        a cache). Per block of the buffer (`SegmentLayout`), in O(n·W), the causal sums Σ_{m≤t} (φq_t·φk_m) v_m,
+        φq_t·φk_m, W_k x_m, 1 and the block totals (the cache's running sums join block 0)."""
         B, n = fq.shape[:2]
         R, W = lay.n_rel, lay.width
         rel, vf = lay.rel[:, :n], lay.valid_f[:, :n]
@@ -381,7 +352,7 @@ class MemoryCacheBranch(KeepsFloat32):
             M, z, g, masks = zip(*cands)
             cand = (_cat(M, 1), _cat(z, 1), _cat(g, 1), None if masks[0] is None else _cat(masks, -1))
         y = self._read(fq, gu, (own_num, own_den, own_g, own_n), cand)
-        if not ctx.cached:
+        if not ctx.max_cache_len:  # no cache
             return y, None
         if state is None:
             state = MemoryCacheState.empty(B, ctx.n_mc_segments, self.nh, self.hd, self.gd, fq.device)
@@ -395,15 +366,13 @@ class MemoryCacheBranch(KeepsFloat32):
             r = torch.arange(R, device=fq.device)[None, :]
             at = torch.where(r < last[:, None], lay.base[:, None] + r, torch.full_like(r, state.fin_M.shape[1] - 1))
             at_rows = rows[:, None].expand_as(at)
-            state.fin_M[at_rows, at] = seg_M
-            state.fin_z[at_rows, at] = seg_z
-            state.fin_g[at_rows, at] = seg_gmean
+            for buf, total in ((state.fin_M, seg_M), (state.fin_z, seg_z), (state.fin_g, seg_gmean)):
+                buf[at_rows, at] = total
         return y, replace(state, **running)
 
     def _step(self, j: int, fq, fk, v, gu, gk, lay: SegmentLayout, state: MemoryCacheState):
-        """The step form on chunk token j: y [B, 1, nh, hd] and the state after it. Where the token starts a segment
-        the running sums become finished entry `base + rel`; they then gain φ(k)vᵀ, φ(k), W_k x and 1. It reads the
-        finished entries below its segment and its running totals as one more candidate. No host sync."""
+        """The step form on chunk token j: y [B, 1, nh, hd] and the state after it (a token that starts a segment first
+        files the running sums as finished entry `base + rel`); it reads the entries below its segment and its own."""
         B = fq.shape[0]
         run_M, run_z, run_g, run_n = state.run_M, state.run_z, state.run_g, state.run_n
         if lay.n_rel > 1:  # a token of the chunk starts a segment (fin_* in place: see `_chunk`)
@@ -455,7 +424,6 @@ class TokenCompressor(nn.Module):
 
 class MultiHeadHashLookup(KeepsFloat32):
     """r_t = mean over available n ≤ N and heads j of table_j[idx_{n,j}(t)], where h = Σ_k P_{n,k} c_{t−n+1+k}.
-
     Sign-bit LSH: idx = Σ_b [h_b > 0]·2^b over ⌈log2 T⌉ projections per head; legacy: idx = trunc(|h|) mod T.
     The projections are random float32 buffers saved with the weights (loaded, never regenerated)."""
 
@@ -490,10 +458,9 @@ class MultiHeadHashLookup(KeepsFloat32):
         return ((h > 0).long() * weights).sum(-1) % self.table_size
 
     def forward(self, c: torch.Tensor, prefix: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """c [B, S, cd] for the chunk, prefix [B, N−1, cd] (the cached codes before it), positions [B, S]."""
-        B, S, _ = c.shape
-        ext = torch.cat([prefix.to(c.dtype), c], 1)
-        pad = self.max_ngram - 1
+        """c [B, S, cd] for the chunk, prefix [B, N−1, cd] (the cached codes before it, None: zeros), positions."""
+        S, pad = c.shape[1], self.max_ngram - 1
+        ext = F.pad(c, (0, 0, pad, 0)) if prefix is None else torch.cat([prefix.to(c.dtype), c], 1)
         out, count = 0.0, 0.0
         for n in range(1, self.max_ngram + 1):
             window = torch.stack([ext[:, pad - n + 1 + k : pad - n + 1 + k + S] for k in range(n)], 2)
@@ -535,8 +502,6 @@ class EngramMemory(nn.Module):
         """(engram output, the chunk's codes for the cache, the lookup r for fusion); hash_source: the token
         embeddings the hash reads when x is something else (soft prompts)."""
         c = self.compressor(x if hash_source is None else hash_source)
-        if prefix is None:
-            prefix = c.new_zeros(c.shape[0], self.lookup.max_ngram - 1, c.shape[-1])
         r = self.lookup(c, prefix, positions).to(x.dtype)
         return self.gate(r, x), c, r
 
@@ -584,7 +549,6 @@ class HCOutputMix(nn.Module):
 
 class DepthAttention:
     """ṽ_t = Σ_d softmax_d(⟨q̄_t, k_d(t)⟩/√hd) v_d(t);  v ← v + tanh(g)·(ṽ − v)   (across layers, per position).
-
     q̄: the mean of a KV group's query heads; sources d: this pass's earlier checkpoint layers (every
     `depth_attention_stride`-th) plus the current one."""
 
@@ -618,28 +582,26 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling: 
 
 
 def kernel_mask(impl: str, mask, is_causal: bool, key_valid, q, k, memo: dict) -> tuple:
-    """(mask, is_causal) in the form `impl`'s registered mask function (`AttentionMaskInterface`) implies, from the
-    boolean [B|1, 1, S, N] "query may read key" mask (None: `is_causal` alone): sdpa the boolean mask; flash the
-    [B, N] padding mask of real keys with is_causal (it unpads and aligns causality bottom-right); flex a `BlockMask`;
-    anything else the additive float mask. Built once per forward (`memo`) for every slot."""
+    """(mask, is_causal) in the form `impl`'s registered mask function implies, from the boolean [B|1, 1, S, N] mask
+    (None: `is_causal` alone): sdpa that mask; flash the [B, N] padding mask of real keys, causal (it aligns
+    bottom-right); flex a `BlockMask`; anything else the additive float mask, built once per forward (`memo`)."""
     form = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(impl)
     if form is sdpa_mask or (mask is None and not is_causal):
         return mask, is_causal
     if form is flash_attention_mask:
         return key_valid, True
-    vis = _visible(mask, is_causal, q.shape[2], k.shape[2], q.device)
-    if form is flex_attention_mask:
-        key = ("flex", q.device)
-        if key not in memo:
+    flex = form is flex_attention_mask
+    key = ("flex", q.device) if flex else ("additive", q.device, q.dtype)
+    if key not in memo:
+        vis = _visible(mask, is_causal, q.shape[2], k.shape[2], q.device)
+        if flex:
             from torch.nn.attention.flex_attention import create_block_mask
 
             rows = vis.shape[0]
             memo[key] = create_block_mask(lambda b, h, qi, ki: vis[b if rows > 1 else 0, 0, qi, ki], rows, None,
                                           vis.shape[2], vis.shape[3], device=q.device)
-        return memo[key], False
-    key = ("additive", q.device, q.dtype)
-    if key not in memo:
-        memo[key] = torch.zeros(vis.shape, dtype=q.dtype, device=q.device).masked_fill(~vis, torch.finfo(q.dtype).min)
+        else:
+            memo[key] = torch.zeros_like(vis, dtype=q.dtype).masked_fill(~vis, torch.finfo(q.dtype).min)
     return memo[key], False
 
 
@@ -652,16 +614,16 @@ def _visible(mask, is_causal, S: int, N: int, device) -> torch.Tensor:
     return torch.ones(1, 1, S, N, dtype=torch.bool, device=device)
 
 
-def _scores(q, k) -> torch.Tensor:
-    """s = q·kᵀ/√hd in float32 with the KV heads expanded to their GQA groups: [B, nh, S, N]."""
-    return q.float() @ repeat_kv(k, q.shape[1] // k.shape[1]).float().transpose(-1, -2) / math.sqrt(q.shape[-1])
+def _scores(q, k, mask, is_causal) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s = q·kᵀ/√hd in float32 with the KV heads expanded to their GQA groups [B, nh, S, N], its visible keys)."""
+    s = q.float() @ repeat_kv(k, q.shape[1] // k.shape[1]).float().transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return s, _visible(mask, is_causal, s.shape[2], s.shape[3], s.device)
 
 
 def derf_attention(q, k, v, mask, is_causal, dropout, alpha, beta, gamma):
     """DERF: w = γ_h·(erf(α_h·s + β_h) + 1)/2 on the visible scores (0 elsewhere), renormalised by (Σ w + 1e-8).
     γ_h cancels except through the 1e-8 floor; it is kept for checkpoint compatibility."""
-    s = _scores(q, k)
-    vis = _visible(mask, is_causal, s.shape[2], s.shape[3], s.device)
+    s, vis = _scores(q, k, mask, is_causal)
     a, b, g = (t.float()[None, :, None, None] for t in (alpha, beta, gamma))
     w = g * (torch.erf(a * s + b) + 1) / 2 * vis
     w = w / (w.sum(-1, keepdim=True) + 1e-8)
@@ -670,11 +632,10 @@ def derf_attention(q, k, v, mask, is_causal, dropout, alpha, beta, gamma):
 
 def elo_attention(q, k, v, mask, is_causal, dropout, gain, k_factor, past_ratings, query_valid):
     """Elo attention, float32: attn_t = softmax_j(s_tj + gain_h·K_h·R_tj), R_tj = Σ_{t'<t} Δ_t'j, Δ_tj = a key's
-    attention share minus the uniform one (padding queries add none): a prefix sum, so the cache carries Σ Δ per key.
-    Returns (output, weights, ratings after the chunk [B, nh, P+S], after each query [B, nh, S, P+S])."""
-    s = _scores(q, k)
+    attention share minus the uniform one (none from padding), so the cache carries Σ Δ per key. Returns (output,
+    weights, ratings after the chunk [B, nh, P+S], after each query [B, nh, S, P+S])."""
+    s, vis = _scores(q, k, mask, is_causal)
     B, nh, S, N = s.shape
-    vis = _visible(mask, is_causal, S, N, s.device)
     masked = s.masked_fill(~vis, float("-inf"))
     p = torch.softmax(masked, -1)
     visf = vis.float()
@@ -690,14 +651,12 @@ def elo_attention(q, k, v, mask, is_causal, dropout, gain, k_factor, past_rating
 
 
 class SpikeWhaleAttention(nn.Module):
-    """MLA attention: low-rank Q, GQA K/V, QK-norm then partial RoPE, depth mixing of V, XSA, low-rank output, plus
-    the Memory Cache branch."""
+    """MLA: low-rank Q, GQA K/V, QK-norm, partial RoPE, depth mixing of V, XSA, low-rank output, Memory Cache branch."""
 
     def __init__(self, config: SpikeWhaleConfig, layer_idx: int):
         super().__init__()
         H, nh, kvh, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        self.config = config
-        self.hd = hd
+        self.config, self.hd = config, hd
         self.layer_idx, self.is_causal = layer_idx, True
         self.num_key_value_groups, self.scaling = nh // kvh, hd**-0.5
         self.q_a_proj = nn.Linear(H, config.q_lora_rank, bias=False)
@@ -730,8 +689,7 @@ class SpikeWhaleAttention(nn.Module):
 
     def _attend(self, q, k, v, ctx: ForwardContext, ratings: torch.Tensor | None):
         """(output [B, S, nh, hd], weights or None, Elo ratings after the chunk and after each recorded token, or None)
-        of Elo, DERF, or softmax attention through `ALL_ATTENTION_FUNCTIONS[impl]` with the mask it expects
-        (`kernel_mask`). ratings: the cached keys' Elo ratings."""
+        of Elo, DERF, or softmax attention through `ALL_ATTENTION_FUNCTIONS` (mask from `kernel_mask`)."""
         mask = _on(ctx.attn_mask, q.device) if ctx.attn_mask is not None else None
         dropout = self.config.attention_dropout if self.training else 0.0
         if self.attn_kind == "derf":
@@ -739,15 +697,11 @@ class SpikeWhaleAttention(nn.Module):
                                         self.derf_gamma)
             return y.transpose(1, 2), weights, None, None
         if self.attn_kind == "elo":
-            y, weights, ratings, per_query = elo_attention(
-                q, k, v, mask, ctx.is_causal, dropout, self.elo_gain, self.elo_k, ratings, ctx.valid.to(q.device)
-            )
-            y = y.to(q.dtype).transpose(1, 2)
-            if not ctx.cached:
-                return y, weights, None, None
+            y, weights, ratings, per_query = elo_attention(q, k, v, mask, ctx.is_causal, dropout, self.elo_gain,
+                                                           self.elo_k, ratings, ctx.valid.to(q.device))
             S = q.shape[2]
             steps = [per_query[:, :, j, : ctx.past + j + 1] for j in range(S - ctx.record, S)] if ctx.record else None
-            return y, weights, ratings, steps
+            return y.to(q.dtype).transpose(1, 2), weights, ratings, steps
         impl = ctx.attn_implementation or "sdpa"
         if "flash" in impl and isinstance(ctx.past, torch.Tensor):
             # A compiled step reads whole static buffers, which flash's 2D padding mask cannot describe.
@@ -766,20 +720,19 @@ class SpikeWhaleAttention(nn.Module):
         return y, weights, None, None
 
     def forward(self, u: torch.Tensor, ctx: ForwardContext, state: SlotState | None, depth_sources: tuple):
-        """(output [B, S, H], depth entry or None, weights or None, the slot's `SlotUpdate` or None). state: the slot's
-        cache state (None without a cache); its K/V buffers are written in place at `ctx.past`."""
+        """(output [B, S, H], depth (k, v), weights, the slot's `SlotUpdate`), each but the output possibly None; the
+        slot's K/V buffers (`state`) are written in place at `ctx.past`."""
         B, S, _ = u.shape
         proj = self.input_projections(u)
         q_lat, k, v = proj[:3]
-        # -1 heads: under tensor parallelism a rank holds its share of them.
-        q = self.q_b_proj(self.q_a_norm(q_lat)).view(B, S, -1, self.hd)
+        q = self.q_b_proj(self.q_a_norm(q_lat)).view(B, S, -1, self.hd)  # -1: a tensor-parallel rank's heads
         k = k.view(B, S, -1, self.hd)
         if self.use_qk_norm:  # before the transpose: the same values, on a contiguous layout
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, S, -1, self.hd).transpose(1, 2)
         cos, sin = ctx.rope_tables(self.rope, u.device, q.dtype)
         q, k = apply_partial_rope(torch.cat([q, k], 1), cos, sin).split([q.shape[1], k.shape[1]], 1)
-        depth_entry = (k, v) if self.is_depth_checkpoint else None
+        depth_entry = (k, v) if self.is_depth_checkpoint else (None, None)
         if self.depth_gate is not None and depth_sources:
             gate = self.depth_gate
             tanh_gate = derived(self, ("depth", v.dtype), lambda: _as(torch.tanh(gate), v.dtype), gate)
@@ -834,11 +787,9 @@ class SpikeWhaleMLP(nn.Module):
 
 
 def hash_expert_ids(token_ids: torch.Tensor, n_experts: int, top_k: int) -> torch.Tensor:
-    """Hash routing [N] → [N, top_k]: e₀ = mix(id) mod E (Knuth multiplicative hash, xor-shift fold),
-    e_j = (e₀ + j) mod E."""
+    """Hash routing [N] → [N, top_k]: e₀ = mix(id) mod E (Knuth multiplicative hash, xor fold), e_j = (e₀ + j) mod E."""
     h = (token_ids.long() * 2654435761 + 0x9E3779B9) % (1 << 32)
-    h = h ^ (h >> 16)
-    first = h % n_experts
+    first = (h ^ (h >> 16)) % n_experts
     return (first[:, None] + torch.arange(top_k, device=token_ids.device)) % n_experts
 
 
@@ -868,10 +819,8 @@ class SpikeWhaleMoE(nn.Module):
         scores = F.softplus(logits).sqrt() if self.scoring_func == "sqrtsoftplus" else torch.softmax(logits, -1)
         if self.hash_routing:
             if token_ids is None:
-                raise ValueError(
-                    "This MoE layer uses hash routing (num_hash_layers > 0), which picks experts from the token "
-                    "ids; call the model with input_ids, not inputs_embeds."
-                )
+                raise ValueError("This MoE layer uses hash routing (num_hash_layers > 0), which picks experts from the "
+                                 "token ids; call the model with input_ids, not inputs_embeds.")
             idx = hash_expert_ids(token_ids, self.n_experts, self.top_k)
         else:
             idx = scores.topk(self.top_k, dim=-1).indices
@@ -880,19 +829,9 @@ class SpikeWhaleMoE(nn.Module):
             w = w / w.sum(-1, keepdim=True).clamp(min=1e-20)
         return idx, w * self.routed_scaling_factor, scores
 
-    def dispatch(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Σ_j w_j · expert_{idx_j}(x), each expert run once on its (token, slot) pairs sorted together."""
-        flat = idx.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
-        tok = order // self.top_k
-        groups = x[tok].split(counts)
-        y = torch.cat([expert(g) for expert, g in zip(self.experts, groups)])
-        y = y * w.flatten()[order].to(y.dtype)[:, None]
-        return torch.zeros_like(x).index_add_(0, tok, y)
-
     def forward(self, u: torch.Tensor, ctx: ForwardContext | None = None):
-        """u [B, S, H] → (output [B, S, H], load-balance loss or None)."""
+        """u [B, S, H] → (output [B, S, H], load-balance loss or None); each expert runs once on its (token, slot)
+        pairs, sorted together."""
         B, S, H = u.shape
         flat = u.reshape(B * S, H)
         real = (ctx.valid.to(u.device).reshape(-1).nonzero().squeeze(1) if ctx is not None
@@ -901,15 +840,18 @@ class SpikeWhaleMoE(nn.Module):
         token_ids = ids.to(u.device).reshape(-1)[real] if ids is not None else None
         x = flat[real]
         idx, w, scores = self.route(x, token_ids)
-        y = self.dispatch(x, idx, w)
+        order = idx.flatten().argsort(stable=True)
+        tok = order // self.top_k
+        counts = torch.bincount(idx.flatten(), minlength=self.n_experts)  # routed slots per expert
+        y = torch.cat([expert(g) for expert, g in zip(self.experts, x[tok].split(counts.tolist()))])
+        y = torch.zeros_like(x).index_add_(0, tok, y * w.flatten()[order].to(y.dtype)[:, None])
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         out = torch.zeros_like(flat).index_copy(0, real, y).view(B, S, H)
         aux = None
         if not self.hash_routing and x.shape[0]:
-            f = torch.bincount(idx.flatten(), minlength=self.n_experts).float() / idx.numel()
             P = (scores / scores.sum(-1, keepdim=True)).mean(0)
-            aux = self.n_experts * (f * P).sum()
+            aux = self.n_experts * (counts.float() / idx.numel() * P).sum()
         return out, aux
 
 
@@ -943,10 +885,8 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
         self.attn = SpikeWhaleAttention(config, layer_idx)
         self.ffn_norm = SpikeWhaleRMSNorm(config.hidden_size, config.rms_norm_eps)
         moe_layers = sorted(config.moe_layers) if config.use_moe else []
-        if layer_idx in moe_layers:
-            self.ffn = SpikeWhaleMoE(config, hash_routing=moe_layers.index(layer_idx) < config.num_hash_layers)
-        else:
-            self.ffn = SpikeWhaleMLP(config)
+        hash_routing = layer_idx in moe_layers[: config.num_hash_layers]  # the first MoE layers route by token id
+        self.ffn = SpikeWhaleMoE(config, hash_routing) if layer_idx in moe_layers else SpikeWhaleMLP(config)
         self.use_hc = config.use_hyper_connections
         self.hc_attn = HyperConnection(config.hc_mult) if self.use_hc else None
         self.hc_ffn = HyperConnection(config.hc_mult) if self.use_hc else None
@@ -956,9 +896,8 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
 
     def forward(self, X: torch.Tensor, token_embed=None, engram_r=None, *depth_flat, ctx: ForwardContext = None,
                 state: SlotState | None = None):
-        """depth_flat: k₀, v₀, k₁, v₁, ... of this pass's depth checkpoints; state: the slot's cache state or None.
-        Tensors that need gradients are positional, for re-entrant activation checkpointing. Returns (X, MoE loss,
-        depth k, depth v, attention weights, `SlotUpdate`), each but X possibly None."""
+        """depth_flat: k₀, v₀, k₁, v₁, ... of this pass's depth checkpoints (positional, as all tensors needing
+        gradients, for re-entrant checkpointing). Returns (X, MoE loss, depth k, depth v, weights, `SlotUpdate`)."""
         if self.engram_fusion is not None:
             fused = self.engram_fusion(X.mean(1) if self.use_hc else X, engram_r)
             X = X + (fused[:, None] if self.use_hc else fused)
@@ -966,7 +905,7 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
         if self.ve_gate is not None:
             h = h + torch.tanh(self.ve_gate).to(h.dtype) * token_embed.to(h.device, h.dtype)
         depth_sources = tuple(zip(depth_flat[0::2], depth_flat[1::2]))
-        a, depth_entry, weights, update = self.attn(self.attn_norm(h), ctx, state, depth_sources)
+        a, (dk, dv), weights, update = self.attn(self.attn_norm(h), ctx, state, depth_sources)
         if self.training and self.hidden_dropout:
             a = F.dropout(a, self.hidden_dropout, True)
         X = self.hc_attn(X, a) if self.use_hc else X + a
@@ -976,14 +915,12 @@ class SpikeWhaleDecoderLayer(GradientCheckpointingLayer):
         if self.training and self.hidden_dropout:
             f = F.dropout(f, self.hidden_dropout, True)
         X = self.hc_ffn(X, f) if self.use_hc else X + f
-        dk, dv = depth_entry if depth_entry is not None else (None, None)
         return X, aux, dk, dv, weights, update
 
 
 def walk_run(layers: tuple, X, pass_embed, token_embed, engram_r, ctx: ForwardContext, states: tuple):
-    """One run of the loop plan (a pass, or the layers before the loop): X plus the pass embedding, then each layer
-    with its slot's state. Compiled for decode steps, so it touches no cache object. Returns (X, per slot: (streams
-    if `ctx.keep_streams`, MoE loss, attention weights, `SlotUpdate`), each possibly None)."""
+    """One run of the loop plan (a pass, or the layers before the loop), compiled for decode steps (it touches no
+    cache object). Returns (X, per slot: (streams or None, MoE loss, attention weights, `SlotUpdate`))."""
     if pass_embed is not None:
         X = X + pass_embed
     depth, outs = [], []
@@ -1042,8 +979,7 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = True  # except MoE configs, whose dispatch groups tokens on the host
     # `crop` restores the Memory-Cache state exactly, so assisted decoding is allowed (transformers < 5.25 checks this)
     _is_stateful = False
-    # Float32 under a bf16/fp16 load: rounded hash projections would move n-grams between buckets, and the branch
-    # computes in float32.
+    # Float32 under a bf16/fp16 load: rounded hash projections would move n-grams between buckets.
     _keep_in_fp32_modules_strict = ["rope", r"hash_proj_n\d+_p\d+", r"attn\.mc"]
 
     def post_init(self):
@@ -1057,8 +993,7 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, with `CHECKPOINT_KEY_RENAMES` as its `key_mapping` (a caller's own wins)
-        and a config far larger than the local weights refused before anything is built."""
+        """`CHECKPOINT_KEY_RENAMES` as `key_mapping` (a caller's own wins); an oversized config is refused first."""
         if CHECKPOINT_KEY_RENAMES and kwargs.get("key_mapping") is None:
             kwargs["key_mapping"] = dict(CHECKPOINT_KEY_RENAMES)
         refuse_oversized_config(args, kwargs)
@@ -1066,8 +1001,8 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """transformers' normal(initializer_range) Linear/Embedding and unit norms, except the `_spike_zero_init`
-        modules and `_spike_init_std` tables; every other parameter gets its constructor's value."""
+        """transformers' init for Linear/Embedding/norms, except `_spike_zero_init` modules and `_spike_init_std`
+        tables; every other parameter gets its constructor's value."""
         cfg = self.config
         if getattr(module, "_spike_zero_init", False):
             init.zeros_(module.weight)
@@ -1096,9 +1031,6 @@ class SpikeWhaleModelOutput(BaseModelOutputWithPast):
     refinement_states: tuple[torch.Tensor, ...] | None = None
     moe_aux_loss: torch.FloatTensor | None = None
 
-    if CACHE_FIELD != "cache":  # transformers < 5.24: `out.cache` reads the field under its old name
-        cache = property(lambda self: self.past_key_values)
-
 
 class SpikeWhaleModel(SpikeWhalePreTrainedModel):
     """Embeddings + Engram, the looped block stack walked by the loop plan, HC output mix, HRM and final norm."""
@@ -1125,25 +1057,22 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
 
     def _check_inputs(self, input_ids, inputs_embeds, static: bool):
         if input_ids is None and inputs_embeds is None:
-            raise ValueError("Pass `input_ids`, `inputs_embeds`, or both (the ids then only route the MoE and Engram).")
+            raise ValueError("Pass `input_ids`, `inputs_embeds`, or both (the ids then only route the MoE and "
+                             "Engram).")
         if input_ids is not None:
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}.")
             self._check_range(input_ids, self.config.vocab_size, static, "token ids")
         if inputs_embeds is not None:
             if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
-                raise ValueError(
-                    f"inputs_embeds must be [batch, seq, {self.config.hidden_size}], got {tuple(inputs_embeds.shape)}."
-                )
+                raise ValueError(f"inputs_embeds must be [batch, seq, {self.config.hidden_size}], "
+                                 f"got {tuple(inputs_embeds.shape)}.")
             if input_ids is not None and tuple(input_ids.shape) != tuple(inputs_embeds.shape[:2]):
-                raise ValueError(
-                    f"input_ids {tuple(input_ids.shape)} and inputs_embeds {tuple(inputs_embeds.shape)} must describe "
-                    "the same [batch, seq] tokens when passed together."
-                )
+                raise ValueError(f"input_ids {tuple(input_ids.shape)} and inputs_embeds {tuple(inputs_embeds.shape)} "
+                                 "must describe the same [batch, seq] tokens when passed together.")
 
     def _check_range(self, values: torch.Tensor, limit: int, static: bool, what: str) -> None:
-        """Token ids or positions (`what`) outside [0, limit) raise (positions are never wrapped); a device-side assert
-        when `static`."""
+        """Token ids or positions (`what`) outside [0, limit) raise; a device-side assert when `static`."""
         inside = (values >= 0) & (values < limit)
         if static:
             torch._assert_async(inside.all(), f"{what} outside [0, {limit})")
@@ -1152,18 +1081,15 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                 raise ValueError(f"Token ids {values[~inside].unique()[:5].tolist()} are outside the vocabulary "
                                  f"[0, {limit}); check that the tokenizer matches this model.")
             if int(values.min()) < 0:
-                raise ValueError(
-                    f"position_ids contain {int(values.min())}: positions must be >= 0 (a negative position would "
-                    "index the RoPE caches from the end). Pass position_ids counting from 0."
-                )
+                raise ValueError(f"position_ids contain {int(values.min())}: positions must be >= 0 (a negative "
+                                 "position would index the RoPE caches from the end). Pass position_ids counting "
+                                 "from 0.")
             self._raise_past_context(int(values.max()))
 
     def _raise_past_context(self, position: int) -> None:
-        raise ValueError(
-            f"Position {position} is past the context window (max_position_embeddings="
-            f"{self.config.max_position_embeddings}); this model raises instead of wrapping. Shorten the input or widen "
-            "the RoPE caches (`spike-whale widen`)."
-        )
+        raise ValueError(f"Position {position} is past the context window (max_position_embeddings="
+                         f"{self.config.max_position_embeddings}); this model raises instead of wrapping. Shorten the "
+                         "input or widen the RoPE caches (`spike-whale widen`).")
 
     @staticmethod
     def _check_attention_mask(attention_mask, B: int, S: int, cache: SpikeWhaleCache | None) -> None:
@@ -1172,15 +1098,13 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             return
         compiling = torch.compiler.is_compiling()
         past = (cache.length if compiling else cache.seq_len) if cache is not None else 0
-        widths = (S,) if compiling else (S, past + S)  # a compiled step reads the last S columns of either
-        if (attention_mask.dim() != 2 or attention_mask.shape[0] != B
-                or (attention_mask.shape[1] not in widths and not (compiling and attention_mask.shape[1] > S))):
-            raise ValueError(
-                f"attention_mask must be a 2D [batch, past + seq] = [{B}, {past + S}] padding mask (1 = real "
-                f"token), got shape {tuple(attention_mask.shape)}. Custom 4D masks are not supported: the Memory "
-                "Cache and Engram need each token's sequence, not only which keys it sees; to pack several "
-                "sequences in one row, pass position_ids restarting at 0 for each (padding-free packing)."
-            )
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != B or not (  # compiled: reads the last S columns
+                attention_mask.shape[1] >= S if compiling else attention_mask.shape[1] in (S, past + S)):
+            raise ValueError(f"attention_mask must be a 2D [batch, past + seq] = [{B}, {past + S}] padding mask (1 = "
+                             f"real token), got shape {tuple(attention_mask.shape)}. Custom 4D masks are not "
+                             "supported: the Memory Cache and Engram need each token's sequence, not only which keys "
+                             "it sees; to pack several sequences in one row, pass position_ids restarting at 0 for "
+                             "each (padding-free packing).")
 
     def _context(self, B, S, device, attention_mask, position_ids, cache, static: bool) -> ForwardContext:
         compiling = torch.compiler.is_compiling()
@@ -1203,15 +1127,12 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         if cache is not None and compiling:
             torch._assert_async(past + S <= cache.max_cache_len, "the chunk does not fit the cache; use a larger cache")
         elif cache is not None and past + S > cache.max_cache_len:
-            raise ValueError(
-                f"The cache holds {cache.max_cache_len} positions but {past + S} are needed; use a larger cache."
-            )
+            raise ValueError(f"The cache holds {cache.max_cache_len} positions but {past + S} are needed; "
+                             "use a larger cache.")
 
-        if static:  # a mask whenever one may be needed
-            needs_mask = cache is not None or attention_mask is not None
-        else:
-            needs_mask = (not bool(valid.all()) or (past > 0 and S > 1)
-                          or (past > 0 and not bool(cache.key_valid[:, :past].all())))
+        # Static: a mask whenever one may be needed; else for padding, a chunk after the cache, or padding cached.
+        needs_mask = (cache is not None or attention_mask is not None) if static else (
+            not bool(valid.all()) or (past > 0 and (S > 1 or not bool(cache.key_valid[:, :past].all()))))
         attn_mask, is_causal, key_valid = None, False, None
         if needs_mask:
             q_idx = (past + torch.arange(S, device=device))[:, None]
@@ -1244,8 +1165,8 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
 
     def _run_slots(self, X, token_embed, engram_r, ctx: ForwardContext, cache: SpikeWhaleCache | None,
                    hidden_states: list | None, attentions: list | None):
-        """Every run of the loop plan through `walk_run` (compiled for decode steps), each slot's update stored in the
-        cache. Returns (X, MoE losses); appends each slot's read-out streams and attention weights to the lists."""
+        """Every run of the loop plan through `walk_run`, each slot's update stored in the cache. Returns (X, MoE
+        losses); appends each slot's read-out streams and attention weights to the lists."""
         aux_terms = []
         end = ctx.past + X.shape[-2]
         compiled = self._compiled_run is not None and self._decode_step_compiles(ctx, cache)
@@ -1258,10 +1179,9 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         with torch.inference_mode() if inference else contextlib.nullcontext():
             for lo, hi, loop_pass in self.loop_plan.runs:
                 states = tuple(cache.slot(s) for s in range(lo, hi)) if cache is not None else (None,) * (hi - lo)
-                run = self.walk_run
-                if compiled and all(s.keys is not None and (s.mc is not None) == self.config.use_memory_cache
-                                    for s in states):
-                    run = self._compiled_run
+                fits = compiled and all(s.keys is not None and (s.mc is not None) == self.config.use_memory_cache
+                                        for s in states)
+                run = self._compiled_run if fits else self.walk_run
                 pass_embed = None  # [1, H], for a run that starts a loop pass
                 if loop_pass is not None and self.loop_pass_embed is not None:
                     index = torch.full((1,), loop_pass, dtype=torch.long, device=X.device)
@@ -1280,17 +1200,15 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         return X, aux_terms
 
     def _decode_step_compiles(self, ctx: ForwardContext, cache: SpikeWhaleCache | None) -> bool:
-        """Whether this chunk runs the compiled `walk_run`: one token per row on a warm cache, in eval, with no per-slot
-        outputs, and a layout of static sizes (which `forward` gives every such step once the walk is compiled)."""
+        """Whether the compiled `walk_run` runs: a static one-token eval step on a warm cache, no per-slot outputs."""
         if (cache is None or ctx.past == 0 or ctx.positions.shape[1] != 1 or self.training or ctx.need_weights
                 or ctx.keep_streams or not ctx.static):
             return False
         X = self.embed_tokens.weight
         if self._compiled_for != (X.dtype, X.device):
-            raise ValueError(
-                f"compile_decode() traced this model for {self._compiled_for[0]} on {self._compiled_for[1]}, but it "
-                f"now runs in {X.dtype} on {X.device}; call model.compile_decode() again after moving or re-typing it."
-            )
+            raise ValueError(f"compile_decode() traced this model for {self._compiled_for[0]} on "
+                             f"{self._compiled_for[1]}, but it now runs in {X.dtype} on {X.device}; call "
+                             "model.compile_decode() again after moving or re-typing it.")
         return True
 
     @staticmethod
@@ -1301,8 +1219,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         return starts
 
     def _forward_packed(self, input_ids, inputs_embeds, position_ids, starts, output_hidden_states: bool):
-        """Padding-free packing: the rows' sequences run as one right-padded batch, each exactly as alone, and the
-        outputs are packed back."""
+        """Padding-free packing: the rows' sequences run as one right-padded batch (each as alone), packed back."""
         B, S, H = inputs_embeds.shape
         seq_id = starts.flatten().long().cumsum(0) - 1  # [B·S]: the sequence of each token
         n = int(seq_id[-1]) + 1
@@ -1318,18 +1235,14 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         def pack(t: torch.Tensor) -> torch.Tensor:
             return t.flatten(0, 1)[dest].view(B, S, *t.shape[2:])
 
-        mask = unpack(torch.ones(B, S, dtype=torch.long, device=inputs_embeds.device))
-        out = self(
-            input_ids=unpack(input_ids) if input_ids is not None else None, inputs_embeds=unpack(inputs_embeds),
-            attention_mask=mask, position_ids=unpack(position_ids.expand(B, S)), use_cache=False,
-            output_hidden_states=output_hidden_states, return_dict=True,
-        )
-        return SpikeWhaleModelOutput(
-            last_hidden_state=pack(out.last_hidden_state),
-            refinement_states=tuple(pack(t) for t in out.refinement_states),
-            hidden_states=tuple(pack(t) for t in out.hidden_states) if out.hidden_states is not None else None,
-            moe_aux_loss=out.moe_aux_loss,
-        )
+        out = self(input_ids=unpack(input_ids) if input_ids is not None else None, inputs_embeds=unpack(inputs_embeds),
+                   attention_mask=unpack(torch.ones_like(starts, dtype=torch.long)),
+                   position_ids=unpack(position_ids.expand(B, S)), use_cache=False,
+                   output_hidden_states=output_hidden_states, return_dict=True)
+        hidden_states = tuple(pack(t) for t in out.hidden_states) if out.hidden_states is not None else None
+        return SpikeWhaleModelOutput(last_hidden_state=pack(out.last_hidden_state), hidden_states=hidden_states,
+                                     refinement_states=tuple(pack(t) for t in out.refinement_states),
+                                     moe_aux_loss=out.moe_aux_loss)
 
     @can_return_tuple
     def forward(
@@ -1357,40 +1270,38 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         eager_weights = output_attentions and not (cfg.use_derf or cfg.use_elo) and (
             impl in ("sdpa", "flex_attention") or impl.startswith("flash"))
         if eager_weights:  # as in-library models: the weights of this call, from eager attention
-            logger.warning_once(
-                f"output_attentions=True: the {impl!r} kernel returns no attention weights, so calls that ask for them "
-                "run eager attention; load with attn_implementation=\"eager\" to choose it for every call."
-            )
+            logger.warning_once(f"output_attentions=True: the {impl!r} kernel returns no attention weights, so calls "
+                                "that ask for them run eager attention; load with attn_implementation=\"eager\" to "
+                                "choose it for every call.")
         token_embeds = self.embed_tokens(input_ids) if input_ids is not None else None
         hash_source = token_embeds if inputs_embeds is not None else None
         inputs_embeds = inputs_embeds if inputs_embeds is not None else token_embeds
         B, S, _ = inputs_embeds.shape
         device = inputs_embeds.device
         self._check_attention_mask(attention_mask, B, S, cache if use_cache else None)
-        if position_ids is not None and attention_mask is None and (
-                cache is None or torch.compiler.is_compiling() or cache.seq_len == 0):
+        if position_ids is not None and S > 1 and not static:  # rows packed padding-free restart their positions
             starts = self.packed_sequence_starts(position_ids.to(device).expand(B, S))
-            if not torch.compiler.is_compiling() and bool(starts[:, 1:].any()):
-                if output_attentions:
-                    raise NotImplementedError(
-                        "output_attentions=True with padding-free packed rows: each packed sequence attends only "
-                        "within itself, so there is no per-row attention map to return; unpack the batch."
-                    )
-                return self._forward_packed(input_ids, inputs_embeds, position_ids, starts, output_hidden_states)
-        elif position_ids is not None and S > 1 and not static:
-            starts = self.packed_sequence_starts(position_ids.to(device).expand(B, S))[:, 1:]
-            if attention_mask is not None:
-                real = attention_mask[:, -S:].to(device).bool()
-                starts = starts & real[:, 1:] & real[:, :-1]
-            if bool(starts.any()):
-                raise NotImplementedError(
-                    "position_ids restart inside a row (padding-free packing) together with an attention_mask or a "
-                    "non-empty cache: packed rows are supported as DataCollatorWithFlattening writes them, with "
-                    "position_ids only. Drop the attention_mask, or pad the sequences into separate rows."
-                )
+            if attention_mask is None and (cache is None or cache.seq_len == 0):
+                if bool(starts[:, 1:].any()):
+                    if output_attentions:
+                        raise NotImplementedError("output_attentions=True with padding-free packed rows: each packed "
+                                                  "sequence attends only within itself, so there is no per-row "
+                                                  "attention map to return; unpack the batch.")
+                    return self._forward_packed(input_ids, inputs_embeds, position_ids, starts, output_hidden_states)
+            else:
+                restarts = starts[:, 1:]
+                if attention_mask is not None:
+                    real = attention_mask[:, -S:].to(device).bool()
+                    restarts = restarts & real[:, 1:] & real[:, :-1]
+                if bool(restarts.any()):
+                    raise NotImplementedError("position_ids restart inside a row (padding-free packing) together with "
+                                              "an attention_mask or a non-empty cache: packed rows are supported as "
+                                              "DataCollatorWithFlattening writes them, with position_ids only. Drop "
+                                              "the attention_mask, or pad the sequences into separate rows.")
         cache = (cache if cache is not None else SpikeWhaleCache(cfg)) if use_cache else None
         ctx = self._context(B, S, device, attention_mask, position_ids, cache, static)
-        ctx.token_ids, ctx.need_weights, ctx.keep_streams = input_ids, bool(output_attentions), bool(output_hidden_states)
+        ctx.token_ids, ctx.need_weights = input_ids, bool(output_attentions)
+        ctx.keep_streams = bool(output_hidden_states)
         if eager_weights:
             ctx.attn_implementation = "eager"
 
@@ -1413,19 +1324,17 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
             per_pos = (seg.base[:, None] + seg.rel[:, S - ctx.record:]) if (seg is not None and ctx.record) else None
             cache.commit(ctx.valid, engram_c, seg.new_segment if seg is not None else None, per_pos)
         moe_aux = torch.stack(aux_terms).mean() if aux_terms else None
-        return SpikeWhaleModelOutput(
-            last_hidden_state=steps[-1], **{CACHE_FIELD: cache}, refinement_states=tuple(steps), moe_aux_loss=moe_aux,
-            hidden_states=tuple(hidden_states) if hidden_states is not None else None,
-            attentions=tuple(attentions) if attentions is not None else None,
-        )
+        return SpikeWhaleModelOutput(last_hidden_state=steps[-1], **{CACHE_FIELD: cache},
+                                     refinement_states=tuple(steps), moe_aux_loss=moe_aux,
+                                     hidden_states=tuple(hidden_states) if hidden_states is not None else None,
+                                     attentions=tuple(attentions) if attentions is not None else None)
 
 
 @dataclass
 class SpikeWhaleCausalLMOutput(CausalLMOutputWithPast):
-    """Causal-LM output. With labels, loss = lm_loss + zloss_coef·z_loss + mtp_loss_weight·mtp_loss + hrm_loss
-    + abstain_loss_weight·abstain_loss + moe_aux_loss_coef·moe_aux_loss, each term also given un-weighted (None when
-    off); targets -100 are skipped. `abstain_probs[b, t]`: P(the argmax at t is wrong); `abstain_mask`: it above
-    `abstain_threshold` (the config's)."""
+    """loss = lm_loss + zloss_coef·z_loss + mtp_loss_weight·mtp_loss + hrm_loss + abstain_loss_weight·abstain_loss
+    + moe_aux_loss_coef·moe_aux_loss (each term also un-weighted, None when off); `abstain_probs[b, t]`: P(the argmax
+    at t is wrong), `abstain_mask`: it above `abstain_threshold`."""
 
     lm_loss: torch.FloatTensor | None = None
     z_loss: torch.FloatTensor | None = None
@@ -1438,8 +1347,9 @@ class SpikeWhaleCausalLMOutput(CausalLMOutputWithPast):
     abstain_threshold: float | None = None
     last_hidden_state: torch.FloatTensor | None = None
 
-    if CACHE_FIELD != "cache":  # transformers < 5.24: `out.cache` reads the field under its old name
-        cache = property(lambda self: self.past_key_values)
+
+if CACHE_FIELD != "cache":  # transformers < 5.24: `out.cache` reads the field under its old name
+    SpikeWhaleModelOutput.cache = SpikeWhaleCausalLMOutput.cache = property(lambda self: self.past_key_values)
 
 
 def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -1450,8 +1360,7 @@ def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 class SpikeWhaleForCausalLM(SpikeWhaleGenerationMixin, SpikeWhalePreTrainedModel):
-    """SpikeWhale language model: backbone, tied `lm_head` and the MTP heads (no `model.` prefix on the heads). The
-    generation mixin comes first: its `get_compiled_call` replaces `PreTrainedModel`'s."""
+    """Backbone, tied `lm_head` and MTP heads; the generation mixin first (its `get_compiled_call` wins)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_rep"}  # split by vocabulary, gathered
@@ -1484,24 +1393,19 @@ class SpikeWhaleForCausalLM(SpikeWhaleGenerationMixin, SpikeWhalePreTrainedModel
         past_key_values: SpikeWhaleCache | None = None, output_attentions: bool | None = None,
         output_hidden_states: bool | None = None, shift_labels: torch.LongTensor | None = None, **kwargs,
     ) -> SpikeWhaleCausalLMOutput:
-        """See `SpikeWhaleModel.forward` and `SpikeWhaleCausalLMOutput`. `shift_labels[:, t]`, the target of position
-        t (as `Trainer` and context parallelism pass it), replaces the shifting of `labels`."""
+        """See `SpikeWhaleModel.forward`; `shift_labels[:, t]`, position t's target, replaces the shifting of labels."""
         cache = cache if cache is not None else past_key_values
         if cache is not None and not isinstance(cache, SpikeWhaleCache):
-            if isinstance(cache, Cache) and cache.get_seq_length() == 0:
-                cache, use_cache = None, True
-            else:
-                raise TypeError(
-                    f"spike_whale needs a SpikeWhaleCache (K/V per loop-plan slot plus Memory-Cache state); got "
-                    f"{type(cache).__name__}. Pass cache=None and use_cache=True to have the model create one."
-                )
+            if not (isinstance(cache, Cache) and cache.get_seq_length() == 0):  # an empty one is replaced
+                raise TypeError(f"spike_whale needs a SpikeWhaleCache (K/V per loop-plan slot plus Memory-Cache "
+                                f"state); got {type(cache).__name__}. Pass cache=None and use_cache=True to have the "
+                                "model create one.")
+            cache, use_cache = None, True
         if self.training:
             use_cache = False
-        out = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-            inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states, return_dict=True,
-        )
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                         inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
+                         output_hidden_states=output_hidden_states, return_dict=True)
         h = out.last_hidden_state
         with_loss = labels is not None or shift_labels is not None
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -1512,14 +1416,11 @@ class SpikeWhaleForCausalLM(SpikeWhaleGenerationMixin, SpikeWhalePreTrainedModel
             probs = torch.sigmoid(self.abstain_head(h_out).squeeze(-1).float())
             threshold = float(self.config.abstain_threshold)
             fields.update(abstain_probs=probs, abstain_mask=probs > threshold, abstain_threshold=threshold)
-        return SpikeWhaleCausalLMOutput(
-            logits=logits, **{CACHE_FIELD: out.cache}, hidden_states=out.hidden_states, attentions=out.attentions,
-            last_hidden_state=h, **fields
-        )
+        return SpikeWhaleCausalLMOutput(logits=logits, **{CACHE_FIELD: out.cache}, hidden_states=out.hidden_states,
+                                        attentions=out.attentions, last_hidden_state=h, **fields)
 
     def _losses(self, h, logits, out, labels, attention_mask, shift_labels, position_ids) -> dict:
-        """The loss terms of `SpikeWhaleCausalLMOutput`; padding is neither target nor source, and no target crosses
-        into the next packed sequence.
+        """The loss terms; padding is neither target nor source, and no target crosses into the next packed sequence.
         - lm_loss: CE of logits[:, t] against labels[:, t+1];  z_loss: mean logsumexp(logits)².
         - mtp_loss: mean over heads k of the CE of head k at t against labels[:, t+k+1].
         - hrm_loss: the summed CE of every refinement step before the last (deep supervision).
@@ -1552,37 +1453,34 @@ class SpikeWhaleForCausalLM(SpikeWhaleGenerationMixin, SpikeWhalePreTrainedModel
         target = shifted(1)
         n_pred = target.shape[1]
         counted = target != -100
-        lm_loss = _cross_entropy(logits[:, :n_pred], target)
-        loss = lm_loss
-        z_loss = mtp_loss = hrm_loss = abstain_loss = None
+        terms = dict(lm_loss=_cross_entropy(logits[:, :n_pred], target), z_loss=None, mtp_loss=None, hrm_loss=None,
+                     abstain_loss=None, moe_aux_loss=out.moe_aux_loss)
         if cfg.zloss_coef:
             lse = torch.logsumexp(logits[:, :n_pred].float(), -1)
-            z_loss = (lse.pow(2) * counted).sum() / counted.sum().clamp(min=1)
-            loss = loss + cfg.zloss_coef * z_loss
+            terms["z_loss"] = (lse.pow(2) * counted).sum() / counted.sum().clamp(min=1)
         if self.mtp_heads and cfg.mtp_loss_weight:
-            terms = [_cross_entropy(self.lm_head(head(h[:, : t.shape[1]])), t)
-                     for k, head in enumerate(self.mtp_heads, start=1) if (t := shifted(k + 1)).shape[1] >= 1]
-            if terms:
-                mtp_loss = torch.stack(terms).mean()
-                loss = loss + cfg.mtp_loss_weight * mtp_loss
-        steps = out.refinement_states or ()
-        if cfg.use_hrm_refine and cfg.hrm_deep_supervision and len(steps) > 1:
-            hrm_loss = torch.stack([_cross_entropy(self.lm_head(s[:, :n_pred]), target) for s in steps[:-1]]).sum()
-            loss = loss + hrm_loss
+            mtp = [_cross_entropy(self.lm_head(head(h[:, : t.shape[1]])), t)
+                   for k, head in enumerate(self.mtp_heads, start=1) if (t := shifted(k + 1)).shape[1] >= 1]
+            if mtp:
+                terms["mtp_loss"] = torch.stack(mtp).mean()
+        earlier = out.refinement_states[:-1]  # HRM steps before the last (none without HRM)
+        if cfg.hrm_deep_supervision and earlier:
+            terms["hrm_loss"] = torch.stack([_cross_entropy(self.lm_head(s[:, :n_pred]), target)
+                                             for s in earlier]).sum()
         if self.abstain_head is not None:
             a_logit = self.abstain_head(h[:, :n_pred]).squeeze(-1).float()
             wrong = (logits[:, :n_pred].detach().argmax(-1) != target).float().to(a_logit.device)
             pos_weight = torch.tensor(float(cfg.abstain_pos_weight), device=a_logit.device)
             bce = F.binary_cross_entropy_with_logits(a_logit, wrong, pos_weight=pos_weight, reduction="none")
             keep = counted.to(a_logit.device)
-            abstain_loss = (bce * keep).sum() / keep.sum().clamp(min=1)
-            if cfg.abstain_loss_weight:
-                loss = loss + cfg.abstain_loss_weight * abstain_loss.to(loss.device)
-        moe_aux_loss = out.moe_aux_loss
-        if moe_aux_loss is not None and cfg.moe_aux_loss_coef:
-            loss = loss + cfg.moe_aux_loss_coef * moe_aux_loss.to(loss.device)
-        return dict(loss=loss, lm_loss=lm_loss, z_loss=z_loss, mtp_loss=mtp_loss, hrm_loss=hrm_loss,
-                    abstain_loss=abstain_loss, moe_aux_loss=moe_aux_loss)
+            terms["abstain_loss"] = (bce * keep).sum() / keep.sum().clamp(min=1)
+        coefs = dict(z_loss=cfg.zloss_coef, mtp_loss=cfg.mtp_loss_weight, hrm_loss=1,
+                     abstain_loss=cfg.abstain_loss_weight, moe_aux_loss=cfg.moe_aux_loss_coef)
+        loss = terms["lm_loss"]
+        for name, coef in coefs.items():  # the sum of `SpikeWhaleCausalLMOutput`, terms in order
+            if terms[name] is not None and coef:
+                loss = loss + coef * terms[name].to(loss.device)
+        return dict(loss=loss, **terms)
 
 
 SpikeWhaleLM = SpikeWhaleForCausalLM
