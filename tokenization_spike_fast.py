@@ -29,6 +29,8 @@ from .tokenization_spike import (
 
 TRIE_DISPATCH = 4  # Oniguruma tries ordered alternatives one by one: lookahead-guarded groups of at most 4
 PIECE_TOKENS = 2  # greedy tokens per Split piece: fewer splits, few WordPiece probes
+JOINED_CHARS = 1 << 15  # rows are joined into texts of about this many characters: long enough that per-text costs
+# vanish, short enough to stay in cache and to give `tokenizers`' threads several texts to share
 _LATIN1_TO_BYTE_LEVEL = str.maketrans({chr(b): c for b, c in bytes_to_unicode().items()})
 _BYTE_LEVEL_TO_LATIN1 = {c: chr(b) for b, c in bytes_to_unicode().items()}
 
@@ -212,22 +214,77 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
                                         padding_side=padding_side)
         backend = self._tokenizer
         backend.encode_special_tokens = split_special_tokens
-        encodings = backend.encode_batch_fast(batch, add_special_tokens=add_special_tokens)
-        data = {"input_ids": [e.ids for e in encodings]}
+        remake = None
+        if len(batch) > 1 and backend.truncation is None and not return_special_tokens_mask:
+            remake = self._encode_joined(batch, add_special_tokens)
+        if remake is None:
+            encodings = backend.encode_batch_fast(batch, add_special_tokens=add_special_tokens)
+            data = {"input_ids": [e.ids for e in encodings]}
+            masks = [e.attention_mask for e in encodings] if backend.padding else None
+
+            def remake():
+                return [e.ids for e in encodings]
+        else:
+            data = {"input_ids": remake()}
+            masks = _pad(data["input_ids"], backend.padding) if backend.padding else None
         if return_attention_mask or return_attention_mask is None and "attention_mask" in self.model_input_names:
             # unpadded rows are all ones: cheaper than converting the backend's masks
-            data["attention_mask"] = ([e.attention_mask for e in encodings] if backend.padding
-                                      else [[1] * len(ids) for ids in data["input_ids"]])
+            data["attention_mask"] = masks if masks is not None else [[1] * len(ids) for ids in data["input_ids"]]
         if return_special_tokens_mask:
             data["special_tokens_mask"] = [e.special_tokens_mask for e in encodings]
         if return_length:
             data["length"] = list(map(len, data["input_ids"]))
         for ids in data["input_ids"]:
             self._eventual_warn_about_too_long_sequence(ids, max_length, verbose)
+        lazy = EncodingsOnDemand(backend, batch, add_special_tokens, remake)
         if isinstance(text, str) and return_tensors is None:
             data = {key: value[0] if isinstance(value[0], list) else value for key, value in data.items()}
-        lazy = EncodingsOnDemand(backend, batch, add_special_tokens, encodings)
         return BatchEncoding(data, lazy, tensor_type=return_tensors, n_sequences=1)
+
+    def _encode_joined(self, batch: list[str], add_special_tokens: bool):
+        """`batch` encoded as texts of about `JOINED_CHARS`, each of rows joined by a separator that no token but
+        its own holds (greedy matching cannot cross it): `tokenizers`' per-text costs dominate short rows. Returns a
+        function giving the rows' ids (new lists, split at the separator's id), or None when the vocabulary has no
+        such separator or a row holds it."""
+        backend = self._tokenizer
+        if getattr(self, "_joiner", False) is False:  # found again after tokens are added (`_add_tokens`)
+            self._joiner = _separator(backend)
+        if self._joiner is None:
+            return None
+        sep, sep_id = self._joiner
+        cuts, size = [0], 0
+        for i, row in enumerate(batch, 1):
+            size += len(row)
+            if size >= JOINED_CHARS or i == len(batch):
+                cuts.append(i)
+                size = 0
+        texts = [sep.join(batch[a:b]) for a, b in zip(cuts, cuts[1:])]
+        if any(t.count(sep) != b - a - 1 for t, a, b in zip(texts, cuts, cuts[1:])):
+            return None
+        saved = EncodingsOnDemand._configure(backend, None, None, backend.encode_special_tokens)  # pad rows, not texts
+        try:
+            probe = backend.encode(sep, add_special_tokens=add_special_tokens).ids  # the post-processor's ids
+            encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
+        finally:
+            EncodingsOnDemand._configure(backend, *saved)
+        head, tail = probe[:probe.index(sep_id)], probe[probe.index(sep_id) + 1:]
+
+        def rows() -> list[list[int]]:
+            out = []
+            for encoding in encodings:
+                ids, start = encoding.ids, 0
+                for _ in range(ids.count(sep_id)):
+                    end = ids.index(sep_id, start)
+                    out.append(head + ids[start:end] + tail)
+                    start = end + 1
+                out.append(head + ids[start:] + tail)
+            return out
+
+        return rows
+
+    def _add_tokens(self, new_tokens, special_tokens: bool = False) -> int:
+        self._joiner = False  # a new token may hold the separator
+        return super()._add_tokens(new_tokens, special_tokens)
 
     def _encode_without_added_tokens(self, text: str) -> list[int]:
         # chat sanitizing encodes a control token's text as text; the greedy tokens may be added tokens of the backend
@@ -254,24 +311,55 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
         return super()._decode([i if 0 <= i < VOCAB_SIZE else UNK_ID for i in map(int, ids)], **kwargs)
 
 
+def _separator(backend: Tokenizer) -> tuple[str, int] | None:
+    """A control character that is one token and inside no other token (in the byte alphabet or as text)."""
+    keys = [key for key in backend.get_vocab(with_added_tokens=True) if len(key) > 1]
+    for code in range(0x20):
+        sep = chr(code)
+        ids = backend.encode(sep, add_special_tokens=False).ids
+        spellings = {sep, sep.translate(_LATIN1_TO_BYTE_LEVEL)}
+        if len(ids) == 1 and not any(ch in key for key in keys for ch in spellings):
+            return sep, ids[0]
+    return None
+
+
+def _pad(rows: list[list[int]], padding: dict) -> list[list[int]]:
+    """Pad `rows` in place as a `tokenizers` padding setting would; return the attention masks."""
+    multiple, left = padding["pad_to_multiple_of"] or 1, padding["direction"] == "left"
+    length = -(-(padding["length"] or max(map(len, rows))) // multiple) * multiple
+    masks = [[0] * (length - len(row)) + [1] * len(row) if left else [1] * len(row) + [0] * (length - len(row))
+             for row in rows]
+    for row in rows:
+        pads = [padding["pad_id"]] * (length - len(row))
+        if left:
+            row[:0] = pads
+        else:
+            row += pads
+    return masks
+
+
 class EncodingsOnDemand(Sequence):
     """`BatchEncoding.encodings` of a call without offsets: on first read, `encode_batch` of its rows under its
     truncation, padding and split_special_tokens; tokens added since would change the ids, so that raises."""
 
-    def __init__(self, backend: Tokenizer, batch: list[str], add_special_tokens: bool, without_offsets: list):
+    def __init__(self, backend: Tokenizer, batch: list[str], add_special_tokens: bool, remake):
+        # remake(): the call's ids, padded again as the call padded them
         settings = backend.truncation, backend.padding, backend.encode_special_tokens
-        self._args = backend, batch, add_special_tokens, without_offsets, settings
+        self._args = backend, batch, add_special_tokens, remake, settings
         self._made = None
 
     def _all(self) -> list:
         if self._made is None:
-            backend, batch, add_special_tokens, without_offsets, settings = self._args
+            backend, batch, add_special_tokens, remake, settings = self._args
             saved = self._configure(backend, *settings)
             try:
                 made = backend.encode_batch(batch, add_special_tokens=add_special_tokens)
             finally:
                 self._configure(backend, *saved)
-            if [e.ids for e in made] != [e.ids for e in without_offsets]:
+            ids = remake()
+            if settings[1] is not None:
+                _pad(ids, settings[1])
+            if [e.ids for e in made] != ids:
                 raise RuntimeError("the tokenizer changed (added tokens?) since this call, so its encodings can no "
                                    "longer match its input_ids: call it again")
             self._made, self._args = made, None

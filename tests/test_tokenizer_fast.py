@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -305,6 +306,41 @@ def test_call_without_offsets_makes_encodings_on_first_read(pair, monkeypatch):
     own.add_tokens(["harbour"])
     with pytest.raises(RuntimeError, match="changed"):
         stale.char_to_token(4)
+
+
+def test_plain_batches_are_encoded_joined_and_stay_exact(pair, monkeypatch):
+    """A plain batch is encoded as a few texts joined by a control character that is its own token and inside no
+    other one (greedy matching cannot cross it), then split at its id: `tokenizers`' per-row costs dominate short
+    rows. The same arrays as the slow class under padding; a row holding the separator, a truncating call or a
+    special-tokens mask goes row by row. Negative control: a separator inside another token ("\\x00" * 5 is one)
+    merges rows."""
+    slow, fast = pair
+    added_slow, added_fast = copy.deepcopy(slow), copy.deepcopy(fast)
+    routes = []
+    joined = fast._encode_joined
+    monkeypatch.setattr(fast, "_encode_joined", lambda *a: routes.append(joined(*a)) or routes[-1])
+    rng = random.Random(11)
+    texts = [t.replace("\x01", "") for t in (random_unicode(rng, 12) for _ in range(70))]
+    texts += ["", "", "<bos>x", "hi <|im_end|>", "é" * 30, "abcdefghij" * 3]
+    for kwargs in ({}, {"padding": True}, {"padding": True, "padding_side": "right", "pad_to_multiple_of": 8},
+                   {"padding": "max_length", "max_length": 48}, {"add_special_tokens": False},
+                   {"split_special_tokens": True}, {"return_length": True, "return_attention_mask": True}):
+        routes.clear()
+        assert fast(texts, **kwargs).data == slow(texts, **kwargs).data, kwargs
+        assert len(routes) == 1 and routes[0] is not None, kwargs
+    assert fast._joiner[0] == "\x01"  # "\x00" is inside the vocabulary's "\x00" * 5
+    for batch, kwargs in ((texts + ["a\x01b"], {}), (texts, {"truncation": True, "max_length": 5}),
+                          (texts, {"return_special_tokens_mask": True})):
+        routes.clear()
+        assert fast(batch, **kwargs).data == slow(batch, **kwargs).data, kwargs
+        assert routes in ([], [None]), kwargs
+    assert fast(["", "é"], padding=True, return_tensors="pt")["input_ids"].tolist() == slow(
+        ["", "é"], padding=True)["input_ids"]
+    for tok in (added_slow, added_fast):
+        tok.add_tokens(["q\x01r"])
+    assert added_fast(texts).data == added_slow(texts).data and added_fast._joiner[0] == "\x02"
+    fast._joiner = ("\x00", fast.convert_tokens_to_ids("\x00"))
+    assert len(fast([""] * 6, add_special_tokens=False)["input_ids"]) == 1  # one text of 5 separators: one token
 
 
 def test_pretokenized_words(pair):
