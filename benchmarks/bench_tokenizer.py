@@ -16,7 +16,7 @@ Throughput: MB/s through transformers' `__call__` of three inputs built from the
 a shared machine's load hits all alike. Two vocabularies: the one trained here and models/spike-whale-demo's. The
 fast class batches in Rust (`TOKENIZERS_PARALLELISM=true`, `RAYON_NUM_THREADS=2`); the slow one runs in one Python
 thread. For the ratio, the same tokenizer.json through `tokenizers`' `encode_batch_fast` (no character offsets,
-which transformers' `encode_batch` path asks for). Targets: fast >= 10 MB/s on the long text and faster than slow on
+which transformers' `encode_batch` path asks for), and the fast class with its joined-rows route off (row by row). Targets: fast >= 10 MB/s on the long text and faster than slow on
 every row (issue 39), Length-MAX >= 10% fewer tokens than BPE (issue 14).
 Results: a table on stdout and JSON (default benchmarks/results/tokenizer.json).
 """
@@ -24,6 +24,7 @@ Results: a table on stdout and JSON (default benchmarks/results/tokenizer.json).
 from __future__ import annotations
 
 import argparse
+import copy
 import glob
 import json
 import os
@@ -145,18 +146,23 @@ def main() -> int:
     for tok in (fast, slow, demo, demo_slow):
         tok.model_max_length = 1 << 30  # no too-long warnings for the long text
         tok(docs[:10])
+    # The fast class without its joined-rows route (`_encode_joined`), to show what the route gives
+    row_by_row = {vocab: copy.deepcopy(f) for vocab, (f, _) in pairs.items()}
+    for f in row_by_row.values():
+        f._encode_joined = lambda *args: None
     rates = {}
     for name, x in inputs.items():
         batch = [x] if isinstance(x, str) else x
         fns = {}
         for vocab, (f, s) in pairs.items():
             fns[f"{vocab}_fast"] = lambda f=f, x=x: f(x)["input_ids"]
+            fns[f"{vocab}_fast_row_by_row"] = lambda f=row_by_row[vocab], x=x: f(x)["input_ids"]
             fns[f"{vocab}_slow"] = lambda s=s, x=x: s(x)["input_ids"]
             fns[f"{vocab}_tokenizers_no_offsets"] = lambda f=f, b=batch: f.backend_tokenizer.encode_batch_fast(b)
         rates[name] = best_rates(fns, sizes[name], args.repeats)
     load = os.getloadavg()
-    identical = {vocab: all(f(x)["input_ids"] == s(x)["input_ids"] for x in inputs.values())
-                 for vocab, (f, s) in pairs.items()}
+    identical = {vocab: all(f(x)["input_ids"] == s(x)["input_ids"] == row_by_row[vocab](x)["input_ids"]
+                            for x in inputs.values()) for vocab, (f, s) in pairs.items()}
     matched = {vocab: any(not t.special for t in f.backend_tokenizer.get_added_tokens_decoder().values())
                for vocab, (f, _) in pairs.items()}
     result = {
@@ -168,6 +174,8 @@ def main() -> int:
         "throughput_MB_s": rates, "throughput_bytes": sizes,
         "fast_over_slow": {name: {vocab: row[f"{vocab}_fast"] / row[f"{vocab}_slow"] for vocab in pairs}
                            for name, row in rates.items()},
+        "joined_over_row_by_row": {name: {vocab: row[f"{vocab}_fast"] / row[f"{vocab}_fast_row_by_row"]
+                                          for vocab in pairs} for name, row in rates.items()},
         "fast_equals_slow": identical, "greedy_tokens_matched_as_added_tokens": matched,
         "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "load_before": load_before,
                  "load_after": load},
@@ -181,10 +189,12 @@ def main() -> int:
             print(f"Length-MAX uses {100 * value:.1f}% fewer tokens than {name[len('fewer_tokens_than_'):]}")
     print(f"throughput MB/s (identical ids: {identical}; greedy tokens matched as added tokens: {matched}; load "
           f"average {load_before[0]:.1f} before, {load[0]:.1f} after)")
-    keys = list(next(iter(rates.values())))
-    print(f"{'':10s}" + "".join(f"{key:>30s}" for key in keys))
-    for name, row in rates.items():
-        print(f"{name:10s}" + "".join(f"{row[key]:30.2f}" for key in keys))
+    print(f"{'MB/s':32s}" + "".join(f"{name:>12s}" for name in rates))
+    for key in next(iter(rates.values())):
+        print(f"{key:32s}" + "".join(f"{row[key]:12.2f}" for row in rates.values()))
+    for label in ("fast_over_slow", "joined_over_row_by_row"):
+        for vocab in pairs:
+            print(f"{label + ' ' + vocab:32s}" + "".join(f"{result[label][n][vocab]:12.2f}" for n in rates))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
