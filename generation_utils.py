@@ -11,10 +11,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import NamedTuple
 
 import torch
-from transformers import (
-    GenerationConfig, GenerationMixin, LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
-    StoppingCriteria, StoppingCriteriaList,
-)
+from transformers import (GenerationConfig, GenerationMixin, LogitsProcessor, LogitsProcessorList,
+                          RepetitionPenaltyLogitsProcessor, StoppingCriteria, StoppingCriteriaList)
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.utils import logging
@@ -205,8 +203,7 @@ class LoopSlotLayer(_BatchSelection, CacheLayerMixin):
     """One loop-plan slot of the cache's length: static K (after QK-norm and RoPE) / V (after depth mixing), the
     Memory-Cache state, the Elo ratings and the rollback history of those two (`history[kind]`: [(length, state)])."""
 
-    # Blocks write these buffers in place at static shapes (see `compile_decode`).
-    # Declared only from transformers 5.24: earlier 5.x refuse assisted decoding with any compileable cache layer.
+    # Declared from transformers 5.24 only: earlier 5.x refuse assisted decoding with any compileable cache layer.
     is_compileable = CACHE_FIELD == "cache"
     is_sliding = False
     is_croppable = True
@@ -274,11 +271,9 @@ class SpikeWhaleCache(_BatchSelection, Cache):
     slots share (`SHARED`): padding mask key_valid [B, max_cache_len], real-token counts num_real [B], Memory-Cache
     segments mc_segment [B], Engram compressed vectors engram_c [B, max_cache_len, cd] (the next chunk's n-gram
     prefix). Each buffer is allocated once, on the device of the first tensor written to it (a `device_map` keeps
-    each slot's state next to its layer), and updated in place, its address static.
-
-    Rollback: `crop(-k)` removes the last `k` positions. K/V and the Engram prefix are positional; the Memory-Cache
-    and Elo states are not, so while recording (`activate_past_recording`) every forward records them at its start
-    and at the lengths a crop may return to, and `crop` restores those recorded at the new length."""
+    each slot's state next to its layer), and updated in place, its address static. For `crop`, K/V and the Engram
+    prefix are positional; the Memory-Cache and Elo states are not, so while recording (`activate_past_recording`)
+    every forward records them at its start and at the lengths a crop may return to."""
 
     SHARED = ("key_valid", "num_real", "mc_segment", "engram_c")
 
@@ -986,12 +981,9 @@ def compiled_decode_guards(entries) -> list[bool]:
     """The dynamo guards `compile_decode` keeps: all but those on built-in modules and on parameter tensors (their
     metadata too, for tensor subclasses such as int8), which change only when the model is moved or re-typed
     (checked by `_decode_step_compiles`) or its weights replaced."""
-    return [
-        not (e.orig_guard.source.is_unspecialized_builtin_nn_module()
-             or (e.guard_type in ("TENSOR_MATCH", "TENSOR_SUBCLASS_METADATA_MATCH", "EQUALS_MATCH")
-                 and "._parameters[" in e.name))
-        for e in entries
-    ]
+    return [not (e.orig_guard.source.is_unspecialized_builtin_nn_module()
+                 or (e.guard_type in ("TENSOR_MATCH", "TENSOR_SUBCLASS_METADATA_MATCH", "EQUALS_MATCH")
+                     and "._parameters[" in e.name)) for e in entries]
 
 
 def compile_walk(walk_run, options: dict, compile_kwargs: dict):

@@ -29,7 +29,6 @@ from .generation_utils import (CACHE_FIELD, MemoryCacheState, SegmentLayout, Slo
 
 logger = logging.get_logger(__name__)
 
-
 # Released checkpoint name (regex) -> our name, applied at load; empty until a real Byrne header is read.
 CHECKPOINT_KEY_RENAMES: dict[str, str] = {}
 
@@ -265,8 +264,7 @@ class MemoryCacheBranch(KeepsFloat32):
         with it (step form). cands: (M [B, I, nh, hd, hd], z [B, I, nh, hd], ḡ [B, I, gd], readable [B, S, I]|None)."""
         if cands is None:
             num, den = own[0], own[1][..., None]
-            if gu.requires_grad:
-                # A weight of exactly 1 that keeps the gate in the graph: DDP needs every parameter to take part.
+            if gu.requires_grad:  # γ = 1 exactly, keeping the gate in the graph: DDP needs every parameter
                 g_own = torch.softmax((gu * own[2]).sum(-1, keepdim=True) / own[3].clamp(min=1)[..., None], -1)
                 num, den = g_own[..., None] * num, g_own[..., None] * den
             return num / (den + self.eps)
@@ -334,9 +332,8 @@ class MemoryCacheBranch(KeepsFloat32):
             own_den = own_den + first[..., None] * torch.einsum("bshd,bhd->bsh", fq, state.run_z)
             own_g = own_g + first[..., None] * state.run_g[:, None]
             own_n = own_n + first * state.run_n[:, None]
-            for total, running in ((seg_M, state.run_M), (seg_z, state.run_z), (seg_g, state.run_g),
-                                   (seg_n, state.run_n)):
-                total[:, 0] += running
+            for total, run in zip((seg_M, seg_z, seg_g, seg_n), (state.run_M, state.run_z, state.run_g, state.run_n)):
+                total[:, 0] += run
         seg_gmean = seg_g / seg_n.clamp(min=1)[..., None] if R > 1 else None
 
         cands = []  # the cache's finished segments (i < base), then the chunk's (r < rel)
@@ -526,7 +523,6 @@ class HyperConnection(nn.Module):
         return torch.matmul(w, X.flatten(2)).view(X.shape[0], *X.shape[2:])
 
     def _pre_weights(self, dtype: torch.dtype, two: bool) -> torch.Tensor:
-        """softmax(a) in `dtype`; for two streams w₁ alone."""
         w = _as(torch.softmax(self.pre_logits, 0, dtype=torch.float32), dtype)
         return w[1] if two else w
 
@@ -549,8 +545,7 @@ class HCOutputMix(nn.Module):
 
 class DepthAttention:
     """ṽ_t = Σ_d softmax_d(⟨q̄_t, k_d(t)⟩/√hd) v_d(t);  v ← v + tanh(g)·(ṽ − v)   (across layers, per position).
-    q̄: the mean of a KV group's query heads; sources d: this pass's earlier checkpoint layers (every
-    `depth_attention_stride`-th) plus the current one."""
+    q̄: a KV group's mean query; d: this layer and the pass's earlier checkpoints (each `depth_attention_stride`-th)."""
 
     @staticmethod
     def mix(q, k, v, sources, tanh_gate) -> torch.Tensor:
@@ -656,8 +651,7 @@ class SpikeWhaleAttention(nn.Module):
     def __init__(self, config: SpikeWhaleConfig, layer_idx: int):
         super().__init__()
         H, nh, kvh, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        self.config, self.hd = config, hd
-        self.layer_idx, self.is_causal = layer_idx, True
+        self.config, self.hd, self.layer_idx, self.is_causal = config, hd, layer_idx, True
         self.num_key_value_groups, self.scaling = nh // kvh, hd**-0.5
         self.q_a_proj = nn.Linear(H, config.q_lora_rank, bias=False)
         self.q_a_norm = SpikeWhaleRMSNorm(config.q_lora_rank, config.rms_norm_eps)
@@ -704,8 +698,7 @@ class SpikeWhaleAttention(nn.Module):
             return y.to(q.dtype).transpose(1, 2), weights, ratings, steps
         impl = ctx.attn_implementation or "sdpa"
         if "flash" in impl and isinstance(ctx.past, torch.Tensor):
-            # A compiled step reads whole static buffers, which flash's 2D padding mask cannot describe.
-            impl = "sdpa"
+            impl = "sdpa"  # a compiled step reads whole static buffers, which flash's 2D padding mask cannot describe
         if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
             attend = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
         elif impl == "eager":  # transformers < 5.24
@@ -779,8 +772,7 @@ class SpikeWhaleMLP(nn.Module):
         return self.gate_proj(u), self.up_proj(u)
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
-        # Without autograd, in place: a long prefill's [S, F] temporaries cost about as much as the ops.
-        inplace = not torch.is_grad_enabled()
+        inplace = not torch.is_grad_enabled()  # a long prefill's [S, F] temporaries cost about as much as the ops
         gate, up = self.input_projections(u)
         h = F.silu(gate, inplace=inplace)
         return self.down_proj(h.mul_(up) if inplace else h * up)
@@ -830,8 +822,7 @@ class SpikeWhaleMoE(nn.Module):
         return idx, w * self.routed_scaling_factor, scores
 
     def forward(self, u: torch.Tensor, ctx: ForwardContext | None = None):
-        """u [B, S, H] → (output [B, S, H], load-balance loss or None); each expert runs once on its (token, slot)
-        pairs, sorted together."""
+        """u [B, S, H] → (output [B, S, H], load-balance loss or None); each expert runs once, on all its tokens."""
         B, S, H = u.shape
         flat = u.reshape(B * S, H)
         real = (ctx.valid.to(u.device).reshape(-1).nonzero().squeeze(1) if ctx is not None
@@ -977,8 +968,7 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True  # softmax attention goes through ALL_ATTENTION_FUNCTIONS
     _can_compile_fullgraph = True  # except MoE configs, whose dispatch groups tokens on the host
-    # `crop` restores the Memory-Cache state exactly, so assisted decoding is allowed (transformers < 5.25 checks this)
-    _is_stateful = False
+    _is_stateful = False  # `crop` restores the Memory-Cache state exactly: assisted decoding allowed (< 5.25 checks)
     # Float32 under a bf16/fp16 load: rounded hash projections would move n-grams between buckets.
     _keep_in_fp32_modules_strict = ["rope", r"hash_proj_n\d+_p\d+", r"attn\.mc"]
 
@@ -1057,8 +1047,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
 
     def _check_inputs(self, input_ids, inputs_embeds, static: bool):
         if input_ids is None and inputs_embeds is None:
-            raise ValueError("Pass `input_ids`, `inputs_embeds`, or both (the ids then only route the MoE and "
-                             "Engram).")
+            raise ValueError("Pass `input_ids`, `inputs_embeds`, or both (the ids then only route the MoE and Engram).")
         if input_ids is not None:
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}.")
@@ -1245,12 +1234,11 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                                      moe_aux_loss=out.moe_aux_loss)
 
     @can_return_tuple
-    def forward(
-        self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None, cache: SpikeWhaleCache | None = None,
-        inputs_embeds: torch.FloatTensor | None = None, use_cache: bool | None = None,
-        output_attentions: bool | None = None, output_hidden_states: bool | None = None, **kwargs,
-    ) -> SpikeWhaleModelOutput:
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, cache: SpikeWhaleCache | None = None,
+                inputs_embeds: torch.FloatTensor | None = None, use_cache: bool | None = None,
+                output_attentions: bool | None = None, output_hidden_states: bool | None = None,
+                **kwargs) -> SpikeWhaleModelOutput:
         """`hidden_states`: the embedding output (after Engram), then one entry per loop-plan slot, the streams read out
         by `hc_out_mix` (before HRM and the norm). `attentions`: one [B, heads, S, past + S] map per slot. Given both
         `input_ids` and `inputs_embeds`, the embeddings are the input and the ids feed hash routing and Engram."""
@@ -1365,8 +1353,7 @@ class SpikeWhaleForCausalLM(SpikeWhaleGenerationMixin, SpikeWhalePreTrainedModel
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_rep"}  # split by vocabulary, gathered
     _auto_class = "AutoModelForCausalLM"
-    # The loss is a per-batch mean of several terms; let `Trainer` average it over accumulation steps.
-    accepts_loss_kwargs = False
+    accepts_loss_kwargs = False  # the loss is a per-batch mean of several terms: `Trainer` averages it over steps
 
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__(config)
@@ -1385,14 +1372,13 @@ class SpikeWhaleForCausalLM(SpikeWhaleGenerationMixin, SpikeWhalePreTrainedModel
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     @can_return_tuple
-    def forward(
-        self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None, cache: SpikeWhaleCache | None = None,
-        inputs_embeds: torch.FloatTensor | None = None, labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
-        past_key_values: SpikeWhaleCache | None = None, output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None, shift_labels: torch.LongTensor | None = None, **kwargs,
-    ) -> SpikeWhaleCausalLMOutput:
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, cache: SpikeWhaleCache | None = None,
+                inputs_embeds: torch.FloatTensor | None = None, labels: torch.LongTensor | None = None,
+                use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
+                past_key_values: SpikeWhaleCache | None = None, output_attentions: bool | None = None,
+                output_hidden_states: bool | None = None, shift_labels: torch.LongTensor | None = None,
+                **kwargs) -> SpikeWhaleCausalLMOutput:
         """See `SpikeWhaleModel.forward`; `shift_labels[:, t]`, position t's target, replaces the shifting of labels."""
         cache = cache if cache is not None else past_key_values
         if cache is not None and not isinstance(cache, SpikeWhaleCache):
