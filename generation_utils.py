@@ -28,7 +28,6 @@ CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields
 @dataclass
 class SegmentLayout:
     """Where each chunk token falls in the Memory-Cache segments; built once per forward, shared by all slots.
-
     rel[b, t]: row b's segment after token t, relative to `base[b]`, its segment before the chunk (padding keeps the
     last). The first `split` tokens take the chunk form, the rest the step form. The chunk form puts token t at row
     idx[b, t] of a block buffer [B, n_rel, width, ...] (block rel[b, t]; padding to the sink row n_rel·width), so it
@@ -203,16 +202,14 @@ class LoopSlotLayer(_BatchSelection, CacheLayerMixin):
     """One loop-plan slot of the cache's length: static K (after QK-norm and RoPE) / V (after depth mixing), the
     Memory-Cache state, the Elo ratings and the rollback history of those two (`history[kind]`: [(length, state)])."""
 
-    # Declared from transformers 5.24 only: earlier 5.x refuse assisted decoding with any compileable cache layer.
-    is_compileable = CACHE_FIELD == "cache"
+    is_compileable = CACHE_FIELD == "cache"  # 5.24+: earlier 5.x refuse assisted decoding with compileable layers
     is_sliding = False
     is_croppable = True
     STATES = ("mc", "elo")  # the slot's recurrent (not positional) states
 
     def __init__(self, cache: "SpikeWhaleCache", max_cache_len: int):
         super().__init__()
-        self.cache = cache
-        self.max_cache_len = max_cache_len
+        self.cache, self.max_cache_len = cache, max_cache_len
         self.mc: MemoryCacheState | None = None
         self.elo: torch.Tensor | None = None  # Elo ratings [B, heads, length] of the cached keys (un-scaled Σ of steps)
         self.record_past = False  # set on every slot by `SpikeWhaleCache.activate_past_recording`
@@ -426,8 +423,7 @@ class SpikeWhaleCache(_BatchSelection, Cache):
                                          else max(recurrent_states_to_keep, self.min_states_to_keep))
 
     def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
-        """How many of a forward's last tokens a `crop` may remove, the same for every slot: 0 when not recording,
-        every position the cache holds when recording without a bound."""
+        """How many of a forward's last tokens a `crop` may remove (the same for every slot, 0 when not recording)."""
         if not self.record_past:
             return 0
         return self.max_cache_len if self.recurrent_states_to_keep is None else self.recurrent_states_to_keep
@@ -1025,8 +1021,7 @@ class SpikeWhaleGenerationMixin(GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """A `SpikeWhaleCache` before the prefill: "static" sized to this call (args[2]: the positions transformers
-        counts it feeding, + 1; else `max_length`) or `max_cache_len` if larger, else to the context window.
-        transformers' own preparation where a cache is passed in or use_cache=False."""
+        counts it feeding, + 1; else `max_length`) or `max_cache_len` if larger, else to the context window."""
         impl = generation_config.cache_implementation
         if model_kwargs.get(CACHE_FIELD) is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
