@@ -57,8 +57,7 @@ class SegmentLayout:
             torch._assert_async((rel < n_rel).all(), "positions do not continue the cache's Memory-Cache segment")
         else:
             n_rel = int(rel[:, -1].max()) + 1 if S else 1
-        padded = static or not bool(valid.all())
-        fin_readable = not static and bool((base >= n_fin).all())
+        padded, fin_readable = static or not bool(valid.all()), not static and bool((base >= n_fin).all())
         split = S - steps
         width = torch.sym_min(split, seg_len)
         idx = None
@@ -249,8 +248,7 @@ class LoopSlotLayer(_BatchSelection, CacheLayerMixin):
         super().reset()
         if self.mc is not None:
             self.mc.copy_(None)
-        self.elo = None
-        self.history = {}
+        self.elo, self.history = None, {}
 
     def _select(self, fn) -> None:
         self.history = {}  # recorded states are of the old batch
@@ -381,8 +379,7 @@ class SpikeWhaleCache(_BatchSelection, Cache):
     def commit(self, valid: torch.Tensor, engram_c: torch.Tensor | None, mc_segment: torch.Tensor | None,
                mc_segment_per_position: torch.Tensor | None = None) -> None:
         """Advance the shared state by one chunk once every slot has been written."""
-        s = valid.shape[1]
-        start = self._position()
+        s, start = valid.shape[1], self._position()
         at = torch.arange(s, device=self.length.device) + start  # the chunk's cache positions, no host sync
         self.key_valid.index_copy_(1, at.to(self.key_valid.device), valid.to(self.key_valid.device))
         self.num_real += valid.sum(-1)
@@ -430,8 +427,7 @@ class SpikeWhaleCache(_BatchSelection, Cache):
 
     def deactivate_past_recording(self) -> None:
         """Stop recording and drop the recorded states."""
-        self.record_past = False
-        self.recurrent_states_to_keep = None
+        self.record_past, self.recurrent_states_to_keep = False, None
         self._trim_history(lambda v: [])
 
     def _trim_history(self, keep) -> None:
@@ -1052,8 +1048,7 @@ class SpikeWhaleGenerationMixin(GenerationMixin):
             and super()._valid_auto_compile_criteria(model_kwargs, generation_config))
 
     def create_masks_for_generate(self, attention_mask=None, inputs_embeds=None, **kwargs):
-        """The chunk's own columns of the padding mask: the cache holds earlier keys' validity, and a fixed width keeps
-        a whole-forward compiled step one graph."""
+        """Only the chunk's mask columns: earlier keys' validity is cached; a fixed width keeps one compiled graph."""
         if attention_mask is None or inputs_embeds is None:
             return attention_mask
         return attention_mask[:, -inputs_embeds.shape[1]:]

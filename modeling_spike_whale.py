@@ -216,8 +216,7 @@ class MemoryCacheBranch(KeepsFloat32):
         state before it (None: empty): the chunk form on the first `lay.split` tokens, the step form on the rest."""
         lay = ctx.segments_on(u.device)
         B, S, _ = u.shape
-        # Autocast is turned off only where it is on: its nodes keep AOTAutograd from caching a compiled graph.
-        on = torch.is_autocast_enabled(u.device.type)
+        on = torch.is_autocast_enabled(u.device.type)  # autocast nodes keep AOTAutograd from caching a graph
         with torch.autocast(device_type=u.device.type, enabled=False) if on else contextlib.nullcontext():
             feats = self._features(_as(u, torch.float32), proj)
             if lay.padded:  # padding adds nothing
@@ -291,8 +290,7 @@ class MemoryCacheBranch(KeepsFloat32):
         num, den = read[..., :hd], read[..., hd:]
         if own is not None:
             g_own = gamma[..., I:]
-            num = num + g_own[..., None] * own_num
-            den = den + g_own[..., None] * own_den[..., None]
+            num, den = num + g_own[..., None] * own_num, den + g_own[..., None] * own_den[..., None]
         return num / (den + self.eps)
 
     def _chunk(self, fq, fk, v, gu, gk, lay: SegmentLayout, state: MemoryCacheState | None, ctx: ForwardContext):
@@ -330,8 +328,7 @@ class MemoryCacheBranch(KeepsFloat32):
             first = (rel == 0).float() * vf
             own_num = own_num + first[..., None, None] * torch.einsum("bshd,bhde->bshe", fq, state.run_M)
             own_den = own_den + first[..., None] * torch.einsum("bshd,bhd->bsh", fq, state.run_z)
-            own_g = own_g + first[..., None] * state.run_g[:, None]
-            own_n = own_n + first * state.run_n[:, None]
+            own_g, own_n = own_g + first[..., None] * state.run_g[:, None], own_n + first * state.run_n[:, None]
             for total, run in zip((seg_M, seg_z, seg_g, seg_n), (state.run_M, state.run_z, state.run_g, state.run_n)):
                 total[:, 0] += run
         seg_gmean = seg_g / seg_n.clamp(min=1)[..., None] if R > 1 else None
@@ -353,8 +350,7 @@ class MemoryCacheBranch(KeepsFloat32):
             return y, None
         if state is None:
             state = MemoryCacheState.empty(B, ctx.n_mc_segments, self.nh, self.hd, self.gd, fq.device)
-        last = rel[:, -1]
-        rows = torch.arange(B, device=fq.device)
+        last, rows = rel[:, -1], torch.arange(B, device=fq.device)
         running = dict(run_M=seg_M[rows, last], run_z=seg_z[rows, last], run_g=seg_g[rows, last],
                        run_n=seg_n[rows, last])
         if R > 1:
@@ -428,10 +424,8 @@ class MultiHeadHashLookup(KeepsFloat32):
 
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__()
-        self.max_ngram = config.engram_max_ngram
-        self.table_size = config.engram_table_size
-        self.legacy = config.engram_legacy_hash
-        self.n_bits = max(1, math.ceil(math.log2(self.table_size)))
+        self.max_ngram, self.table_size = config.engram_max_ngram, config.engram_table_size
+        self.legacy, self.n_bits = config.engram_legacy_hash, max(1, math.ceil(math.log2(self.table_size)))
         eh, cd = config.engram_num_heads, config.engram_compress_dim
         self.tables = nn.ModuleList(nn.Embedding(self.table_size, config.hidden_size) for _ in range(eh))
         for table in self.tables:
@@ -464,8 +458,7 @@ class MultiHeadHashLookup(KeepsFloat32):
             idx = self.bucket(window, n)
             avail = (positions >= n - 1).to(self.tables[0].weight.dtype)[..., None]
             rows = sum(table(idx[..., j]) for j, table in enumerate(self.tables))
-            out = out + rows * avail
-            count = count + avail * len(self.tables)
+            out, count = out + rows * avail, count + avail * len(self.tables)
         return out / count.clamp(min=1)
 
 
@@ -550,14 +543,12 @@ class DepthAttention:
     @staticmethod
     def mix(q, k, v, sources, tanh_gate) -> torch.Tensor:
         """ṽ mixed into v by tanh(g) (`tanh_gate`, in v's dtype)."""
-        B, nh, S, hd = q.shape
-        kvh = k.shape[1]
-        qbar = q.view(B, kvh, nh // kvh, S, hd).mean(2)
+        B, _, S, hd = q.shape
+        qbar = q.view(B, k.shape[1], -1, S, hd).mean(2)  # each KV group's mean query head
         keys = torch.stack([_on(src[0], k.device) for src in sources] + [k])
         values = torch.stack([_on(src[1], v.device) for src in sources] + [v])
         w = _as(torch.softmax((qbar * keys).sum(-1) / math.sqrt(hd), dim=0, dtype=torch.float32), v.dtype)
-        mixed = (w[..., None] * values).sum(0)
-        return torch.lerp(v, mixed, tanh_gate)
+        return torch.lerp(v, (w[..., None] * values).sum(0), tanh_gate)
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -632,8 +623,7 @@ def elo_attention(q, k, v, mask, is_causal, dropout, gain, k_factor, past_rating
     s, vis = _scores(q, k, mask, is_causal)
     B, nh, S, N = s.shape
     masked = s.masked_fill(~vis, float("-inf"))
-    p = torch.softmax(masked, -1)
-    visf = vis.float()
+    p, visf = torch.softmax(masked, -1), vis.float()
     delta = (p - visf / visf.sum(-1, keepdim=True)) * query_valid.float()[:, None, :, None]
     past = s.new_zeros(B, nh, N)
     if past_ratings is not None and past_ratings.shape[-1]:
@@ -1156,8 +1146,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                    hidden_states: list | None, attentions: list | None):
         """Every run of the loop plan through `walk_run`, each slot's update stored in the cache. Returns (X, MoE
         losses); appends each slot's read-out streams and attention weights to the lists."""
-        aux_terms = []
-        end = ctx.past + X.shape[-2]
+        aux_terms, end = [], ctx.past + X.shape[-2]
         compiled = self._compiled_run is not None and self._decode_step_compiles(ctx, cache)
         X = X.contiguous()  # the streams start as an expanded view; one memory layout means one compiled graph
         # A no-grad chunk on a warm cache walks in inference mode (no version counters on a step's many small ops);
@@ -1213,8 +1202,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         seq_id = starts.flatten().long().cumsum(0) - 1  # [B·S]: the sequence of each token
         n = int(seq_id[-1]) + 1
         lengths = torch.bincount(seq_id, minlength=n)
-        L = int(lengths.max())
-        first = lengths.cumsum(0) - lengths
+        L, first = int(lengths.max()), lengths.cumsum(0) - lengths
         dest = seq_id * L + torch.arange(B * S, device=seq_id.device) - first[seq_id]
 
         def unpack(t: torch.Tensor) -> torch.Tensor:
@@ -1305,8 +1293,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         X = x[:, None].expand(B, cfg.hc_mult, S, x.shape[-1]) if self.hc_out_mix is not None else x
         X, aux_terms = self._run_slots(X, token_embed, engram_r, ctx, cache, hidden_states, attentions)
         x = self.hc_out_mix(X) if self.hc_out_mix is not None else X
-        steps = self.hrm_refine(x) if self.hrm_refine is not None else [x]
-        steps = [self.norm(h) for h in steps]
+        steps = [self.norm(h) for h in (self.hrm_refine(x) if self.hrm_refine is not None else [x])]
         if cache is not None:
             seg = ctx.segments
             per_pos = (seg.base[:, None] + seg.rel[:, S - ctx.record:]) if (seg is not None and ctx.record) else None
@@ -1412,8 +1399,7 @@ class SpikeWhaleForCausalLM(SpikeWhaleGenerationMixin, SpikeWhalePreTrainedModel
         - hrm_loss: the summed CE of every refinement step before the last (deep supervision).
         - abstain_loss: BCE of the abstain head toward [argmax logits[:, t] != labels[:, t+1]] (`abstain_pos_weight`).
         - moe_aux_loss: the mean load-balance loss of the learned-router layers."""
-        cfg = self.config
-        S = logits.shape[1]
+        cfg, S = self.config, logits.shape[1]
         shifted_by = 0 if shift_labels is not None else 1
         labels = (shift_labels if shift_labels is not None else labels).to(logits.device)
         source_pad = None
@@ -1437,8 +1423,7 @@ class SpikeWhaleForCausalLM(SpikeWhaleGenerationMixin, SpikeWhalePreTrainedModel
             return t
 
         target = shifted(1)
-        n_pred = target.shape[1]
-        counted = target != -100
+        n_pred, counted = target.shape[1], target != -100
         terms = dict(lm_loss=_cross_entropy(logits[:, :n_pred], target), z_loss=None, mtp_loss=None, hrm_loss=None,
                      abstain_loss=None, moe_aux_loss=out.moe_aux_loss)
         if cfg.zloss_coef:
