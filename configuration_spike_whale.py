@@ -65,13 +65,11 @@ class LoopPlan:
         return tuple((lo, hi, self.entries[lo][1] if self.pass_starts[lo] else None) for lo, hi in zip(cuts, cuts[1:]))
 
 
-# Byrne-100M-Ultra-MC, the base preset, as its differences from the field defaults (the family's config.py).
-_PRESET_BYRNE_100M = dict(
+_PRESET_BYRNE_100M = dict(  # Byrne-100M-Ultra-MC, the base preset, as differences from the field defaults (config.py)
     hidden_size=768, max_position_embeddings=1024, tie_word_embeddings=True,
     num_attention_heads=12, q_lora_rank=128, qk_rope_head_dim=16, o_lora_rank=128,
     use_moe=False, moe_intermediate_size=2048, engram_compress_dim=32, engram_num_heads=2,
-    hrm_refine_steps=1, hrm_refine_dim=128, use_abstain_head=False, use_memory_cache=True,
-)
+    hrm_refine_steps=1, hrm_refine_dim=128, use_abstain_head=False, use_memory_cache=True)
 
 # Byrne-15M-Looped, the small looped sibling: layers, loops, MoE, heads, Elo, Engram table, HRM steps, abstain head
 # and no Memory Cache as the 114M card states; hidden 384 with tied embeddings (config.py: mandatory at 15M), the
@@ -80,8 +78,7 @@ _PRESET_BYRNE_15M_LOOPED = dict(
     _PRESET_BYRNE_100M, hidden_size=384, num_hidden_layers=10,
     num_attention_heads=8, num_key_value_heads=1, qk_rope_head_dim=32, q_lora_rank=64, o_lora_rank=64, use_elo=True,
     use_moe=True, moe_intermediate_size=160, n_routed_experts=4, engram_table_size=1024,
-    hrm_refine_steps=3, hrm_refine_dim=256, use_abstain_head=True, use_depth_attention=False, use_memory_cache=False,
-)
+    hrm_refine_steps=3, hrm_refine_dim=256, use_abstain_head=True, use_depth_attention=False, use_memory_cache=False)
 
 PRESETS: dict[str, dict] = {
     "byrne-15m-looped": dict(_PRESET_BYRNE_15M_LOOPED),
@@ -93,8 +90,7 @@ PRESETS: dict[str, dict] = {
         _PRESET_BYRNE_100M, hidden_size=64, num_hidden_layers=4, max_position_embeddings=512,
         num_attention_heads=4, q_lora_rank=32, head_dim=16, qk_rope_head_dim=8, o_lora_rank=32,
         moe_intermediate_size=128, engram_compress_dim=8, engram_table_size=256, hrm_refine_dim=32,
-        loop_count=2, depth_attention_stride=2, mc_segment_len=16, mc_num_heads=2, mc_head_dim=8, mc_gate_dim=16,
-    ),
+        loop_count=2, depth_attention_stride=2, mc_segment_len=16, mc_num_heads=2, mc_head_dim=8, mc_gate_dim=16),
 }
 
 
@@ -134,26 +130,21 @@ _NUMERIC_FIELDS: dict[str, tuple[_Range, str | None]] = {
     **dict.fromkeys(("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings", "num_attention_heads",
                      "num_key_value_heads", "q_lora_rank", "head_dim", "o_lora_rank", "moe_intermediate_size",
                      "loop_count", "loop_middle_layers", "hc_sinkhorn_iters"), (_COUNT, None)),
-    "qk_rope_head_dim": (_Range(True, 2), None),
-    "num_nextn_predict_layers": (_COUNT0, None),
+    "qk_rope_head_dim": (_Range(True, 2), None), "num_nextn_predict_layers": (_COUNT0, None),
     **dict.fromkeys(("rms_norm_eps", "hc_eps"), (_POSITIVE, None)),
-    "rope_theta": (_Range(False, 1, excluded="lo"), None),
-    "fractal_rope_gamma": (_Range(False, 0, 1), None),
+    "rope_theta": (_Range(False, 1, excluded="lo"), None), "fractal_rope_gamma": (_Range(False, 0, 1), None),
     **dict.fromkeys(("initializer_range", "zloss_coef", "mtp_loss_weight", "moe_aux_loss_coef", "abstain_loss_weight"),
                     (_NON_NEGATIVE, None)),
     **dict.fromkeys(("hidden_dropout", "attention_dropout"), (_DROPOUT, None)),
     "elo_k_init": (_FINITE, "use_elo"),
     **dict.fromkeys(("n_routed_experts", "num_experts_per_tok"), (_COUNT, "use_moe")),
     **dict.fromkeys(("n_shared_experts", "num_hash_layers"), (_COUNT0, "use_moe")),
-    "routed_scaling_factor": (_POSITIVE, "use_moe"),
-    "hc_mult": (_COUNT, "use_hyper_connections"),
+    "routed_scaling_factor": (_POSITIVE, "use_moe"), "hc_mult": (_COUNT, "use_hyper_connections"),
     **dict.fromkeys(("engram_compress_dim", "engram_num_heads", "engram_table_size", "engram_max_ngram"),
                     (_COUNT, "use_engram")),
-    "engram_gate_init_bias": (_FINITE, "use_engram"),
-    "engram_fusion_dim": (_COUNT, "engram_fusion_layers"),
+    "engram_gate_init_bias": (_FINITE, "use_engram"), "engram_fusion_dim": (_COUNT, "engram_fusion_layers"),
     **dict.fromkeys(("hrm_refine_steps", "hrm_refine_dim"), (_COUNT, "use_hrm_refine")),
-    "hrm_gate_init": (_FINITE, "use_hrm_refine"),
-    "abstain_pos_weight": (_POSITIVE, "use_abstain_head"),
+    "hrm_gate_init": (_FINITE, "use_hrm_refine"), "abstain_pos_weight": (_POSITIVE, "use_abstain_head"),
     "abstain_threshold": (_Range(False, 0, 1, excluded="lohi"), "use_abstain_head"),
     "depth_attention_stride": (_COUNT, "use_depth_attention"),
     **dict.fromkeys(("mc_segment_len", "mc_num_heads", "mc_head_dim", "mc_gate_dim"), (_COUNT, "use_memory_cache")),
@@ -268,12 +259,10 @@ class SpikeWhaleConfig(PretrainedConfig):
     mc_gate_dim: int = 64
 
     if not dataclasses.is_dataclass(PretrainedConfig):
-
         def __init__(self, **kwargs):
             """transformers releases whose configs are not dataclasses: set the declared fields, then `__post_init__`."""
             for name in _declared_fields(type(self)):
-                value = kwargs.pop(name) if name in kwargs else copy.deepcopy(getattr(type(self), name))
-                setattr(self, name, value)
+                setattr(self, name, kwargs.pop(name) if name in kwargs else copy.deepcopy(getattr(type(self), name)))
             tokens = {k: getattr(self, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")}
             super().__init__(**tokens, **kwargs)
             self.__post_init__()
@@ -366,8 +355,7 @@ class SpikeWhaleConfig(PretrainedConfig):
         """transformers' tensor-parallel plan of the modules this config builds, in styles this transformers registers.
         Replicated: the low-rank latents (normed over their full width), norms, scalars, the router, the Memory-Cache
         branch (its packed qkv has no three-way style) and Engram fusion. No pipeline plan: passes re-enter layer 0."""
-        styles = registered_tp_styles()
-        plan = {}
+        styles, plan = registered_tp_styles(), {}
         per_head = ("elo_gain", "elo_k") if self.use_elo else ()
         per_head = per_head or (("derf_alpha", "derf_bias", "derf_gamma") if self.use_derf else ())
         if not per_head or "local_params" in styles:
@@ -420,8 +408,7 @@ SIZE_FIELDS: dict[str, tuple[str, int | None, str | None]] = {
     "num_nextn_predict_layers": (r"mtp_heads\.(\d+)\.", None, None),
     "engram_num_heads": (r"model\.engram\.lookup\.tables\.(\d+)\.", None, "use_engram"),
     "engram_max_ngram": (r"model\.engram\.lookup\.hash_proj_n(\d+)_p", None, "use_engram"),
-    "vocab_size": (r"model\.embed_tokens\.weight", 0, None),
-    "hidden_size": (r"model\.embed_tokens\.weight", 1, None),
+    "vocab_size": (r"model\.embed_tokens\.weight", 0, None), "hidden_size": (r"model\.embed_tokens\.weight", 1, None),
     "max_position_embeddings": (r"model\.layers\.\d+\.attn\.rope\.cos_cache", 0, None),
     "moe_intermediate_size": (r"model\.layers\.\d+\.ffn\.(experts\.\d+\.)?gate_proj\.weight", 0, None),
     "q_lora_rank": (r"model\.layers\.\d+\.attn\.q_a_proj\.weight", 0, None),

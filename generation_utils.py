@@ -202,8 +202,7 @@ class LoopSlotLayer(_BatchSelection, CacheLayerMixin):
     Memory-Cache state, the Elo ratings and the rollback history of those two (`history[kind]`: [(length, state)])."""
 
     is_compileable = CACHE_FIELD == "cache"  # 5.24+: earlier 5.x refuse assisted decoding with compileable layers
-    is_sliding = False
-    is_croppable = True
+    is_sliding, is_croppable = False, True
     STATES = ("mc", "elo")  # the slot's recurrent (not positional) states
 
     def __init__(self, cache: "SpikeWhaleCache", max_cache_len: int):
@@ -343,7 +342,6 @@ class SpikeWhaleCache(_BatchSelection, Cache):
         return getattr(self.layers[slot], kind)
 
     def slot(self, slot: int) -> SlotState:
-        """Everything slot `slot` carries, for its block (`SpikeWhaleModel._run_slots`)."""
         layer = self.layers[slot]
         kv = (layer.keys, layer.values) if layer.is_initialized else (None, None)
         return SlotState(*kv, *(self.slot_state(slot, kind) for kind in LoopSlotLayer.STATES))
@@ -426,7 +424,6 @@ class SpikeWhaleCache(_BatchSelection, Cache):
         return self.max_cache_len if self.recurrent_states_to_keep is None else self.recurrent_states_to_keep
 
     def deactivate_past_recording(self) -> None:
-        """Stop recording and drop the recorded states."""
         self.record_past, self.recurrent_states_to_keep = False, None
         self._trim_history(lambda v: [])
 
@@ -527,7 +524,6 @@ class SpikeWhaleGenerateOutput(GenerateDecoderOnlyOutput):
 
     if CACHE_FIELD != "cache":  # transformers < 5.24: `out.cache` reads the field under its old name
         cache = property(lambda self: self.past_key_values)
-
     mtp_acceptance_rate: float | None = None
     mtp_drafted_tokens: int | None = None
     mtp_accepted_tokens: int | None = None
@@ -574,8 +570,7 @@ def _prompt_width(ids, embeds, mask, bos_id) -> int:
     return expected[1] if expected is not None else mask.shape[1] if mask is not None else 1
 
 
-# The library processors `generate` builds from a config field, and the sampling fields with their "off" values.
-_PROCESSOR_FIELDS = {
+_PROCESSOR_FIELDS = {  # the library processors `generate` builds from a config field
     "RepetitionPenaltyLogitsProcessor": "repetition_penalty", "SuppressTokensLogitsProcessor": "suppress_tokens",
     "SuppressTokensAtBeginLogitsProcessor": "begin_suppress_tokens", "NoBadWordsLogitsProcessor": "bad_words_ids",
     "NoRepeatNGramLogitsProcessor": "no_repeat_ngram_size", "SequenceBiasLogitsProcessor": "sequence_bias",
@@ -583,7 +578,7 @@ _PROCESSOR_FIELDS = {
     "MinPLogitsWarper": "min_p", "TypicalLogitsWarper": "typical_p",
 }
 _SAMPLING_NEUTRAL = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "typical_p": 1.0, "min_p": None,
-                     "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
+                     "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}  # the sampling fields with their "off" values
 
 
 def _as_assistant_call(generation_config: GenerationConfig, kwargs: dict) -> tuple[GenerationConfig, dict]:
@@ -605,8 +600,7 @@ class GreedyVocabIndex:
     """Prefix search over the tokens of a greedy longest-match tokenizer (`greedy_vocab`: text -> id)."""
 
     def __init__(self, vocab: dict[str, int]):
-        self.vocab, self.max_len = vocab, max(map(len, vocab))
-        self.text_of = {i: t for t, i in vocab.items()}
+        self.vocab, self.max_len, self.text_of = vocab, max(map(len, vocab)), {i: t for t, i in vocab.items()}
         self.sorted_texts = sorted(vocab)
         self.sorted_ids = [vocab[t] for t in self.sorted_texts]
 
@@ -653,8 +647,7 @@ class HealedTailLogitsProcessor(LogitsProcessor):
 
     def spelled(self, input_ids: torch.LongTensor) -> list[tuple[str, int]]:
         """Per row: what is left of its prompt's tail after the new tokens, and how many of them spelled it."""
-        per_prompt = input_ids.shape[0] // len(self.tails)  # beams and return sequences repeat each prompt
-        out = []
+        per_prompt, out = input_ids.shape[0] // len(self.tails), []  # beams and return sequences repeat each prompt
         for row, generated in enumerate(input_ids[:, self.prompt_length:].tolist()):
             rest, spent = self.tails[row // per_prompt], 0
             while rest and spent < len(generated):
@@ -848,8 +841,7 @@ def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processo
     scores = () if return_dict and generation_config.output_scores else None
     raw_logits = () if return_dict and generation_config.output_logits else None
     pad = generation_config._pad_token_tensor if any(hasattr(c, "eos_token_id") for c in stopping_criteria) else None
-    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-    stats = MTPStats()
+    unfinished, stats = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device), MTPStats()
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
@@ -869,8 +861,7 @@ def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processo
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
         return torch.where(keep, drafted, torch.multinomial(residual, num_samples=1).squeeze(1))
 
-    def emit(next_logits, drafted=None, q=None):
-        """One step of `_sample`: process, pick, pad finished rows, append, stream, check stopping."""
+    def emit(next_logits, drafted=None, q=None):  # one step of `_sample`
         nonlocal input_ids, unfinished, scores, raw_logits
         next_logits = next_logits.to(copy=True, dtype=torch.float32, device=input_ids.device)
         next_scores = logits_processor(input_ids, next_logits)
@@ -1011,7 +1002,6 @@ class SpikeWhaleGenerationMixin(GenerationMixin):
         return False
 
     def _prepare_generation_config(self, generation_config=None, *args, **kwargs):
-        """transformers' merge, except that a caller's `max_length` also replaces the default `max_new_tokens`."""
         config, model_kwargs = super()._prepare_generation_config(generation_config, *args, **kwargs)
         return caller_length_wins(config, generation_config, kwargs), model_kwargs
 

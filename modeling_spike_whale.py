@@ -29,8 +29,7 @@ from .generation_utils import (CACHE_FIELD, MemoryCacheState, SegmentLayout, Slo
 
 logger = logging.get_logger(__name__)
 
-# Released checkpoint name (regex) -> our name, applied at load; empty until a real Byrne header is read.
-CHECKPOINT_KEY_RENAMES: dict[str, str] = {}
+CHECKPOINT_KEY_RENAMES: dict[str, str] = {}  # released name (regex) -> ours at load; empty until a Byrne header is read
 
 
 def reads_values_free(device: torch.device) -> bool:
@@ -111,9 +110,8 @@ class SpikeWhaleRotaryEmbedding(KeepsFloat32):
         self.config = config
         half, P = config.qk_rope_head_dim // 2, config.max_position_embeddings
         f32 = torch.float32  # whatever the default dtype (`_from_config(dtype=...)`)
-        self.register_buffer("inv_freq", torch.empty(half, dtype=f32), persistent=True)
-        self.register_buffer("cos_cache", torch.empty(P, half, dtype=f32), persistent=True)
-        self.register_buffer("sin_cache", torch.empty(P, half, dtype=f32), persistent=True)
+        for name, shape in (("inv_freq", (half,)), ("cos_cache", (P, half)), ("sin_cache", (P, half))):
+            self.register_buffer(name, torch.empty(shape, dtype=f32), persistent=True)
         self.reset_caches()
 
     def compute(self, inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -192,7 +190,6 @@ class MemoryCacheBranch(KeepsFloat32):
         (i = s: the causal running sums over m ≤ t only)
         γ_{t,i} = softmax_{i≤s} ⟨u_t, ḡ⁽ⁱ⁾⟩,   u_t = W_u x_t + b,   ḡ⁽ⁱ⁾ = mean_{m∈i} W_k x_m (running mean for i = s)
         y_t = Σ_i γ_{t,i} φ(q_t)ᵀM⁽ⁱ⁾ / (Σ_i γ_{t,i} φ(q_t)·z⁽ⁱ⁾ + ε)        (one global normaliser)
-
     in a chunk form (`_chunk`: any length, segment boundaries and padding inside) and a one-token step form
     (`_step`); segments start at positions 0, L, 2L, ... Float32 with autocast off, under any load dtype."""
 
@@ -332,7 +329,6 @@ class MemoryCacheBranch(KeepsFloat32):
             for total, run in zip((seg_M, seg_z, seg_g, seg_n), (state.run_M, state.run_z, state.run_g, state.run_n)):
                 total[:, 0] += run
         seg_gmean = seg_g / seg_n.clamp(min=1)[..., None] if R > 1 else None
-
         cands = []  # the cache's finished segments (i < base), then the chunk's (r < rel)
         if state is not None and lay.n_fin > 0:
             k = lay.n_fin
@@ -543,8 +539,8 @@ class DepthAttention:
     @staticmethod
     def mix(q, k, v, sources, tanh_gate) -> torch.Tensor:
         """ṽ mixed into v by tanh(g) (`tanh_gate`, in v's dtype)."""
-        B, _, S, hd = q.shape
-        qbar = q.view(B, k.shape[1], -1, S, hd).mean(2)  # each KV group's mean query head
+        B, nh, S, hd = q.shape
+        qbar = q.view(B, k.shape[1], nh // k.shape[1], S, hd).mean(2)  # each KV group's mean query head
         keys = torch.stack([_on(src[0], k.device) for src in sources] + [k])
         values = torch.stack([_on(src[1], v.device) for src in sources] + [v])
         w = _as(torch.softmax((qbar * keys).sum(-1) / math.sqrt(hd), dim=0, dtype=torch.float32), v.dtype)
@@ -562,8 +558,7 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling: 
     weights = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
         weights = weights + attention_mask
-    weights = torch.softmax(weights, -1, dtype=torch.float32).to(query.dtype)
-    weights = F.dropout(weights, dropout, module.training)
+    weights = F.dropout(torch.softmax(weights, -1, dtype=torch.float32).to(query.dtype), dropout, module.training)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
@@ -582,7 +577,6 @@ def kernel_mask(impl: str, mask, is_causal: bool, key_valid, q, k, memo: dict) -
         vis = _visible(mask, is_causal, q.shape[2], k.shape[2], q.device)
         if flex:
             from torch.nn.attention.flex_attention import create_block_mask
-
             rows = vis.shape[0]
             memo[key] = create_block_mask(lambda b, h, qi, ki: vis[b if rows > 1 else 0, 0, qi, ki], rows, None,
                                           vis.shape[2], vis.shape[3], device=q.device)
@@ -780,7 +774,6 @@ class SpikeWhaleMoE(nn.Module):
 
         s = sqrt(softplus(W_g u)) or softmax(W_g u);  I = top-k(s), or hash(token id) in hash layers
         w_i = s_i / Σ_{j∈I} s_j (`norm_topk_prob`) · `routed_scaling_factor`;  y = shared(u) + Σ_{i∈I} w_i expert_i(u)
-
     Padding is not routed (output 0). Load balance (learned routers): aux = E · Σ_e f_e P_e, f_e the share of routed
     slots sent to e, P_e its mean normalised score."""
 
@@ -1108,7 +1101,6 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         elif cache is not None and past + S > cache.max_cache_len:
             raise ValueError(f"The cache holds {cache.max_cache_len} positions but {past + S} are needed; "
                              "use a larger cache.")
-
         # Static: a mask whenever one may be needed; else for padding, a chunk after the cache, or padding cached.
         needs_mask = (cache is not None or attention_mask is not None) if static else (
             not bool(valid.all()) or (past > 0 and (S > 1 or not bool(cache.key_valid[:, :past].all()))))
@@ -1413,8 +1405,7 @@ class SpikeWhaleForCausalLM(SpikeWhaleGenerationMixin, SpikeWhalePreTrainedModel
 
         def shifted(k: int) -> torch.Tensor:
             """Targets k steps past position t's input token; none from padding or across packed sequences."""
-            d = k - 1 + shifted_by
-            t = labels[:, d:]
+            t = labels[:, k - 1 + shifted_by:]
             if source_pad is not None:
                 t = t.masked_fill(source_pad[:, : t.shape[1]], -100)
             if seq_id is not None:  # (with shift_labels the last target lies past the row: left as given)

@@ -82,8 +82,7 @@ CHATML_TEMPLATE = (
     "{%- endfor -%}\n"
     "{%- if add_generation_prompt -%}\n"
     "    {{- '<|im_start|>assistant\\n' -}}\n"
-    "{%- endif -%}\n"
-)
+    "{%- endif -%}\n")
 
 # transformers added `apply_chat_template(..., sanitize_control_tokens=...)` after 5.0; before, the control tokens in
 # the inputs are marked here and encoded as text (`SpikeTokenizerMixin.apply_chat_template`).
@@ -399,8 +398,7 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
 
     def __init__(self, vocab_file=None, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, unk_token=UNK_TOKEN,
                  pad_token=PAD_TOKEN, add_bos_token: bool = True, **kwargs):
-        # a folder with a released custom-format tokenizer.json and no spike_vocab.json passes it (never saved)
-        tokenizer_file = kwargs.pop("tokenizer_file", None)
+        tokenizer_file = kwargs.pop("tokenizer_file", None)  # released tokenizer.json, no spike_vocab.json (not saved)
         source = vocab_file if vocab_file is not None else tokenizer_file
         self.vocab_file = None if source is None or isinstance(source, Mapping) else os.fspath(source)
         self._vocab_data = load_vocab_file(source)
