@@ -60,55 +60,37 @@ class LoopPlan:
 
     @property
     def runs(self) -> tuple[tuple[int, int, int | None], ...]:
-        """The plan cut at pass starts: (first slot, end slot, loop pass or None if the run starts no pass).
-        Depth attention reads only layers of its own run."""
+        """The plan cut at pass starts: (first slot, end slot, pass begun or None); depth attention stays in its run."""
         cuts = [0] + [i for i, start in enumerate(self.pass_starts) if start and i > 0] + [len(self.entries)]
         return tuple((lo, hi, self.entries[lo][1] if self.pass_starts[lo] else None) for lo, hi in zip(cuts, cuts[1:]))
 
 
-# Byrne-100M-Ultra-MC, the base preset, as its differences from the field defaults (the family's config.py).
-_PRESET_BYRNE_100M = dict(
+_PRESET_BYRNE_100M = dict(  # Byrne-100M-Ultra-MC, the base preset, as differences from the field defaults (config.py)
     hidden_size=768, max_position_embeddings=1024, tie_word_embeddings=True,
     num_attention_heads=12, q_lora_rank=128, qk_rope_head_dim=16, o_lora_rank=128,
-    use_moe=False, moe_intermediate_size=2048,
-    engram_compress_dim=32, engram_num_heads=2,
-    hrm_refine_steps=1, hrm_refine_dim=128, use_abstain_head=False,
-    use_memory_cache=True,
-)
+    use_moe=False, moe_intermediate_size=2048, engram_compress_dim=32, engram_num_heads=2,
+    hrm_refine_steps=1, hrm_refine_dim=128, use_abstain_head=False, use_memory_cache=True)
 
 # Byrne-15M-Looped, the small looped sibling: layers, loops, MoE, heads, Elo, Engram table, HRM steps, abstain head
 # and no Memory Cache as the 114M card states; hidden 384 with tied embeddings (config.py: mandatory at 15M), the
 # ranks, Engram and HRM widths and the other switches inferred (18.76M total / 15.07M active).
 _PRESET_BYRNE_15M_LOOPED = dict(
-    _PRESET_BYRNE_100M,
-    hidden_size=384, num_hidden_layers=10,
+    _PRESET_BYRNE_100M, hidden_size=384, num_hidden_layers=10,
     num_attention_heads=8, num_key_value_heads=1, qk_rope_head_dim=32, q_lora_rank=64, o_lora_rank=64, use_elo=True,
-    use_moe=True, moe_intermediate_size=160, n_routed_experts=4,
-    engram_table_size=1024,
-    hrm_refine_steps=3, hrm_refine_dim=256, use_abstain_head=True,
-    use_depth_attention=False, use_memory_cache=False,
-)
+    use_moe=True, moe_intermediate_size=160, n_routed_experts=4, engram_table_size=1024,
+    hrm_refine_steps=3, hrm_refine_dim=256, use_abstain_head=True, use_depth_attention=False, use_memory_cache=False)
 
-# Every preset is the base preset plus its differences.
 PRESETS: dict[str, dict] = {
     "byrne-15m-looped": dict(_PRESET_BYRNE_15M_LOOPED),
-    # Byrne-100M-Ultra-MC base_62k / dpo_3200 (trained at 1024 tokens).
-    "byrne-100m-ultra-mc": dict(_PRESET_BYRNE_100M),
-    # sft_7100 was trained at 4096 tokens; nothing else differs.
-    "byrne-100m-ultra-mc-sft": dict(_PRESET_BYRNE_100M, max_position_embeddings=4096),
+    "byrne-100m-ultra-mc": dict(_PRESET_BYRNE_100M),  # base_62k / dpo_3200 (trained at 1024 tokens)
+    "byrne-100m-ultra-mc-sft": dict(_PRESET_BYRNE_100M, max_position_embeddings=4096),  # sft_7100: nothing else differs
     # The matched twin: Memory Cache off and geometric RoPE (106,032,018 parameters).
     "byrne-100m-nomc-stdrope": dict(_PRESET_BYRNE_100M, use_memory_cache=False, use_fractal_rope=False),
-    # A small model with every 114M mechanism on, used by `spike-whale init-tiny` and the demo.
-    "tiny": dict(
-        _PRESET_BYRNE_100M,
-        hidden_size=64, num_hidden_layers=4, max_position_embeddings=512,
+    "tiny": dict(  # every 114M mechanism on; used by `spike-whale init-tiny` and the demo
+        _PRESET_BYRNE_100M, hidden_size=64, num_hidden_layers=4, max_position_embeddings=512,
         num_attention_heads=4, q_lora_rank=32, head_dim=16, qk_rope_head_dim=8, o_lora_rank=32,
-        moe_intermediate_size=128,
-        engram_compress_dim=8, engram_table_size=256,
-        hrm_refine_dim=32,
-        loop_count=2, depth_attention_stride=2,
-        mc_segment_len=16, mc_num_heads=2, mc_head_dim=8, mc_gate_dim=16,
-    ),
+        moe_intermediate_size=128, engram_compress_dim=8, engram_table_size=256, hrm_refine_dim=32,
+        loop_count=2, depth_attention_stride=2, mc_segment_len=16, mc_num_heads=2, mc_head_dim=8, mc_gate_dim=16),
 }
 
 
@@ -148,26 +130,21 @@ _NUMERIC_FIELDS: dict[str, tuple[_Range, str | None]] = {
     **dict.fromkeys(("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings", "num_attention_heads",
                      "num_key_value_heads", "q_lora_rank", "head_dim", "o_lora_rank", "moe_intermediate_size",
                      "loop_count", "loop_middle_layers", "hc_sinkhorn_iters"), (_COUNT, None)),
-    "qk_rope_head_dim": (_Range(True, 2), None),
-    "num_nextn_predict_layers": (_COUNT0, None),
+    "qk_rope_head_dim": (_Range(True, 2), None), "num_nextn_predict_layers": (_COUNT0, None),
     **dict.fromkeys(("rms_norm_eps", "hc_eps"), (_POSITIVE, None)),
-    "rope_theta": (_Range(False, 1, excluded="lo"), None),
-    "fractal_rope_gamma": (_Range(False, 0, 1), None),
+    "rope_theta": (_Range(False, 1, excluded="lo"), None), "fractal_rope_gamma": (_Range(False, 0, 1), None),
     **dict.fromkeys(("initializer_range", "zloss_coef", "mtp_loss_weight", "moe_aux_loss_coef", "abstain_loss_weight"),
                     (_NON_NEGATIVE, None)),
     **dict.fromkeys(("hidden_dropout", "attention_dropout"), (_DROPOUT, None)),
     "elo_k_init": (_FINITE, "use_elo"),
     **dict.fromkeys(("n_routed_experts", "num_experts_per_tok"), (_COUNT, "use_moe")),
     **dict.fromkeys(("n_shared_experts", "num_hash_layers"), (_COUNT0, "use_moe")),
-    "routed_scaling_factor": (_POSITIVE, "use_moe"),
-    "hc_mult": (_COUNT, "use_hyper_connections"),
+    "routed_scaling_factor": (_POSITIVE, "use_moe"), "hc_mult": (_COUNT, "use_hyper_connections"),
     **dict.fromkeys(("engram_compress_dim", "engram_num_heads", "engram_table_size", "engram_max_ngram"),
                     (_COUNT, "use_engram")),
-    "engram_gate_init_bias": (_FINITE, "use_engram"),
-    "engram_fusion_dim": (_COUNT, "engram_fusion_layers"),
+    "engram_gate_init_bias": (_FINITE, "use_engram"), "engram_fusion_dim": (_COUNT, "engram_fusion_layers"),
     **dict.fromkeys(("hrm_refine_steps", "hrm_refine_dim"), (_COUNT, "use_hrm_refine")),
-    "hrm_gate_init": (_FINITE, "use_hrm_refine"),
-    "abstain_pos_weight": (_POSITIVE, "use_abstain_head"),
+    "hrm_gate_init": (_FINITE, "use_hrm_refine"), "abstain_pos_weight": (_POSITIVE, "use_abstain_head"),
     "abstain_threshold": (_Range(False, 0, 1, excluded="lohi"), "use_abstain_head"),
     "depth_attention_stride": (_COUNT, "use_depth_attention"),
     **dict.fromkeys(("mc_segment_len", "mc_num_heads", "mc_head_dim", "mc_gate_dim"), (_COUNT, "use_memory_cache")),
@@ -186,10 +163,9 @@ def registered_tp_styles() -> set[str]:
 
 class SpikeWhaleConfig(PretrainedConfig):
     r"""Configuration of a SpikeWhale v2 (Byrne) looped decoder; `from_preset` gives the released checkpoints' and the
-    15M sibling's. A combination that cannot work raises `ValueError` naming the fields. Port choices:
-    `hc_sinkhorn_iters`/`hc_eps` parameterise a Sinkhorn projection the static Byrne Hyper-Connections do not have, so
-    only their defaults are accepted; Elo takes precedence over DERF; `hidden_dropout` drops each sub-layer output
-    before the residual streams (training only)."""
+    15M sibling's. Port choices: `hc_sinkhorn_iters`/`hc_eps` parameterise a Sinkhorn projection the static Byrne
+    Hyper-Connections do not have, so only their defaults are accepted; Elo takes precedence over DERF; `hidden_dropout`
+    drops each sub-layer output before the residual streams (training only)."""
 
     model_type = "spike_whale"
     _auto_class = "AutoConfig"
@@ -283,12 +259,10 @@ class SpikeWhaleConfig(PretrainedConfig):
     mc_gate_dim: int = 64
 
     if not dataclasses.is_dataclass(PretrainedConfig):
-
         def __init__(self, **kwargs):
             """transformers releases whose configs are not dataclasses: set the declared fields, then `__post_init__`."""
             for name in _declared_fields(type(self)):
-                value = kwargs.pop(name) if name in kwargs else copy.deepcopy(getattr(type(self), name))
-                setattr(self, name, value)
+                setattr(self, name, kwargs.pop(name) if name in kwargs else copy.deepcopy(getattr(type(self), name)))
             tokens = {k: getattr(self, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")}
             super().__init__(**tokens, **kwargs)
             self.__post_init__()
@@ -320,8 +294,7 @@ class SpikeWhaleConfig(PretrainedConfig):
                                  f"{', or a list of them' if name == 'eos_token_id' else ''}, got {value!r}.")
 
     def validate_architecture(self) -> None:
-        """transformers' validation hook, the one place every field is checked: raise a `ValueError` naming the fields
-        of any out-of-range value or self-contradicting combination."""
+        """transformers' validation hook, the one place every field is checked (a `ValueError` names the fields)."""
 
         def fail(msg: str) -> None:
             raise ValueError(f"SpikeWhaleConfig: {msg}")
@@ -379,12 +352,10 @@ class SpikeWhaleConfig(PretrainedConfig):
 
     @property
     def base_model_tp_plan(self) -> dict[str, str]:
-        """transformers' tensor-parallel plan, naming only modules this config builds and styles the installed
-        transformers registers. Replicated: the low-rank latents (normed over their full width), norms, scalars, the
-        router, the Memory-Cache branch (its packed qkv has no three-way style) and Engram fusion. No pipeline plan:
-        every loop pass re-enters the first layers."""
-        styles = registered_tp_styles()
-        plan = {}
+        """transformers' tensor-parallel plan of the modules this config builds, in styles this transformers registers.
+        Replicated: the low-rank latents (normed over their full width), norms, scalars, the router, the Memory-Cache
+        branch (its packed qkv has no three-way style) and Engram fusion. No pipeline plan: passes re-enter layer 0."""
+        styles, plan = registered_tp_styles(), {}
         per_head = ("elo_gain", "elo_k") if self.use_elo else ()
         per_head = per_head or (("derf_alpha", "derf_bias", "derf_gamma") if self.use_derf else ())
         if not per_head or "local_params" in styles:
@@ -437,8 +408,7 @@ SIZE_FIELDS: dict[str, tuple[str, int | None, str | None]] = {
     "num_nextn_predict_layers": (r"mtp_heads\.(\d+)\.", None, None),
     "engram_num_heads": (r"model\.engram\.lookup\.tables\.(\d+)\.", None, "use_engram"),
     "engram_max_ngram": (r"model\.engram\.lookup\.hash_proj_n(\d+)_p", None, "use_engram"),
-    "vocab_size": (r"model\.embed_tokens\.weight", 0, None),
-    "hidden_size": (r"model\.embed_tokens\.weight", 1, None),
+    "vocab_size": (r"model\.embed_tokens\.weight", 0, None), "hidden_size": (r"model\.embed_tokens\.weight", 1, None),
     "max_position_embeddings": (r"model\.layers\.\d+\.attn\.rope\.cos_cache", 0, None),
     "moe_intermediate_size": (r"model\.layers\.\d+\.ffn\.(experts\.\d+\.)?gate_proj\.weight", 0, None),
     "q_lora_rank": (r"model\.layers\.\d+\.attn\.q_a_proj\.weight", 0, None),
@@ -492,7 +462,5 @@ def refuse_oversized_config(args: tuple, kwargs: dict) -> None:
         if value > 4 * max(held, 1):
             found.append(f"{name}={value} (the weights hold {held})")
     if found:
-        raise ValueError(
-            f"{folder}: the config asks for {', '.join(found)}, far more than its safetensors weights hold; "
-            "fix these fields in config.json (or pass the checkpoint's own config) to load it."
-        )
+        raise ValueError(f"{folder}: the config asks for {', '.join(found)}, far more than its safetensors weights "
+                         "hold; fix these fields in config.json (or pass the checkpoint's own config) to load it.")

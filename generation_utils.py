@@ -11,10 +11,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import NamedTuple
 
 import torch
-from transformers import (
-    GenerationConfig, GenerationMixin, LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
-    StoppingCriteria, StoppingCriteriaList,
-)
+from transformers import (GenerationConfig, GenerationMixin, LogitsProcessor, LogitsProcessorList,
+                          RepetitionPenaltyLogitsProcessor, StoppingCriteria, StoppingCriteriaList)
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.utils import logging
@@ -30,7 +28,6 @@ CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields
 @dataclass
 class SegmentLayout:
     """Where each chunk token falls in the Memory-Cache segments; built once per forward, shared by all slots.
-
     rel[b, t]: row b's segment after token t, relative to `base[b]`, its segment before the chunk (padding keeps the
     last). The first `split` tokens take the chunk form, the rest the step form. The chunk form puts token t at row
     idx[b, t] of a block buffer [B, n_rel, width, ...] (block rel[b, t]; padding to the sink row n_rel·width), so it
@@ -60,8 +57,7 @@ class SegmentLayout:
             torch._assert_async((rel < n_rel).all(), "positions do not continue the cache's Memory-Cache segment")
         else:
             n_rel = int(rel[:, -1].max()) + 1 if S else 1
-        padded = static or not bool(valid.all())
-        fin_readable = not static and bool((base >= n_fin).all())
+        padded, fin_readable = static or not bool(valid.all()), not static and bool((base >= n_fin).all())
         split = S - steps
         width = torch.sym_min(split, seg_len)
         idx = None
@@ -205,17 +201,13 @@ class LoopSlotLayer(_BatchSelection, CacheLayerMixin):
     """One loop-plan slot of the cache's length: static K (after QK-norm and RoPE) / V (after depth mixing), the
     Memory-Cache state, the Elo ratings and the rollback history of those two (`history[kind]`: [(length, state)])."""
 
-    # Blocks write these buffers in place at static shapes (see `compile_decode`).
-    # Declared only from transformers 5.24: earlier 5.x refuse assisted decoding with any compileable cache layer.
-    is_compileable = CACHE_FIELD == "cache"
-    is_sliding = False
-    is_croppable = True
+    is_compileable = CACHE_FIELD == "cache"  # 5.24+: earlier 5.x refuse assisted decoding with compileable layers
+    is_sliding, is_croppable = False, True
     STATES = ("mc", "elo")  # the slot's recurrent (not positional) states
 
     def __init__(self, cache: "SpikeWhaleCache", max_cache_len: int):
         super().__init__()
-        self.cache = cache
-        self.max_cache_len = max_cache_len
+        self.cache, self.max_cache_len = cache, max_cache_len
         self.mc: MemoryCacheState | None = None
         self.elo: torch.Tensor | None = None  # Elo ratings [B, heads, length] of the cached keys (un-scaled Σ of steps)
         self.record_past = False  # set on every slot by `SpikeWhaleCache.activate_past_recording`
@@ -255,8 +247,7 @@ class LoopSlotLayer(_BatchSelection, CacheLayerMixin):
         super().reset()
         if self.mc is not None:
             self.mc.copy_(None)
-        self.elo = None
-        self.history = {}
+        self.elo, self.history = None, {}
 
     def _select(self, fn) -> None:
         self.history = {}  # recorded states are of the old batch
@@ -274,11 +265,9 @@ class SpikeWhaleCache(_BatchSelection, Cache):
     slots share (`SHARED`): padding mask key_valid [B, max_cache_len], real-token counts num_real [B], Memory-Cache
     segments mc_segment [B], Engram compressed vectors engram_c [B, max_cache_len, cd] (the next chunk's n-gram
     prefix). Each buffer is allocated once, on the device of the first tensor written to it (a `device_map` keeps
-    each slot's state next to its layer), and updated in place, its address static.
-
-    Rollback: `crop(-k)` removes the last `k` positions. K/V and the Engram prefix are positional; the Memory-Cache
-    and Elo states are not, so while recording (`activate_past_recording`) every forward records them at its start
-    and at the lengths a crop may return to, and `crop` restores those recorded at the new length."""
+    each slot's state next to its layer), and updated in place, its address static. For `crop`, K/V and the Engram
+    prefix are positional; the Memory-Cache and Elo states are not, so while recording (`activate_past_recording`)
+    every forward records them at its start and at the lengths a crop may return to."""
 
     SHARED = ("key_valid", "num_real", "mc_segment", "engram_c")
 
@@ -353,7 +342,6 @@ class SpikeWhaleCache(_BatchSelection, Cache):
         return getattr(self.layers[slot], kind)
 
     def slot(self, slot: int) -> SlotState:
-        """Everything slot `slot` carries, for its block (`SpikeWhaleModel._run_slots`)."""
         layer = self.layers[slot]
         kv = (layer.keys, layer.values) if layer.is_initialized else (None, None)
         return SlotState(*kv, *(self.slot_state(slot, kind) for kind in LoopSlotLayer.STATES))
@@ -389,8 +377,7 @@ class SpikeWhaleCache(_BatchSelection, Cache):
     def commit(self, valid: torch.Tensor, engram_c: torch.Tensor | None, mc_segment: torch.Tensor | None,
                mc_segment_per_position: torch.Tensor | None = None) -> None:
         """Advance the shared state by one chunk once every slot has been written."""
-        s = valid.shape[1]
-        start = self._position()
+        s, start = valid.shape[1], self._position()
         at = torch.arange(s, device=self.length.device) + start  # the chunk's cache positions, no host sync
         self.key_valid.index_copy_(1, at.to(self.key_valid.device), valid.to(self.key_valid.device))
         self.num_real += valid.sum(-1)
@@ -431,16 +418,13 @@ class SpikeWhaleCache(_BatchSelection, Cache):
                                          else max(recurrent_states_to_keep, self.min_states_to_keep))
 
     def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
-        """How many of a forward's last tokens a `crop` may remove, the same for every slot: 0 when not recording,
-        every position the cache holds when recording without a bound."""
+        """How many of a forward's last tokens a `crop` may remove (the same for every slot, 0 when not recording)."""
         if not self.record_past:
             return 0
         return self.max_cache_len if self.recurrent_states_to_keep is None else self.recurrent_states_to_keep
 
     def deactivate_past_recording(self) -> None:
-        """Stop recording and drop the recorded states."""
-        self.record_past = False
-        self.recurrent_states_to_keep = None
+        self.record_past, self.recurrent_states_to_keep = False, None
         self._trim_history(lambda v: [])
 
     def _trim_history(self, keep) -> None:
@@ -540,7 +524,6 @@ class SpikeWhaleGenerateOutput(GenerateDecoderOnlyOutput):
 
     if CACHE_FIELD != "cache":  # transformers < 5.24: `out.cache` reads the field under its old name
         cache = property(lambda self: self.past_key_values)
-
     mtp_acceptance_rate: float | None = None
     mtp_drafted_tokens: int | None = None
     mtp_accepted_tokens: int | None = None
@@ -587,8 +570,7 @@ def _prompt_width(ids, embeds, mask, bos_id) -> int:
     return expected[1] if expected is not None else mask.shape[1] if mask is not None else 1
 
 
-# The library processors `generate` builds from a config field, and the sampling fields with their "off" values.
-_PROCESSOR_FIELDS = {
+_PROCESSOR_FIELDS = {  # the library processors `generate` builds from a config field
     "RepetitionPenaltyLogitsProcessor": "repetition_penalty", "SuppressTokensLogitsProcessor": "suppress_tokens",
     "SuppressTokensAtBeginLogitsProcessor": "begin_suppress_tokens", "NoBadWordsLogitsProcessor": "bad_words_ids",
     "NoRepeatNGramLogitsProcessor": "no_repeat_ngram_size", "SequenceBiasLogitsProcessor": "sequence_bias",
@@ -596,7 +578,7 @@ _PROCESSOR_FIELDS = {
     "MinPLogitsWarper": "min_p", "TypicalLogitsWarper": "typical_p",
 }
 _SAMPLING_NEUTRAL = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "typical_p": 1.0, "min_p": None,
-                     "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
+                     "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}  # the sampling fields with their "off" values
 
 
 def _as_assistant_call(generation_config: GenerationConfig, kwargs: dict) -> tuple[GenerationConfig, dict]:
@@ -618,8 +600,7 @@ class GreedyVocabIndex:
     """Prefix search over the tokens of a greedy longest-match tokenizer (`greedy_vocab`: text -> id)."""
 
     def __init__(self, vocab: dict[str, int]):
-        self.vocab, self.max_len = vocab, max(map(len, vocab))
-        self.text_of = {i: t for t, i in vocab.items()}
+        self.vocab, self.max_len, self.text_of = vocab, max(map(len, vocab)), {i: t for t, i in vocab.items()}
         self.sorted_texts = sorted(vocab)
         self.sorted_ids = [vocab[t] for t in self.sorted_texts]
 
@@ -666,8 +647,7 @@ class HealedTailLogitsProcessor(LogitsProcessor):
 
     def spelled(self, input_ids: torch.LongTensor) -> list[tuple[str, int]]:
         """Per row: what is left of its prompt's tail after the new tokens, and how many of them spelled it."""
-        per_prompt = input_ids.shape[0] // len(self.tails)  # beams and return sequences repeat each prompt
-        out = []
+        per_prompt, out = input_ids.shape[0] // len(self.tails), []  # beams and return sequences repeat each prompt
         for row, generated in enumerate(input_ids[:, self.prompt_length:].tolist()):
             rest, spent = self.tails[row // per_prompt], 0
             while rest and spent < len(generated):
@@ -861,8 +841,7 @@ def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processo
     scores = () if return_dict and generation_config.output_scores else None
     raw_logits = () if return_dict and generation_config.output_logits else None
     pad = generation_config._pad_token_tensor if any(hasattr(c, "eos_token_id") for c in stopping_criteria) else None
-    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-    stats = MTPStats()
+    unfinished, stats = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device), MTPStats()
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
@@ -882,8 +861,7 @@ def mtp_speculative_generate(model, input_ids: torch.LongTensor, logits_processo
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
         return torch.where(keep, drafted, torch.multinomial(residual, num_samples=1).squeeze(1))
 
-    def emit(next_logits, drafted=None, q=None):
-        """One step of `_sample`: process, pick, pad finished rows, append, stream, check stopping."""
+    def emit(next_logits, drafted=None, q=None):  # one step of `_sample`
         nonlocal input_ids, unfinished, scores, raw_logits
         next_logits = next_logits.to(copy=True, dtype=torch.float32, device=input_ids.device)
         next_scores = logits_processor(input_ids, next_logits)
@@ -986,12 +964,9 @@ def compiled_decode_guards(entries) -> list[bool]:
     """The dynamo guards `compile_decode` keeps: all but those on built-in modules and on parameter tensors (their
     metadata too, for tensor subclasses such as int8), which change only when the model is moved or re-typed
     (checked by `_decode_step_compiles`) or its weights replaced."""
-    return [
-        not (e.orig_guard.source.is_unspecialized_builtin_nn_module()
-             or (e.guard_type in ("TENSOR_MATCH", "TENSOR_SUBCLASS_METADATA_MATCH", "EQUALS_MATCH")
-                 and "._parameters[" in e.name))
-        for e in entries
-    ]
+    return [not (e.orig_guard.source.is_unspecialized_builtin_nn_module()
+                 or (e.guard_type in ("TENSOR_MATCH", "TENSOR_SUBCLASS_METADATA_MATCH", "EQUALS_MATCH")
+                     and "._parameters[" in e.name)) for e in entries]
 
 
 def compile_walk(walk_run, options: dict, compile_kwargs: dict):
@@ -1027,14 +1002,12 @@ class SpikeWhaleGenerationMixin(GenerationMixin):
         return False
 
     def _prepare_generation_config(self, generation_config=None, *args, **kwargs):
-        """transformers' merge, except that a caller's `max_length` also replaces the default `max_new_tokens`."""
         config, model_kwargs = super()._prepare_generation_config(generation_config, *args, **kwargs)
         return caller_length_wins(config, generation_config, kwargs), model_kwargs
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """A `SpikeWhaleCache` before the prefill: "static" sized to this call (args[2]: the positions transformers
-        counts it feeding, + 1; else `max_length`) or `max_cache_len` if larger, else to the context window.
-        transformers' own preparation where a cache is passed in or use_cache=False."""
+        counts it feeding, + 1; else `max_length`) or `max_cache_len` if larger, else to the context window."""
         impl = generation_config.cache_implementation
         if model_kwargs.get(CACHE_FIELD) is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
@@ -1065,8 +1038,7 @@ class SpikeWhaleGenerationMixin(GenerationMixin):
             and super()._valid_auto_compile_criteria(model_kwargs, generation_config))
 
     def create_masks_for_generate(self, attention_mask=None, inputs_embeds=None, **kwargs):
-        """The chunk's own columns of the padding mask: the cache holds earlier keys' validity, and a fixed width keeps
-        a whole-forward compiled step one graph."""
+        """Only the chunk's mask columns: earlier keys' validity is cached; a fixed width keeps one compiled graph."""
         if attention_mask is None or inputs_embeds is None:
             return attention_mask
         return attention_mask[:, -inputs_embeds.shape[1]:]

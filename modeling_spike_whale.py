@@ -29,9 +29,7 @@ from .generation_utils import (CACHE_FIELD, MemoryCacheState, SegmentLayout, Slo
 
 logger = logging.get_logger(__name__)
 
-
-# Released checkpoint name (regex) -> our name, applied at load; empty until a real Byrne header is read.
-CHECKPOINT_KEY_RENAMES: dict[str, str] = {}
+CHECKPOINT_KEY_RENAMES: dict[str, str] = {}  # released name (regex) -> ours at load; empty until a Byrne header is read
 
 
 def reads_values_free(device: torch.device) -> bool:
@@ -112,9 +110,8 @@ class SpikeWhaleRotaryEmbedding(KeepsFloat32):
         self.config = config
         half, P = config.qk_rope_head_dim // 2, config.max_position_embeddings
         f32 = torch.float32  # whatever the default dtype (`_from_config(dtype=...)`)
-        self.register_buffer("inv_freq", torch.empty(half, dtype=f32), persistent=True)
-        self.register_buffer("cos_cache", torch.empty(P, half, dtype=f32), persistent=True)
-        self.register_buffer("sin_cache", torch.empty(P, half, dtype=f32), persistent=True)
+        for name, shape in (("inv_freq", (half,)), ("cos_cache", (P, half)), ("sin_cache", (P, half))):
+            self.register_buffer(name, torch.empty(shape, dtype=f32), persistent=True)
         self.reset_caches()
 
     def compute(self, inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -193,7 +190,6 @@ class MemoryCacheBranch(KeepsFloat32):
         (i = s: the causal running sums over m ≤ t only)
         γ_{t,i} = softmax_{i≤s} ⟨u_t, ḡ⁽ⁱ⁾⟩,   u_t = W_u x_t + b,   ḡ⁽ⁱ⁾ = mean_{m∈i} W_k x_m (running mean for i = s)
         y_t = Σ_i γ_{t,i} φ(q_t)ᵀM⁽ⁱ⁾ / (Σ_i γ_{t,i} φ(q_t)·z⁽ⁱ⁾ + ε)        (one global normaliser)
-
     in a chunk form (`_chunk`: any length, segment boundaries and padding inside) and a one-token step form
     (`_step`); segments start at positions 0, L, 2L, ... Float32 with autocast off, under any load dtype."""
 
@@ -217,8 +213,7 @@ class MemoryCacheBranch(KeepsFloat32):
         state before it (None: empty): the chunk form on the first `lay.split` tokens, the step form on the rest."""
         lay = ctx.segments_on(u.device)
         B, S, _ = u.shape
-        # Autocast is turned off only where it is on: its nodes keep AOTAutograd from caching a compiled graph.
-        on = torch.is_autocast_enabled(u.device.type)
+        on = torch.is_autocast_enabled(u.device.type)  # autocast nodes keep AOTAutograd from caching a graph
         with torch.autocast(device_type=u.device.type, enabled=False) if on else contextlib.nullcontext():
             feats = self._features(_as(u, torch.float32), proj)
             if lay.padded:  # padding adds nothing
@@ -265,8 +260,7 @@ class MemoryCacheBranch(KeepsFloat32):
         with it (step form). cands: (M [B, I, nh, hd, hd], z [B, I, nh, hd], ḡ [B, I, gd], readable [B, S, I]|None)."""
         if cands is None:
             num, den = own[0], own[1][..., None]
-            if gu.requires_grad:
-                # A weight of exactly 1 that keeps the gate in the graph: DDP needs every parameter to take part.
+            if gu.requires_grad:  # γ = 1 exactly, keeping the gate in the graph: DDP needs every parameter
                 g_own = torch.softmax((gu * own[2]).sum(-1, keepdim=True) / own[3].clamp(min=1)[..., None], -1)
                 num, den = g_own[..., None] * num, g_own[..., None] * den
             return num / (den + self.eps)
@@ -293,8 +287,7 @@ class MemoryCacheBranch(KeepsFloat32):
         num, den = read[..., :hd], read[..., hd:]
         if own is not None:
             g_own = gamma[..., I:]
-            num = num + g_own[..., None] * own_num
-            den = den + g_own[..., None] * own_den[..., None]
+            num, den = num + g_own[..., None] * own_num, den + g_own[..., None] * own_den[..., None]
         return num / (den + self.eps)
 
     def _chunk(self, fq, fk, v, gu, gk, lay: SegmentLayout, state: MemoryCacheState | None, ctx: ForwardContext):
@@ -332,13 +325,10 @@ class MemoryCacheBranch(KeepsFloat32):
             first = (rel == 0).float() * vf
             own_num = own_num + first[..., None, None] * torch.einsum("bshd,bhde->bshe", fq, state.run_M)
             own_den = own_den + first[..., None] * torch.einsum("bshd,bhd->bsh", fq, state.run_z)
-            own_g = own_g + first[..., None] * state.run_g[:, None]
-            own_n = own_n + first * state.run_n[:, None]
-            for total, running in ((seg_M, state.run_M), (seg_z, state.run_z), (seg_g, state.run_g),
-                                   (seg_n, state.run_n)):
-                total[:, 0] += running
+            own_g, own_n = own_g + first[..., None] * state.run_g[:, None], own_n + first * state.run_n[:, None]
+            for total, run in zip((seg_M, seg_z, seg_g, seg_n), (state.run_M, state.run_z, state.run_g, state.run_n)):
+                total[:, 0] += run
         seg_gmean = seg_g / seg_n.clamp(min=1)[..., None] if R > 1 else None
-
         cands = []  # the cache's finished segments (i < base), then the chunk's (r < rel)
         if state is not None and lay.n_fin > 0:
             k = lay.n_fin
@@ -356,8 +346,7 @@ class MemoryCacheBranch(KeepsFloat32):
             return y, None
         if state is None:
             state = MemoryCacheState.empty(B, ctx.n_mc_segments, self.nh, self.hd, self.gd, fq.device)
-        last = rel[:, -1]
-        rows = torch.arange(B, device=fq.device)
+        last, rows = rel[:, -1], torch.arange(B, device=fq.device)
         running = dict(run_M=seg_M[rows, last], run_z=seg_z[rows, last], run_g=seg_g[rows, last],
                        run_n=seg_n[rows, last])
         if R > 1:
@@ -431,10 +420,8 @@ class MultiHeadHashLookup(KeepsFloat32):
 
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__()
-        self.max_ngram = config.engram_max_ngram
-        self.table_size = config.engram_table_size
-        self.legacy = config.engram_legacy_hash
-        self.n_bits = max(1, math.ceil(math.log2(self.table_size)))
+        self.max_ngram, self.table_size = config.engram_max_ngram, config.engram_table_size
+        self.legacy, self.n_bits = config.engram_legacy_hash, max(1, math.ceil(math.log2(self.table_size)))
         eh, cd = config.engram_num_heads, config.engram_compress_dim
         self.tables = nn.ModuleList(nn.Embedding(self.table_size, config.hidden_size) for _ in range(eh))
         for table in self.tables:
@@ -467,8 +454,7 @@ class MultiHeadHashLookup(KeepsFloat32):
             idx = self.bucket(window, n)
             avail = (positions >= n - 1).to(self.tables[0].weight.dtype)[..., None]
             rows = sum(table(idx[..., j]) for j, table in enumerate(self.tables))
-            out = out + rows * avail
-            count = count + avail * len(self.tables)
+            out, count = out + rows * avail, count + avail * len(self.tables)
         return out / count.clamp(min=1)
 
 
@@ -526,7 +512,6 @@ class HyperConnection(nn.Module):
         return torch.matmul(w, X.flatten(2)).view(X.shape[0], *X.shape[2:])
 
     def _pre_weights(self, dtype: torch.dtype, two: bool) -> torch.Tensor:
-        """softmax(a) in `dtype`; for two streams w₁ alone."""
         w = _as(torch.softmax(self.pre_logits, 0, dtype=torch.float32), dtype)
         return w[1] if two else w
 
@@ -549,20 +534,17 @@ class HCOutputMix(nn.Module):
 
 class DepthAttention:
     """ṽ_t = Σ_d softmax_d(⟨q̄_t, k_d(t)⟩/√hd) v_d(t);  v ← v + tanh(g)·(ṽ − v)   (across layers, per position).
-    q̄: the mean of a KV group's query heads; sources d: this pass's earlier checkpoint layers (every
-    `depth_attention_stride`-th) plus the current one."""
+    q̄: a KV group's mean query; d: this layer and the pass's earlier checkpoints (each `depth_attention_stride`-th)."""
 
     @staticmethod
     def mix(q, k, v, sources, tanh_gate) -> torch.Tensor:
         """ṽ mixed into v by tanh(g) (`tanh_gate`, in v's dtype)."""
         B, nh, S, hd = q.shape
-        kvh = k.shape[1]
-        qbar = q.view(B, kvh, nh // kvh, S, hd).mean(2)
+        qbar = q.view(B, k.shape[1], nh // k.shape[1], S, hd).mean(2)  # each KV group's mean query head
         keys = torch.stack([_on(src[0], k.device) for src in sources] + [k])
         values = torch.stack([_on(src[1], v.device) for src in sources] + [v])
         w = _as(torch.softmax((qbar * keys).sum(-1) / math.sqrt(hd), dim=0, dtype=torch.float32), v.dtype)
-        mixed = (w[..., None] * values).sum(0)
-        return torch.lerp(v, mixed, tanh_gate)
+        return torch.lerp(v, (w[..., None] * values).sum(0), tanh_gate)
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -576,8 +558,7 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling: 
     weights = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
         weights = weights + attention_mask
-    weights = torch.softmax(weights, -1, dtype=torch.float32).to(query.dtype)
-    weights = F.dropout(weights, dropout, module.training)
+    weights = F.dropout(torch.softmax(weights, -1, dtype=torch.float32).to(query.dtype), dropout, module.training)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
@@ -596,7 +577,6 @@ def kernel_mask(impl: str, mask, is_causal: bool, key_valid, q, k, memo: dict) -
         vis = _visible(mask, is_causal, q.shape[2], k.shape[2], q.device)
         if flex:
             from torch.nn.attention.flex_attention import create_block_mask
-
             rows = vis.shape[0]
             memo[key] = create_block_mask(lambda b, h, qi, ki: vis[b if rows > 1 else 0, 0, qi, ki], rows, None,
                                           vis.shape[2], vis.shape[3], device=q.device)
@@ -637,8 +617,7 @@ def elo_attention(q, k, v, mask, is_causal, dropout, gain, k_factor, past_rating
     s, vis = _scores(q, k, mask, is_causal)
     B, nh, S, N = s.shape
     masked = s.masked_fill(~vis, float("-inf"))
-    p = torch.softmax(masked, -1)
-    visf = vis.float()
+    p, visf = torch.softmax(masked, -1), vis.float()
     delta = (p - visf / visf.sum(-1, keepdim=True)) * query_valid.float()[:, None, :, None]
     past = s.new_zeros(B, nh, N)
     if past_ratings is not None and past_ratings.shape[-1]:
@@ -656,8 +635,7 @@ class SpikeWhaleAttention(nn.Module):
     def __init__(self, config: SpikeWhaleConfig, layer_idx: int):
         super().__init__()
         H, nh, kvh, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        self.config, self.hd = config, hd
-        self.layer_idx, self.is_causal = layer_idx, True
+        self.config, self.hd, self.layer_idx, self.is_causal = config, hd, layer_idx, True
         self.num_key_value_groups, self.scaling = nh // kvh, hd**-0.5
         self.q_a_proj = nn.Linear(H, config.q_lora_rank, bias=False)
         self.q_a_norm = SpikeWhaleRMSNorm(config.q_lora_rank, config.rms_norm_eps)
@@ -704,8 +682,7 @@ class SpikeWhaleAttention(nn.Module):
             return y.to(q.dtype).transpose(1, 2), weights, ratings, steps
         impl = ctx.attn_implementation or "sdpa"
         if "flash" in impl and isinstance(ctx.past, torch.Tensor):
-            # A compiled step reads whole static buffers, which flash's 2D padding mask cannot describe.
-            impl = "sdpa"
+            impl = "sdpa"  # a compiled step reads whole static buffers, which flash's 2D padding mask cannot describe
         if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
             attend = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
         elif impl == "eager":  # transformers < 5.24
@@ -779,8 +756,7 @@ class SpikeWhaleMLP(nn.Module):
         return self.gate_proj(u), self.up_proj(u)
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
-        # Without autograd, in place: a long prefill's [S, F] temporaries cost about as much as the ops.
-        inplace = not torch.is_grad_enabled()
+        inplace = not torch.is_grad_enabled()  # a long prefill's [S, F] temporaries cost about as much as the ops
         gate, up = self.input_projections(u)
         h = F.silu(gate, inplace=inplace)
         return self.down_proj(h.mul_(up) if inplace else h * up)
@@ -798,7 +774,6 @@ class SpikeWhaleMoE(nn.Module):
 
         s = sqrt(softplus(W_g u)) or softmax(W_g u);  I = top-k(s), or hash(token id) in hash layers
         w_i = s_i / Σ_{j∈I} s_j (`norm_topk_prob`) · `routed_scaling_factor`;  y = shared(u) + Σ_{i∈I} w_i expert_i(u)
-
     Padding is not routed (output 0). Load balance (learned routers): aux = E · Σ_e f_e P_e, f_e the share of routed
     slots sent to e, P_e its mean normalised score."""
 
@@ -830,8 +805,7 @@ class SpikeWhaleMoE(nn.Module):
         return idx, w * self.routed_scaling_factor, scores
 
     def forward(self, u: torch.Tensor, ctx: ForwardContext | None = None):
-        """u [B, S, H] → (output [B, S, H], load-balance loss or None); each expert runs once on its (token, slot)
-        pairs, sorted together."""
+        """u [B, S, H] → (output [B, S, H], load-balance loss or None); each expert runs once, on all its tokens."""
         B, S, H = u.shape
         flat = u.reshape(B * S, H)
         real = (ctx.valid.to(u.device).reshape(-1).nonzero().squeeze(1) if ctx is not None
@@ -977,8 +951,7 @@ class SpikeWhalePreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True  # softmax attention goes through ALL_ATTENTION_FUNCTIONS
     _can_compile_fullgraph = True  # except MoE configs, whose dispatch groups tokens on the host
-    # `crop` restores the Memory-Cache state exactly, so assisted decoding is allowed (transformers < 5.25 checks this)
-    _is_stateful = False
+    _is_stateful = False  # `crop` restores the Memory-Cache state exactly: assisted decoding allowed (< 5.25 checks)
     # Float32 under a bf16/fp16 load: rounded hash projections would move n-grams between buckets.
     _keep_in_fp32_modules_strict = ["rope", r"hash_proj_n\d+_p\d+", r"attn\.mc"]
 
@@ -1057,8 +1030,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
 
     def _check_inputs(self, input_ids, inputs_embeds, static: bool):
         if input_ids is None and inputs_embeds is None:
-            raise ValueError("Pass `input_ids`, `inputs_embeds`, or both (the ids then only route the MoE and "
-                             "Engram).")
+            raise ValueError("Pass `input_ids`, `inputs_embeds`, or both (the ids then only route the MoE and Engram).")
         if input_ids is not None:
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}.")
@@ -1129,7 +1101,6 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         elif cache is not None and past + S > cache.max_cache_len:
             raise ValueError(f"The cache holds {cache.max_cache_len} positions but {past + S} are needed; "
                              "use a larger cache.")
-
         # Static: a mask whenever one may be needed; else for padding, a chunk after the cache, or padding cached.
         needs_mask = (cache is not None or attention_mask is not None) if static else (
             not bool(valid.all()) or (past > 0 and (S > 1 or not bool(cache.key_valid[:, :past].all()))))
@@ -1167,8 +1138,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                    hidden_states: list | None, attentions: list | None):
         """Every run of the loop plan through `walk_run`, each slot's update stored in the cache. Returns (X, MoE
         losses); appends each slot's read-out streams and attention weights to the lists."""
-        aux_terms = []
-        end = ctx.past + X.shape[-2]
+        aux_terms, end = [], ctx.past + X.shape[-2]
         compiled = self._compiled_run is not None and self._decode_step_compiles(ctx, cache)
         X = X.contiguous()  # the streams start as an expanded view; one memory layout means one compiled graph
         # A no-grad chunk on a warm cache walks in inference mode (no version counters on a step's many small ops);
@@ -1224,8 +1194,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         seq_id = starts.flatten().long().cumsum(0) - 1  # [B·S]: the sequence of each token
         n = int(seq_id[-1]) + 1
         lengths = torch.bincount(seq_id, minlength=n)
-        L = int(lengths.max())
-        first = lengths.cumsum(0) - lengths
+        L, first = int(lengths.max()), lengths.cumsum(0) - lengths
         dest = seq_id * L + torch.arange(B * S, device=seq_id.device) - first[seq_id]
 
         def unpack(t: torch.Tensor) -> torch.Tensor:
@@ -1245,12 +1214,11 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
                                      moe_aux_loss=out.moe_aux_loss)
 
     @can_return_tuple
-    def forward(
-        self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None, cache: SpikeWhaleCache | None = None,
-        inputs_embeds: torch.FloatTensor | None = None, use_cache: bool | None = None,
-        output_attentions: bool | None = None, output_hidden_states: bool | None = None, **kwargs,
-    ) -> SpikeWhaleModelOutput:
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, cache: SpikeWhaleCache | None = None,
+                inputs_embeds: torch.FloatTensor | None = None, use_cache: bool | None = None,
+                output_attentions: bool | None = None, output_hidden_states: bool | None = None,
+                **kwargs) -> SpikeWhaleModelOutput:
         """`hidden_states`: the embedding output (after Engram), then one entry per loop-plan slot, the streams read out
         by `hc_out_mix` (before HRM and the norm). `attentions`: one [B, heads, S, past + S] map per slot. Given both
         `input_ids` and `inputs_embeds`, the embeddings are the input and the ids feed hash routing and Engram."""
@@ -1317,8 +1285,7 @@ class SpikeWhaleModel(SpikeWhalePreTrainedModel):
         X = x[:, None].expand(B, cfg.hc_mult, S, x.shape[-1]) if self.hc_out_mix is not None else x
         X, aux_terms = self._run_slots(X, token_embed, engram_r, ctx, cache, hidden_states, attentions)
         x = self.hc_out_mix(X) if self.hc_out_mix is not None else X
-        steps = self.hrm_refine(x) if self.hrm_refine is not None else [x]
-        steps = [self.norm(h) for h in steps]
+        steps = [self.norm(h) for h in (self.hrm_refine(x) if self.hrm_refine is not None else [x])]
         if cache is not None:
             seg = ctx.segments
             per_pos = (seg.base[:, None] + seg.rel[:, S - ctx.record:]) if (seg is not None and ctx.record) else None
@@ -1365,8 +1332,7 @@ class SpikeWhaleForCausalLM(SpikeWhaleGenerationMixin, SpikeWhalePreTrainedModel
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_rep"}  # split by vocabulary, gathered
     _auto_class = "AutoModelForCausalLM"
-    # The loss is a per-batch mean of several terms; let `Trainer` average it over accumulation steps.
-    accepts_loss_kwargs = False
+    accepts_loss_kwargs = False  # the loss is a per-batch mean of several terms: `Trainer` averages it over steps
 
     def __init__(self, config: SpikeWhaleConfig):
         super().__init__(config)
@@ -1385,14 +1351,13 @@ class SpikeWhaleForCausalLM(SpikeWhaleGenerationMixin, SpikeWhalePreTrainedModel
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     @can_return_tuple
-    def forward(
-        self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None, cache: SpikeWhaleCache | None = None,
-        inputs_embeds: torch.FloatTensor | None = None, labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
-        past_key_values: SpikeWhaleCache | None = None, output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None, shift_labels: torch.LongTensor | None = None, **kwargs,
-    ) -> SpikeWhaleCausalLMOutput:
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, cache: SpikeWhaleCache | None = None,
+                inputs_embeds: torch.FloatTensor | None = None, labels: torch.LongTensor | None = None,
+                use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
+                past_key_values: SpikeWhaleCache | None = None, output_attentions: bool | None = None,
+                output_hidden_states: bool | None = None, shift_labels: torch.LongTensor | None = None,
+                **kwargs) -> SpikeWhaleCausalLMOutput:
         """See `SpikeWhaleModel.forward`; `shift_labels[:, t]`, position t's target, replaces the shifting of labels."""
         cache = cache if cache is not None else past_key_values
         if cache is not None and not isinstance(cache, SpikeWhaleCache):
@@ -1426,8 +1391,7 @@ class SpikeWhaleForCausalLM(SpikeWhaleGenerationMixin, SpikeWhalePreTrainedModel
         - hrm_loss: the summed CE of every refinement step before the last (deep supervision).
         - abstain_loss: BCE of the abstain head toward [argmax logits[:, t] != labels[:, t+1]] (`abstain_pos_weight`).
         - moe_aux_loss: the mean load-balance loss of the learned-router layers."""
-        cfg = self.config
-        S = logits.shape[1]
+        cfg, S = self.config, logits.shape[1]
         shifted_by = 0 if shift_labels is not None else 1
         labels = (shift_labels if shift_labels is not None else labels).to(logits.device)
         source_pad = None
@@ -1441,8 +1405,7 @@ class SpikeWhaleForCausalLM(SpikeWhaleGenerationMixin, SpikeWhalePreTrainedModel
 
         def shifted(k: int) -> torch.Tensor:
             """Targets k steps past position t's input token; none from padding or across packed sequences."""
-            d = k - 1 + shifted_by
-            t = labels[:, d:]
+            t = labels[:, k - 1 + shifted_by:]
             if source_pad is not None:
                 t = t.masked_fill(source_pad[:, : t.shape[1]], -100)
             if seq_id is not None:  # (with shift_labels the last target lies past the row: left as given)
@@ -1451,8 +1414,7 @@ class SpikeWhaleForCausalLM(SpikeWhaleGenerationMixin, SpikeWhalePreTrainedModel
             return t
 
         target = shifted(1)
-        n_pred = target.shape[1]
-        counted = target != -100
+        n_pred, counted = target.shape[1], target != -100
         terms = dict(lm_loss=_cross_entropy(logits[:, :n_pred], target), z_loss=None, mtp_loss=None, hrm_loss=None,
                      abstain_loss=None, moe_aux_loss=out.moe_aux_loss)
         if cfg.zloss_coef:

@@ -17,9 +17,8 @@ import threading
 from collections.abc import Iterable, Mapping
 
 from transformers import PreTrainedTokenizer
-from transformers.tokenization_utils_base import (
-    AddedToken, BatchEncoding, PaddingStrategy, PreTrainedTokenizerBase, TruncationStrategy,
-)
+from transformers.tokenization_utils_base import (AddedToken, BatchEncoding, PaddingStrategy, PreTrainedTokenizerBase,
+                                                  TruncationStrategy)
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 PAD_TOKEN, UNK_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<unk>", "<bos>", "<eos>"
@@ -27,11 +26,9 @@ BASE_SPECIAL_TOKENS = (PAD_TOKEN, UNK_TOKEN, BOS_TOKEN, EOS_TOKEN)  # ids 0..3
 BYTE_OFFSET = 4  # byte b has id b + BYTE_OFFSET
 FIRST_MULTIBYTE_ID = BYTE_OFFSET + 256  # 260
 SPECIAL_START_ID = NUM_BASE_IDS = 16384  # the first chat/tool/FIM special
-SPECIAL_TOKENS = (
-    "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<begin_solution>", "<end_solution>", "<tool_call>",
-    "</tool_call>", "<tool_response>", "</tool_response>", "<|system|>", "<|user|>", "<|assistant|>",
-    "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|endoftext|>",
-)
+SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>", "<begin_solution>", "<end_solution>",
+                  "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<|system|>", "<|user|>",
+                  "<|assistant|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|endoftext|>")
 SPECIAL_TOKEN_IDS = {tok: SPECIAL_START_ID + i for i, tok in enumerate(SPECIAL_TOKENS)}
 IM_START_ID, IM_END_ID = SPECIAL_TOKEN_IDS["<|im_start|>"], SPECIAL_TOKEN_IDS["<|im_end|>"]
 RESERVED_START_ID = SPECIAL_START_ID + len(SPECIAL_TOKENS)  # 16401
@@ -44,8 +41,7 @@ LAYOUT_SPECIALS = dict(zip(BASE_SPECIAL_TOKENS + SPECIAL_TOKENS + RESERVED_TOKEN
 CHAT_EOS_IDS = (EOS_ID, IM_END_ID)  # ids that end a chat turn (generation_config.eos_token_id)
 
 DEFAULT_MAX_TOKEN_LEN = 24
-# The trie regex nests as deep as the longest token and Python's `re` parser fails near 400 levels.
-MAX_TOKEN_LEN_LIMIT = 256
+MAX_TOKEN_LEN_LIMIT = 256  # the trie regex nests as deep as the longest token; `re` fails near 400 levels
 VOCAB_FILE_NAME = "spike_vocab.json"
 ALGORITHM = "length-max"
 
@@ -86,8 +82,7 @@ CHATML_TEMPLATE = (
     "{%- endfor -%}\n"
     "{%- if add_generation_prompt -%}\n"
     "    {{- '<|im_start|>assistant\\n' -}}\n"
-    "{%- endif -%}\n"
-)
+    "{%- endif -%}\n")
 
 # transformers added `apply_chat_template(..., sanitize_control_tokens=...)` after 5.0; before, the control tokens in
 # the inputs are marked here and encoded as text (`SpikeTokenizerMixin.apply_chat_template`).
@@ -293,8 +288,7 @@ class SpikeTokenizerMixin:
                                           *(t for t in extra if str(t) not in LAYOUT_SPECIALS)]
         kwargs.update((key, special_token(token)) for key, token in named.items())
         super().__init__(add_bos_token=bool(add_bos_token), **kwargs)
-        # <bos> must be id 2: every sequence was trained to start with it
-        if self.bos_token_id != BOS_ID:
+        if self.bos_token_id != BOS_ID:  # every sequence was trained to start with <bos>, id 2
             raise ValueError(f"bos_token resolves to id {self.bos_token_id}, the spike_whale layout requires {BOS_ID}")
         for token, idx in LAYOUT_SPECIALS.items():
             if (got := self.convert_tokens_to_ids(token)) != idx:
@@ -404,8 +398,7 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
 
     def __init__(self, vocab_file=None, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, unk_token=UNK_TOKEN,
                  pad_token=PAD_TOKEN, add_bos_token: bool = True, **kwargs):
-        # a folder with a released custom-format tokenizer.json and no spike_vocab.json passes it (never saved)
-        tokenizer_file = kwargs.pop("tokenizer_file", None)
+        tokenizer_file = kwargs.pop("tokenizer_file", None)  # released tokenizer.json, no spike_vocab.json (not saved)
         source = vocab_file if vocab_file is not None else tokenizer_file
         self.vocab_file = None if source is None or isinstance(source, Mapping) else os.fspath(source)
         self._vocab_data = load_vocab_file(source)
@@ -423,8 +416,7 @@ class SpikeTokenizer(SpikeTokenizerMixin, PreTrainedTokenizer):
             kwargs["added_tokens_decoder"] = {i: t for i, t in kwargs["added_tokens_decoder"].items()
                                               if not BYTE_OFFSET <= int(i) < SPECIAL_START_ID}
         super().__init__(bos_token, eos_token, unk_token, pad_token, add_bos_token, **kwargs)
-        # transformers does not save special_tokens_pattern and its `__init__` resets it: the setter puts it back
-        self.add_bos_token = add_bos_token
+        self.add_bos_token = add_bos_token  # sets special_tokens_pattern, unsaved and reset by transformers' `__init__`
 
     @property
     def vocab_size(self) -> int:
