@@ -267,7 +267,7 @@ class SpikeWhaleCache(_BatchSelection, Cache):
     prefix). Each buffer is allocated once, on the device of the first tensor written to it (a `device_map` keeps
     each slot's state next to its layer), and updated in place, its address static. For `crop`, K/V and the Engram
     prefix are positional; the Memory-Cache and Elo states are not, so while recording (`activate_past_recording`)
-    every forward records them at its start and at the lengths a crop may return to."""
+    every forward records them at its start and at the lengths a crop may return to; `crop` restores them."""
 
     SHARED = ("key_valid", "num_real", "mc_segment", "engram_c")
 
