@@ -247,22 +247,22 @@ class SpikeTokenizerFast(SpikeTokenizerMixin, PreTrainedTokenizerFast):
         function giving the rows' ids (new lists, split at the separator's id), or None when the vocabulary has no
         such separator or a row holds it."""
         backend = self._tokenizer
-        if getattr(self, "_joiner", False) is False:  # found again after tokens are added (`_add_tokens`)
-            self._joiner = _separator(backend)
-        if self._joiner is None:
-            return None
-        sep, sep_id = self._joiner
-        cuts, size = [0], 0
-        for i, row in enumerate(batch, 1):
-            size += len(row)
-            if size >= JOINED_CHARS or i == len(batch):
-                cuts.append(i)
-                size = 0
-        texts = [sep.join(batch[a:b]) for a, b in zip(cuts, cuts[1:])]
-        if any(t.count(sep) != b - a - 1 for t, a, b in zip(texts, cuts, cuts[1:])):
-            return None
         saved = EncodingsOnDemand._configure(backend, None, None, backend.encode_special_tokens)  # pad rows, not texts
         try:
+            if getattr(self, "_joiner", False) is False:  # found again after tokens are added (`_add_tokens`)
+                self._joiner = _separator(backend)
+            if self._joiner is None:
+                return None
+            sep, sep_id = self._joiner
+            cuts, size = [0], 0
+            for i, row in enumerate(batch, 1):
+                size += len(row)
+                if size >= JOINED_CHARS or i == len(batch):
+                    cuts.append(i)
+                    size = 0
+            texts = [sep.join(batch[a:b]) for a, b in zip(cuts, cuts[1:])]
+            if any(t.count(sep) != b - a - 1 for t, a, b in zip(texts, cuts, cuts[1:])):
+                return None
             probe = backend.encode(sep, add_special_tokens=add_special_tokens).ids  # the post-processor's ids
             encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
         finally:
