@@ -446,7 +446,10 @@ def run(args) -> int:
         if args.losses_json:
             write_file(args.losses_json, json.dumps(summary, indent=2))
     main_process, processes, kind = accelerator.is_main_process, accelerator.num_processes, accelerator.distributed_type
-    # Leave the process group: a gloo thread still running at interpreter exit aborts the process.
+    # Leave the process group: a gloo thread still running at interpreter exit aborts the process. The barrier
+    # first makes it the group's last work: dropping the group joins gloo's worker thread while holding the GIL, and
+    # a thread still freeing the save's broadcast (tensors Python owns) waits for that GIL, a deadlock.
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     if diverged is not None:
         kept = (f"stopped and saved the weights after step {diverged.steps}, the last good ones, to {args.out_dir}"
