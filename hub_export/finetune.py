@@ -155,7 +155,7 @@ class LastGoodWeights:
         bad = sum(int(not torch.isfinite(t.to_local() if hasattr(t, "to_local") else t).all())
                   for t in tensors if t is not None)
         if self.accelerator is not None:
-            bad = int(self.accelerator.reduce(torch.tensor(bad, device=self.accelerator.device), "sum"))
+            bad = int(settled(self.accelerator.reduce(torch.tensor(bad, device=self.accelerator.device), "sum")))
         return bad == 0
 
     def keep(self, steps: int) -> None:
@@ -218,7 +218,7 @@ def train_loop(model, rows, batches, *, lr: float, max_grad_norm: float = 1.0, p
         else:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        value = float(accelerator.reduce(loss.detach(), "mean") if accelerator is not None else loss.detach())
+        value = float(settled(accelerator.reduce(loss.detach(), "mean")) if accelerator is not None else loss.detach())
         if not (math.isfinite(value) and guard.all_finite(p.grad for p in guard.params)):
             model.eval()
             raise guard.diverged(f"step {step + 1} of {total}: the loss ({value}) or its gradients are not finite",
@@ -293,6 +293,37 @@ def train_with_trainer(model, rows, batches, args, *, lr: float, packed: bool = 
     return trainer, losses
 
 
+def settled(tensor):
+    """`tensor`, once no collective holds it any more. gloo's worker threads free a finished collective's tensors
+    after its caller has moved on, and freeing a tensor Python made takes the GIL; the process group's destructor
+    joins those threads while holding the GIL, so a group dropped before they have freed it deadlocks the process.
+    Every collective here therefore waits (the GIL released) until its tensors are this process's alone, at most
+    10 s."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while getattr(tensor, "_use_count", lambda: 1)() > 1 and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    return tensor
+
+
+def broadcast_from_main(value: str | None, accelerator) -> str | None:
+    """`value` as the main process has it, on every process (through tensors it sees `settled`)."""
+    import torch
+    import torch.distributed as dist
+
+    if accelerator.num_processes == 1:
+        return value
+    data = json.dumps(value).encode() if accelerator.is_main_process else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=accelerator.device)
+    dist.broadcast(size, src=0)
+    buffer = torch.zeros(int(settled(size)), dtype=torch.uint8, device=accelerator.device)
+    if accelerator.is_main_process:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buffer, src=0)
+    return json.loads(bytes(settled(buffer).cpu().tolist()).decode())
+
+
 def save_folder(model, tokenizer, out_dir, accelerator, source_dir, overwrite: bool = False) -> None:
     """Save the trained weights gathered whole, the model's code files and config, and the tokenizer as a folder
     that loads with `trust_remote_code=True`, through a staging folder. Every process must call it.
@@ -301,14 +332,12 @@ def save_folder(model, tokenizer, out_dir, accelerator, source_dir, overwrite: b
     no longer be written, the saved folder is kept next to it and the error says where."""
     from torch.distributed.fsdp import FSDPModule
 
-    from accelerate.utils import broadcast_object_list
-
     out = Path(out_dir)
     error = None
     main = accelerator.is_main_process
     if main:
         remove_stale_temps(out.absolute().parent)
-    staging = broadcast_object_list([staging_folder(out) if main else None])[0]
+    staging = Path(broadcast_from_main(str(staging_folder(out)) if main else None, accelerator))
     try:
         unwrapped = accelerator.unwrap_model(model)
         if isinstance(unwrapped, FSDPModule):
@@ -337,7 +366,7 @@ def save_folder(model, tokenizer, out_dir, accelerator, source_dir, overwrite: b
         if main:
             discard(staging)
         raise
-    error = broadcast_object_list([error])[0]  # every process waits for the save, and fails with it
+    error = broadcast_from_main(error, accelerator)  # every process waits for the save, and fails with it
     if error:
         raise ValueError(error)
 
@@ -446,9 +475,7 @@ def run(args) -> int:
         if args.losses_json:
             write_file(args.losses_json, json.dumps(summary, indent=2))
     main_process, processes, kind = accelerator.is_main_process, accelerator.num_processes, accelerator.distributed_type
-    # Leave the process group: a gloo thread still running at interpreter exit aborts the process. The barrier
-    # first makes it the group's last work: dropping the group joins gloo's worker thread while holding the GIL, and
-    # a thread still freeing the save's broadcast (tensors Python owns) waits for that GIL, a deadlock.
+    # Leave the process group: a gloo thread still running at interpreter exit aborts the process.
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if diverged is not None:
