@@ -297,12 +297,13 @@ def settled(tensor):
     """`tensor`, once no collective holds it any more. gloo's worker threads free a finished collective's tensors
     after its caller has moved on, and freeing a tensor Python made takes the GIL; the process group's destructor
     joins those threads while holding the GIL, so a group dropped before they have freed it deadlocks the process.
-    Every collective here therefore waits (the GIL released) until its tensors are this process's alone, at most
-    10 s."""
+    Every collective on CPU tensors here therefore waits (the GIL released) until its tensors are this process's
+    alone, at most 10 s; a device tensor's collective (NCCL) is not gloo's and does not wait."""
     import time
 
     deadline = time.monotonic() + 10
-    while getattr(tensor, "_use_count", lambda: 1)() > 1 and time.monotonic() < deadline:
+    while (tensor.device.type == "cpu" and getattr(tensor, "_use_count", lambda: 1)() > 1
+           and time.monotonic() < deadline):
         time.sleep(0.0005)
     return tensor
 
