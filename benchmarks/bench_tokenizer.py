@@ -16,8 +16,9 @@ Throughput: MB/s through transformers' `__call__` of three inputs built from the
 a shared machine's load hits all alike. Two vocabularies: the one trained here and models/spike-whale-demo's. The
 fast class batches in Rust (`TOKENIZERS_PARALLELISM=true`, `RAYON_NUM_THREADS=2`); the slow one runs in one Python
 thread. For the ratio, the same tokenizer.json through `tokenizers`' `encode_batch_fast` (no character offsets,
-which transformers' `encode_batch` path asks for), and the fast class with its joined-rows route off (row by row). Targets: fast >= 10 MB/s on the long text and faster than slow on
-every row (issue 39), Length-MAX >= 10% fewer tokens than BPE (issue 14).
+which transformers' `encode_batch` path asks for), and the fast class with its joined-rows route off (row by row).
+Targets: fast >= 10 MB/s on the long text and faster than slow on every row (issue 39), Length-MAX >= 10% fewer
+tokens than BPE (issue 14).
 Results: a table on stdout and JSON (default benchmarks/results/tokenizer.json).
 """
 

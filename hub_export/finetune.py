@@ -301,9 +301,12 @@ def settled(tensor):
     alone, at most 10 s; a device tensor's collective (NCCL) is not gloo's and does not wait."""
     import time
 
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or tensor.device.type != "cpu":
+        return tensor
     deadline = time.monotonic() + 10
-    while (tensor.device.type == "cpu" and getattr(tensor, "_use_count", lambda: 1)() > 1
-           and time.monotonic() < deadline):
+    while getattr(tensor, "_use_count", lambda: 1)() > 1 and time.monotonic() < deadline:
         time.sleep(0.0005)
     return tensor
 
@@ -477,7 +480,6 @@ def run(args) -> int:
             write_file(args.losses_json, json.dumps(summary, indent=2))
     main_process, processes, kind = accelerator.is_main_process, accelerator.num_processes, accelerator.distributed_type
     # Leave the process group: a gloo thread still running at interpreter exit aborts the process.
-    accelerator.wait_for_everyone()
     accelerator.end_training()
     if diverged is not None:
         kept = (f"stopped and saved the weights after step {diverged.steps}, the last good ones, to {args.out_dir}"
