@@ -33,9 +33,12 @@ from .kernels import (
     FEW_ROWS_DTYPES,
     FEW_ROWS_KERNEL,
     FEW_ROWS_MIN_WEIGHT,
+    COMPILED_PRODUCTS,
     FewRowsKernel,
     FewRowsLinear,
+    compiled_kinds,
     cpu_model,
+    product_key,
     weight_only_int8,
 )
 
@@ -79,12 +82,11 @@ def compile_decode(model, enable: bool = True, persistent: bool = True, **compil
             # float32 only, where MKL reads it faster; a quantized weight keeps its own layout, and a column-major
             # bf16 weight is far slower on a CPU without bf16 instructions.
             if (type(linear.weight.data) is torch.Tensor and linear.weight.dtype == torch.float32
-                    and getattr(linear, "compiled_product", "linear") == "linear"
-                    and getattr(linear, "compiled_product_rows", "linear") == "linear"):
+                    and compiled_kinds(linear) == ("linear", "linear")):
                 linear.weight.data = linear.weight.data.t().contiguous().t()
     # The pattern matcher also holds inductor's lowering of torchao's int8 product, which the walk's int8 weights
     # do not need where each takes an int8 product of its own.
-    if all(type(p.data) is torch.Tensor or getattr(m, "compiled_product", "").startswith("int8")
+    if all(type(p.data) is torch.Tensor or isinstance(m, FewRowsLinear) and compiled_kinds(m)[0].startswith("int8")
            for m in model.model.layers.modules() for p in m.parameters(recurse=False)):
         options.setdefault("pattern_matcher", False)
     plain_weights = all(type(p.data) is torch.Tensor for p in model.parameters())
@@ -111,10 +113,11 @@ def compile_decode(model, enable: bool = True, persistent: bool = True, **compil
 
 
 def reset_compiled_products(model) -> None:
-    """Drop the walk's product choices, its prepacked copies and column-major layouts: a clean start."""
+    """Drop the walk's prepacked copies and column-major layouts: a clean start. The choices stay in
+    `COMPILED_PRODUCTS`, answers for their problems in this process (the eager forward never reads them; the next
+    `choose_compiled_products` sets this model's again)."""
     for owner in compiled_owners(model):
-        kinds = vars(owner).pop("compiled_product", None), vars(owner).pop("compiled_product_rows", None)
-        if "packed" in kinds:
+        if "packed" in compiled_kinds(owner):
             FewRowsKernel.packed.pop(owner.weight, None)
     with torch.no_grad():
         for linear in column_major_linears(model):
@@ -123,10 +126,10 @@ def reset_compiled_products(model) -> None:
 
 
 def choose_compiled_products(model, persistent: bool, reduce: bool = True) -> None:
-    """Gives each of `compiled_owners` the products `FEW_ROWS_KERNEL` takes for one row and for
-    `COMPILED_BATCH_ROWS` rows (timed on the model's weights, see `FewRowsKernel.choose`) as its
-    `compiled_product` and `compiled_product_rows` in the compiled walk: the fastest product for one row can be the
-    slowest for a batch, so each graph takes its own.
+    """Sets `COMPILED_PRODUCTS` for each of `compiled_owners`' weights: the products `FEW_ROWS_KERNEL` takes for one
+    row and for `COMPILED_BATCH_ROWS` rows (timed on the model's weights, see `FewRowsKernel.choose`; F.linear for a
+    weight it does not time) in the compiled walk: the fastest product for one row can be the slowest for a batch, so
+    each graph takes its own.
     `persistent`: the choices are kept in `compiled_products.json` beside the stored walks and reused by later
     processes, whose stored walk (keyed on them) would otherwise be compiled again after a near-tie timed the
     other way."""
@@ -159,19 +162,25 @@ def choose_compiled_products(model, persistent: bool, reduce: bool = True) -> No
         one = FEW_ROWS_KERNEL.choose(weights, 1, stored, walk, reduce=reduce)
         several = FEW_ROWS_KERNEL.choose(weights, COMPILED_BATCH_ROWS, stored, walk,
                                          keep=[w for w, kind in zip(weights, one) if kind == "packed"])
-    for owner, kind, kind_rows in zip(owners, one, several):
-        owner.compiled_product, owner.compiled_product_rows = kind, kind_rows
+    kinds = {product_key(o.weight, rows): "linear" for o in compiled_owners(model) for rows in (False, True)}
+    for weight, kind, kind_rows in zip(weights, one, several):
+        kinds[product_key(weight, False)], kinds[product_key(weight, True)] = kind, kind_rows
+    for key, kind in kinds.items():
+        if kind == "linear":
+            COMPILED_PRODUCTS.pop(key, None)
+        else:
+            COMPILED_PRODUCTS[key] = kind
     if path is not None and stored != before:
         write_private(path, json.dumps(stored, indent=1, sort_keys=True).encode())
 
 
-
 def compiled_owners(model) -> list:
     """What the compiled walk multiplies by a chosen product: each attention's fused input projections and every
-    other `FewRowsLinear` of the decoder layers."""
-    fused = [f for f in (fused_of(layer.attn) for layer in model.model.layers) if f is not None]
+    other `FewRowsLinear` of the decoder layers (of a SpikeWhaleForCausalLM or its SpikeWhaleModel)."""
+    layers = getattr(model, "model", model).layers
+    fused = [f for f in (fused_of(layer.attn) for layer in layers) if f is not None]
     in_fused = {id(linear) for f in fused for linear in f.linears}
-    return [m for m in model.model.layers.modules() if isinstance(m, FewRowsLinear) and id(m) not in in_fused] + fused
+    return [m for m in layers.modules() if isinstance(m, FewRowsLinear) and id(m) not in in_fused] + fused
 
 
 def column_major_linears(model) -> list[nn.Linear]:
@@ -321,11 +330,12 @@ class PersistentDecodeWalk:
                 digest.update(f.read())
         for name, p in model.layers.named_parameters():
             digest.update(repr((name, tuple(p.shape), p.stride(), p.dtype, p.device.type, type(p.data))).encode())
-        for name, module in model.layers.named_modules():
-            for owner, label in ((module, name), (fused_of(module), f"{name}.fused_input")):
-                kinds = getattr(owner, "compiled_product", "linear"), getattr(owner, "compiled_product_rows", "linear")
-                if kinds != ("linear", "linear"):
-                    digest.update(repr((label, *kinds)).encode())
+        names = {id(m): name for name, m in model.layers.named_modules()}
+        for owner in compiled_owners(model):
+            kinds = compiled_kinds(owner)
+            if kinds != ("linear", "linear"):
+                label = names[id(owner)] if id(owner) in names else f"{names[id(owner.linears[0])]}.fused_input"
+                digest.update(repr((label, *kinds)).encode())
         return digest.hexdigest()[:32]
 
     def __call__(self, *args):

@@ -27,9 +27,6 @@ class FusedLinears:
     adapter); otherwise its owner runs the Linears one by one.
     """
 
-    # The fused GEMM's products in a compiled decode walk (`compiled_kind`; `compile_decode` chooses them).
-    compiled_product = compiled_product_rows = "linear"
-
     def __init__(self, linears: tuple[nn.Linear, ...]):
         self.linears = linears
         self.sizes = [linear.out_features for linear in linears]

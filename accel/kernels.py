@@ -412,7 +412,7 @@ def cpu_has_native_bf16() -> bool:
 # (half the weight bytes to stream).
 BF16_AS_FLOAT32_MIN_ROWS = 8
 
-# The rows a compiled walk's batch products are timed at (`_choose_compiled_products`): one graph serves every batch
+# The rows a compiled walk's batch products are timed at (`choose_compiled_products`): one graph serves every batch
 # of 2 or more, so one representative count picks their product.
 COMPILED_BATCH_ROWS = 8
 
@@ -448,30 +448,40 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return FEW_ROWS_KERNEL(x, weight, bias, rows)
 
 
+# The products a compiled decode walk multiplies by, per problem (`product_key`): `compile_decode` fills it
+# (`choose_compiled_products`) and the walk's trace reads it (`compiled_kind`). Keyed by the weight's device, dtype,
+# shape and form, never by module: a model moved to another device or dtype finds none of its choices.
+COMPILED_PRODUCTS: dict[tuple, str] = {}
+
+
+def product_key(weight: torch.Tensor, several: bool) -> tuple:
+    """The `COMPILED_PRODUCTS` key of a product by `weight` of one row (several=False) or of a batch's rows."""
+    return (weight.device.type, weight.dtype, tuple(weight.shape), hasattr(weight, "qdata"), several)
+
+
+def compiled_kinds(owner) -> tuple[str, str]:
+    """The products (one row, several rows) a compiled walk multiplies `owner`'s weight by ("linear": F.linear)."""
+    return tuple(COMPILED_PRODUCTS.get(product_key(owner.weight, several), "linear") for several in (False, True))
+
+
 def compiled_kind(owner, x: torch.Tensor) -> str:
-    """The product `owner` (a FewRowsLinear or FusedLinears) multiplies x by in a compiled decode walk
-    (`compile_decode`'s choices): `compiled_product` for one row, `compiled_product_rows` for several. A compiled step
+    """The product `owner` (a FewRowsLinear or FusedLinears) multiplies x by in a compiled decode walk. A compiled step
     has one row per sequence, and dynamo specialises a batch of one, so a batch-1 graph and the graph of larger
-    batches each trace their own."""
-    if torch.compiler.is_compiling() and x.numel() != x.shape[-1]:
-        return owner.compiled_product_rows
-    return owner.compiled_product
+    batches each trace their own (and dynamo guards on the entry read)."""
+    if not torch.compiler.is_compiling():
+        return "linear"
+    return COMPILED_PRODUCTS.get(product_key(owner.weight, x.numel() != x.shape[-1]), "linear")
 
 
 class FewRowsLinear(nn.Linear):
     """nn.Linear computed by `linear_forward` (same parameters and state dict), multiplied in a compiled decode walk by
     the product `compiled_kind` names (a `FewRowsKernel` product; "linear": F.linear)."""
 
-    compiled_product = "linear"
-    compiled_product_rows = "linear"
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear_forward(x, self.weight, self.bias, compiled_kind(self, x))
 
     def _apply(self, fn, recurse=True):
-        # Moved or re-typed: the compiled walk's choices and prepacked copy were made for the weight as it was.
-        vars(self).pop("compiled_product", None)
-        vars(self).pop("compiled_product_rows", None)
+        # Moved or re-typed: the prepacked copy was made for the weight as it was.
         FewRowsKernel.packed.pop(self.weight, None)
         return super()._apply(fn, recurse)
 

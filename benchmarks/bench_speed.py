@@ -65,6 +65,7 @@ import torch
 from _common import build_models, median_rows, n_params, time_generate
 from spike_whale import SpikeWhaleForCausalLM
 from spike_whale.accel.compile import compiled_owners
+from spike_whale.accel.kernels import compiled_kinds
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_ROWS = ("eager", "compiled", "bf16", "bf16_compiled", "int8", "int8_bf16", "int8_compiled", "prefill",
@@ -455,7 +456,7 @@ def main(argv=None) -> int:
                 print(f"int8_compiled: skipped, {skipped['int8_compiled']}", flush=True)
             else:
                 compile_s["int8_compiled/spike_whale/b1"] = time.perf_counter() - t
-                taken = collections.Counter(getattr(o, "compiled_product", "linear") for o in compiled_owners(int8_c))
+                taken = collections.Counter(compiled_kinds(o)[0] for o in compiled_owners(int8_c))
                 notes["int8_compiled_products"] = dict(taken)
                 print(f"int8_compiled: one-row products of the walk {dict(taken)}", flush=True)
                 pairs[("int8_compiled", 1)] = (int8_c, int8_compile_kwargs(), "spike_whale_fp32", spike, {})

@@ -62,6 +62,16 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def no_compiled_products_carried_over():
+    """The compiled walks' product choices are a per-process table (`COMPILED_PRODUCTS`); a test's forced or faked
+    choices end with it."""
+    yield
+    from spike_whale.accel.kernels import COMPILED_PRODUCTS
+
+    COMPILED_PRODUCTS.clear()
+
+
 @pytest.fixture
 def make_tiny_model():
     return tiny_model

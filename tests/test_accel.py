@@ -23,7 +23,7 @@ from spike_whale.accel import compile as accel_compile
 from spike_whale.accel import attention, fusion, is_optimized, kernels, optimize_for_cpu
 from spike_whale.accel.compile import PersistentDecodeWalk, choose_compiled_products, compiled_owners
 from spike_whale.accel.fusion import fused
-from spike_whale.accel.kernels import COMPILED_BATCH_ROWS, FEW_ROWS_MAX, FewRowsKernel, FewRowsLinear
+from spike_whale.accel.kernels import COMPILED_BATCH_ROWS, FEW_ROWS_MAX, FewRowsKernel, FewRowsLinear, compiled_kinds
 
 from conftest import tiny_model
 from test_decode_step import batch, decode_logits
@@ -199,6 +199,9 @@ def test_optimized_greedy_generate_equals_the_plain_models_through_the_few_rows_
     steps, compiles = [], msw.SpikeWhaleModel._decode_step_compiles
     monkeypatch.setattr(msw.SpikeWhaleModel, "_decode_step_compiles",
                         lambda self, ctx, cache: (compiles(self, ctx, cache) and not steps.append(ctx.past)))
+    asked, choose = [], accel_compile.FEW_ROWS_KERNEL.choose
+    monkeypatch.setattr(accel_compile.FEW_ROWS_KERNEL, "choose",
+                        lambda weights, *a, **k: asked.extend(map(id, weights)) or choose(weights, *a, **k))
     ids = prompt(length=L + 1)
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False,
               pad_token_id=0, output_logits=True, return_dict_in_generate=True)
@@ -210,7 +213,7 @@ def test_optimized_greedy_generate_equals_the_plain_models_through_the_few_rows_
         compiled = model.generate(ids, compile_config=CompileConfig(backend="eager"), **kw)
     assert steps == list(range(L + 1, L + 6))  # every decode step through the compiled walk
     chosen = [o for o in compiled_owners(model) if o.weight.numel() >= kernels.FEW_ROWS_MIN_WEIGHT]
-    assert chosen and all("compiled_product" in vars(o) for o in chosen)  # timed for the walk
+    assert chosen and {id(o.weight) for o in chosen} <= set(asked)  # chosen for the walk
     for got in (eager, compiled):
         assert torch.equal(got.sequences, want.sequences)
         for a, b in zip(got.logits, want.logits):
@@ -220,9 +223,11 @@ def test_optimized_greedy_generate_equals_the_plain_models_through_the_few_rows_
 @pytest.mark.parametrize("target", ["meta", torch.bfloat16], ids=["meta", "bf16"])
 def test_an_optimized_compiled_model_moved_or_retyped_starts_clean(monkeypatch, tmp_path, target):
     """After `compile_decode` chose products for the walk (forced here, for every weight), moving the model to another
-    device or dtype keeps none of them: no owner holds a `compiled_product`, no prepacked copy is kept, eager forwards
-    on the new dtype are the plain model's, on `meta` the drop-ins run shape-only (no CPU-only product), and
-    `compile_decode()` works again; re-typed back from bf16 with "packed" chosen, the same."""
+    device or dtype keeps none of them: the choices are keyed by problem, not held by modules, so none applies to a
+    moved weight; no prepacked copy is kept, eager forwards on the new dtype are the plain model's, on `meta` the
+    drop-ins run shape-only (no CPU-only product), and `compile_decode()` works again. Re-typed back from bf16 with
+    "packed" chosen: no prepacked copy, and only the float32 problem's own choices apply (as a later process would
+    read them from `compiled_products.json`)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     every_weight_few_rows(monkeypatch, "transposed")
     config = dict(seed=4, num_hidden_layers=2)  # 2 layers: the walk traces faster
@@ -231,10 +236,12 @@ def test_an_optimized_compiled_model_moved_or_retyped_starts_clean(monkeypatch, 
     ids, mask = ids[:, :L + 3], mask[:, :L + 3]
     model.compile_decode()
     owners = compiled_owners(model)
-    assert owners and all(vars(o).get("compiled_product") == "transposed" for o in owners)
+    assert owners and all(compiled_kinds(o)[0] == "transposed" for o in owners)
 
     def clean() -> bool:
-        return not any({"compiled_product", "compiled_product_rows"} & set(vars(o)) for o in compiled_owners(model))
+        """No choice applies to a moved or re-typed weight (the Memory Cache's stay float32 on CPU: the same problem)."""
+        moved = [o for o in compiled_owners(model) if (o.weight.device.type, o.weight.dtype) != ("cpu", torch.float32)]
+        return bool(moved) and all(compiled_kinds(o) == ("linear", "linear") for o in moved)
 
     def equals_plain(*dtypes) -> bool:
         """Eager forwards (the batch, and one row of a few tokens, which takes the few-row products) give the logits
@@ -275,18 +282,19 @@ def test_an_optimized_compiled_model_moved_or_retyped_starts_clean(monkeypatch, 
     assert clean() and equals_plain(target)
     model.compile_decode(backend="eager")
     compiled = decode_logits(model, ids, mask, prefill=L + 1)
-    assert all(vars(o).get("compiled_product") == "transposed" for o in compiled_owners(model))
+    assert all(compiled_kinds(o)[0] == "transposed" for o in compiled_owners(model))
     eager = decode_logits(optimize_for_cpu(tiny_model(**config).to(target)), ids, mask, prefill=L + 1)
     assert float((compiled.float() - eager.float())[mask.bool()].abs().max()) <= 2**-5 * float(eager.abs().max())
     if kernels.cpu_has_mkldnn_bf16():
         monkeypatch.setattr(FewRowsKernel, "forced", "packed")
         model.compile_decode(backend="eager")
-        packed = [o.weight for o in compiled_owners(model) if vars(o).get("compiled_product") == "packed"]
+        packed = [o.weight for o in compiled_owners(model) if compiled_kinds(o)[0] == "packed"]
         assert packed
         for weight in packed:  # the copies a compiled step would take
             FewRowsKernel.packed_weight(weight)
         model.to(torch.float32)
-        assert clean() and not any(w in FewRowsKernel.packed for w in packed) and equals_plain(target, torch.float32)
+        assert all(compiled_kinds(o)[0] == "transposed" for o in compiled_owners(model))  # the float32 problem's
+        assert not any(w in FewRowsKernel.packed for w in packed) and equals_plain(target, torch.float32)
         model.compile_decode()
         assert model.model._compiled_for == (torch.float32, torch.device("cpu"))
 
@@ -940,9 +948,8 @@ def test_compile_decode_keeps_the_pattern_matcher_for_quantized_weights_on_cpu(m
 
 def test_compile_decode_multiplies_by_row_blocks_where_the_few_row_kernel_takes_them(monkeypatch):
     """Where `FEW_ROWS_KERNEL` takes a one-row product as the batched GEMM over blocks of W's rows (forced here, for
-    every weight), `compile_decode` gives the FFN and rank→hidden FewRowsLinears that `compiled_product` and keeps
-    their weights row-major, and the compiled walk multiplies by those blocks, with eager decoding's ids and logits;
-    `enable=False` clears the choice."""
+    every weight), `compile_decode` chooses that product for the FFN and rank→hidden FewRowsLinears, keeps
+    their weights row-major, and the compiled walk multiplies by those blocks, with eager decoding's ids and logits."""
     every_weight_few_rows(monkeypatch, "blocks2")
     monkeypatch.setattr(FewRowsKernel, "min_block_rows", 1)
     torch._dynamo.reset()
@@ -956,14 +963,13 @@ def test_compile_decode_multiplies_by_row_blocks_where_the_few_row_kernel_takes_
         eager = model.generate(ids, **kw)
         model.compile_decode(backend=backend)
         try:
-            assert ffn.gate_proj.compiled_product == ffn.down_proj.compiled_product == attn.o_b_proj.compiled_product \
-                == attn.mc.o_proj.compiled_product == "blocks2"
+            assert compiled_kinds(ffn.gate_proj)[0] == compiled_kinds(ffn.down_proj)[0] == compiled_kinds(attn.o_b_proj)[0] \
+                == compiled_kinds(attn.mc.o_proj)[0] == "blocks2"
             assert ffn.gate_proj.weight.is_contiguous() and attn.o_b_proj.weight.is_contiguous()
             assert attn.mc.o_proj.weight.is_contiguous()
             compiled = model.generate(ids, **kw)
         finally:
             model.compile_decode(enable=False)
-    assert ffn.gate_proj.compiled_product == "linear" and "compiled_product" not in vars(ffn.gate_proj)
     blocked = [n.args[1] for gm in graphs for n in gm.graph.nodes if n.target is torch.bmm]
     # q_b, o_a, o_b, gate, up, down, the Memory Cache's o_proj and the fused q_a/kv/Memory-Cache inputs
     assert graphs and len(blocked) >= 8 * len(model.model.layers)
@@ -975,7 +981,7 @@ def test_compile_decode_multiplies_a_batch_by_the_product_timed_fastest_for_seve
     """The compiled walk takes the product timed fastest for one row in its batch-1 graph and the one timed fastest
     for `COMPILED_BATCH_ROWS` rows in the graph of larger batches (here, by fake timings, blocks of W's rows and
     (W·Xᵀ)ᵀ): on the FFN and rank→hidden Linears and the fused input projections of every layer's attention, with
-    eager decoding's ids and logits at batch 1 and 3; `enable=False` clears both choices."""
+    eager decoding's ids and logits at batch 1 and 3."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the fake timings' choices stay out of the user's
     every_weight_few_rows(monkeypatch)
     monkeypatch.setattr(FewRowsKernel, "min_block_rows", 1)
@@ -1001,7 +1007,7 @@ def test_compile_decode_multiplies_a_batch_by_the_product_timed_fastest_for_seve
         model.compile_decode(backend=backend)
         try:
             for owner in (ffn.gate_proj, attn.o_b_proj, fused(attn)):
-                assert (owner.compiled_product, owner.compiled_product_rows) == ("blocks2", "transposed")
+                assert compiled_kinds(owner) == ("blocks2", "transposed")
             compiled, traced = [], []
             for ids in prompts:
                 before = len(graphs)
@@ -1009,7 +1015,6 @@ def test_compile_decode_multiplies_a_batch_by_the_product_timed_fastest_for_seve
                 traced.append(graphs[before:])
         finally:
             model.compile_decode(enable=False)
-    assert "compiled_product_rows" not in vars(ffn.gate_proj) and ffn.gate_proj.compiled_product_rows == "linear"
     one, batch3 = traced
     assert one and batch3
     assert calls(one, torch.bmm) == n_products and calls(one, torch.mm) == 0
@@ -1038,7 +1043,7 @@ def test_compile_decode_multiplies_bf16_weights_first_where_the_few_row_kernel_t
     attn, ffn = model.model.layers[0].attn, model.model.layers[0].ffn
     model.compile_decode(backend=backend)
     try:
-        assert ffn.gate_proj.compiled_product == ffn.down_proj.compiled_product == attn.o_b_proj.compiled_product \
+        assert compiled_kinds(ffn.gate_proj)[0] == compiled_kinds(ffn.down_proj)[0] == compiled_kinds(attn.o_b_proj)[0] \
             == "transposed"
         assert ffn.gate_proj.weight.is_contiguous() and attn.o_b_proj.weight.is_contiguous()
         compiled = decode_logits(model, ids, mask, prefill=L + 1).float()
@@ -1070,7 +1075,7 @@ def test_compile_decode_multiplies_bf16_weights_by_their_prepacked_copies_where_
     model.compile_decode(backend=backend)
     try:
         fused_input = fused(model.model.layers[0].attn)  # q_a and k/v (the Memory Cache's stay float32)
-        assert ffn.gate_proj.compiled_product == ffn.down_proj.compiled_product == fused_input.compiled_product \
+        assert compiled_kinds(ffn.gate_proj)[0] == compiled_kinds(ffn.down_proj)[0] == compiled_kinds(fused_input)[0] \
             == "packed"
         compiled = decode_logits(model, ids, mask, prefill=L + 1).float()
         assert graphs and len(packed_calls(graphs[-1])) >= 5 * len(model.model.layers)  # q_b, o_b, gate, up, down
@@ -1127,9 +1132,9 @@ def test_compile_decode_multiplies_one_row_by_the_float32_reduction_where_the_fe
         model.compile_decode(backend=backend)
         try:
             for owner in (ffn.gate_proj, ffn.down_proj, attn.o_b_proj, attn.mc.o_proj, fused(attn)):
-                assert (owner.compiled_product, owner.compiled_product_rows) == ("reduce", "linear")
+                assert compiled_kinds(owner) == ("reduce", "linear")
             if dtype == torch.bfloat16:
-                assert attn.mc.qkv_proj.compiled_product == attn.mc.gate_proj.compiled_product == "reduce"
+                assert compiled_kinds(attn.mc.qkv_proj)[0] == compiled_kinds(attn.mc.gate_proj)[0] == "reduce"
             traced = []
             for ids in prompts:
                 before = len(graphs)
@@ -1165,7 +1170,7 @@ def test_only_an_inductor_walk_takes_the_float32_reduction(monkeypatch, tmp_path
     _, backend = recording_backend()
     model.compile_decode(backend=backend)
     try:
-        assert timed and "reduce" not in timed and gate.compiled_product == "linear"
+        assert timed and "reduce" not in timed and compiled_kinds(gate)[0] == "linear"
         assert not gate.weight.is_contiguous()  # float32 F.linear: re-stored column-major
     finally:
         model.compile_decode(enable=False)
@@ -1173,7 +1178,7 @@ def test_only_an_inductor_walk_takes_the_float32_reduction(monkeypatch, tmp_path
     path = tmp_path / "spike_whale_decode" / "compiled_products.json"
     assert not path.exists()
     choose_compiled_products(model, persistent=True)
-    assert gate.compiled_product == "reduce" and "reduce" in json.loads(path.read_text()).values()
+    assert compiled_kinds(gate)[0] == "reduce" and "reduce" in json.loads(path.read_text()).values()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -1217,7 +1222,7 @@ def test_compile_decode_keeps_its_row_block_choices_for_later_processes(monkeypa
     gate = model.model.layers[0].ffn.gate_proj
     try:
         model.compile_decode()
-        assert gate.compiled_product == "blocks4" and first.walk_medians  # timed, and blocks of 4 were the fastest
+        assert compiled_kinds(gate)[0] == "blocks4" and first.walk_medians  # timed, and blocks of 4 were the fastest
         key = PersistentDecodeWalk.key(model.model, {}, {})
     finally:
         model.compile_decode(enable=False)
@@ -1228,7 +1233,7 @@ def test_compile_decode_keeps_its_row_block_choices_for_later_processes(monkeypa
     monkeypatch.setattr(later, "product", lambda *a: pytest.fail("a stored choice is timed again"))
     try:
         model.compile_decode()
-        assert gate.compiled_product == "blocks4" and not later.walk_medians
+        assert compiled_kinds(gate)[0] == "blocks4" and not later.walk_medians
         assert PersistentDecodeWalk.key(model.model, {}, {}) == key
     finally:
         model.compile_decode(enable=False)
