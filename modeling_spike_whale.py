@@ -254,14 +254,15 @@ class MemoryCacheBranch(KeepsFloat32):
         out = _as(self.o_proj(_as(y, self.o_proj.weight.dtype)), torch.float32)
         return derived(self, "gate", lambda: torch.tanh(_as(self.mc_gate, torch.float32)), self.mc_gate) * out
 
-    def _read(self, fq, gu, own: tuple | None, cands: tuple | None) -> torch.Tensor:
-        """y_t [B, S, nh, hd], γ = softmax over the candidates' ⟨u_t, ḡ⁽ⁱ⁾⟩ and the own segment's ⟨u_t, own_g⟩/own_n.
-        own: (φ(q_t)ᵀM_t, φ(q_t)·z_t, Σ W_k x, count) of the token's own segment so far, or None where `cands` ends
-        with it (step form). cands: (M [B, I, nh, hd, hd], z [B, I, nh, hd], ḡ [B, I, gd], readable [B, S, I]|None)."""
+    def _read(self, fq, gu, own: tuple, cands: tuple | None) -> torch.Tensor:
+        """The chunk form's read: y_t [B, S, nh, hd], γ = softmax over the candidates' ⟨u_t, ḡ⁽ⁱ⁾⟩ and the own
+        segment's ⟨u_t, own_g⟩/own_n. own: (φ(q_t)ᵀM_t, φ(q_t)·z_t, Σ W_k x, count) of the token's own segment so far.
+        cands: (M [B, I, nh, hd, hd], z [B, I, nh, hd], ḡ [B, I, gd], readable [B, S, I]|None), or None."""
+        own_num, own_den, own_g, own_n = own
         if cands is None:
-            num, den = own[0], own[1][..., None]
+            num, den = own_num, own_den[..., None]
             if gu.requires_grad:  # γ = 1 exactly, keeping the gate in the graph: DDP needs every parameter
-                g_own = torch.softmax((gu * own[2]).sum(-1, keepdim=True) / own[3].clamp(min=1)[..., None], -1)
+                g_own = torch.softmax((gu * own_g).sum(-1, keepdim=True) / own_n.clamp(min=1)[..., None], -1)
                 num, den = g_own[..., None] * num, g_own[..., None] * den
             return num / (den + self.eps)
         cand_M, cand_z, cand_g, cand_mask = cands
@@ -270,25 +271,45 @@ class MemoryCacheBranch(KeepsFloat32):
         scores = torch.matmul(gu, cand_g.transpose(1, 2))
         if cand_mask is not None:
             scores = scores.masked_fill(~cand_mask, float("-inf"))
-        if own is not None:
-            own_num, own_den, own_g, own_n = own
-            scores = torch.cat([scores, (gu * own_g).sum(-1, keepdim=True) / own_n.clamp(min=1)[..., None]], -1)
-        gamma = torch.softmax(scores, dim=-1)
+        own_score = (gu * own_g).sum(-1, keepdim=True) / own_n.clamp(min=1)[..., None]
+        gamma = torch.softmax(torch.cat([scores, own_score], -1), dim=-1)
         # Σ_i γ_{t,i} φ(q_t)ᵀ[M⁽ⁱ⁾ | z⁽ⁱ⁾] as one GEMM per head (rows γ_{t,i}φ(q_t) times the stacked [M⁽ⁱ⁾ | z⁽ⁱ⁾]):
         # no token builds its own hd × hd memory; `read_floats` at a time, or a long prefill's rows take tens of MiB.
-        g_cand = gamma[..., :I] if own is not None else gamma
+        g_cand = gamma[..., :I]
         fq_heads = fq.transpose(1, 2).contiguous()
         Mz = torch.cat([cand_M, cand_z[..., None]], -1).transpose(1, 2).reshape(B, nh, I * hd, hd + 1)
         rows = S if torch.compiler.is_compiling() else max(1, self.read_floats // (B * nh * I * hd))
-        blocks = ([(fq_heads, g_cand)] if rows >= S  # one block unsliced: a decode step's read, no slice calls
+        blocks = ([(fq_heads, g_cand)] if rows >= S  # one block unsliced: no slice calls
                   else [(fq_heads[:, :, a : a + rows], g_cand[:, a : a + rows]) for a in range(0, S, rows)])
         read = _cat([torch.matmul((f[:, :, :, None] * g[:, None, :, :, None]).reshape(B, nh, -1, I * hd), Mz)
                      for f, g in blocks], 2).transpose(1, 2)
-        num, den = read[..., :hd], read[..., hd:]
-        if own is not None:
-            g_own = gamma[..., I:]
-            num, den = num + g_own[..., None] * own_num, den + g_own[..., None] * own_den[..., None]
+        g_own = gamma[..., I:]
+        num, den = read[..., :hd] + g_own[..., None] * own_num, read[..., hd:] + g_own[..., None] * own_den[..., None]
         return num / (den + self.eps)
+
+    def _read_step(self, fq, gu, state: MemoryCacheState, k: int, readable: torch.Tensor | None) -> torch.Tensor:
+        """The step form's read, for one token: y [B, 1, nh, hd] = φ(q)ᵀM̄ / (φ(q)·z̄ + ε) with M̄ = Σ_i γ_i M⁽ⁱ⁾ and
+        z̄ = Σ_i γ_i z⁽ⁱ⁾ over the first k finished entries (readable [B, k], None: all) and the running segment:
+        one token's γ weighs whole memories, so each entry is read once, in place, and none is copied."""
+        own_score = (gu[:, 0] * state.run_g).sum(-1, keepdim=True) / state.run_n.clamp(min=1)[:, None]
+        if k:
+            fin_M, fin_z, fin_g = state.fin_M[:, :k], state.fin_z[:, :k], state.fin_g[:, :k]
+            if torch.is_grad_enabled():  # backward reads them, and a later step may write an entry in place
+                fin_M, fin_z, fin_g = fin_M.clone(), fin_z.clone(), fin_g.clone()
+            scores = torch.matmul(fin_g, gu[:, 0, :, None])[..., 0]
+            if readable is not None:
+                scores = scores.masked_fill(~readable, float("-inf"))
+            gamma = torch.softmax(torch.cat([scores, own_score], -1), -1)
+            g_own = gamma[:, k:]
+            M = torch.einsum("bi,bihde->bhde", gamma[:, :k], fin_M) + g_own[..., None, None] * state.run_M
+            z = torch.einsum("bi,bihd->bhd", gamma[:, :k], fin_z) + g_own[..., None] * state.run_z
+        else:
+            M, z = state.run_M, state.run_z
+            if gu.requires_grad:  # γ = 1 exactly, keeping the gate in the graph: DDP needs every parameter
+                g_own = torch.softmax(own_score, -1)
+                M, z = g_own[..., None, None] * M, g_own[..., None] * z
+        num = torch.matmul(fq[:, 0, :, None, :], M)[..., 0, :]
+        return (num / ((fq[:, 0] * z).sum(-1, keepdim=True) + self.eps))[:, None]
 
     def _chunk(self, fq, fk, v, gu, gk, lay: SegmentLayout, state: MemoryCacheState | None, ctx: ForwardContext):
         """The chunk form on the first n = `lay.split` tokens: y [B, n, nh, hd] and the state after them (None without
@@ -377,18 +398,10 @@ class MemoryCacheBranch(KeepsFloat32):
             run_g, run_n = run_g * keep[:, None], run_n * keep
         state = replace(state, run_M=run_M + fk[:, 0, :, :, None] * v[:, 0, :, None, :], run_z=run_z + fk[:, 0],
                         run_g=run_g + gk[:, 0], run_n=run_n + lay.valid_f[:, j])
-        k = lay.n_fin
-        own_M, own_z, own_g, own_n = (t[:, None] for t in (state.run_M, state.run_z, state.run_g, state.run_n))
-        if k == 0:  # the own segment alone
-            own = torch.matmul(fq[..., None, :], own_M)[..., 0, :], (fq * own_z).sum(-1), own_g, own_n
-            return self._read(fq, gu, own, None), state
-        mask = None
-        if not lay.fin_readable:
-            fin_mask = torch.arange(k, device=fq.device) < (lay.base + lay.rel[:, j])[:, None, None]
-            mask = torch.cat([fin_mask, torch.ones(B, 1, 1, dtype=torch.bool, device=fq.device)], -1)
-        cands = (torch.cat([state.fin_M[:, :k], own_M], 1), torch.cat([state.fin_z[:, :k], own_z], 1),
-                 torch.cat([state.fin_g[:, :k], own_g / own_n.clamp(min=1)[..., None]], 1), mask)
-        return self._read(fq, gu, None, cands), state
+        k, readable = lay.n_fin, None
+        if k and not lay.fin_readable:
+            readable = torch.arange(k, device=fq.device) < (lay.base + lay.rel[:, j])[:, None]
+        return self._read_step(fq, gu, state, k, readable), state
 
 
 class FrozenLinear(nn.Linear):

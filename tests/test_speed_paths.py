@@ -152,33 +152,38 @@ def test_memory_cache_read_mixes_reads_not_memories(block_rows):
     assert (y.to(d) - want).abs().max() <= 1e-6 * want.abs().max()
 
 
-def test_memory_cache_one_token_reads_its_own_segment_as_a_candidate():
-    """A decode step's read: its own segment's running totals are one more candidate of the read's GEMM, with their
-    mean gate key as ḡ (`MemoryCacheBranch._step`). That is the read with the own segment apart, to the float32
-    floor, and a candidate without a mask (None) is readable by every token."""
+def test_memory_cache_step_read_weighs_whole_memories_as_the_chunk_read_weighs_rows():
+    """A decode step's read (`MemoryCacheBranch._read_step`: the memories summed under γ first, each entry read in
+    place) equals the chunk form's read (`_read`: γ-weighted query rows times the stacked memories) to the float32
+    floor: with a mask, with none (every entry readable), with the first k of more entries, and with no finished
+    entry (the own segment alone, γ = 1 exactly: the same bits)."""
     from conftest import tiny_config
+    from spike_whale.generation_utils import MemoryCacheState
     from spike_whale.modeling_spike_whale import MemoryCacheBranch
 
-    B, I, nh, hd, gd = 3, 2, 4, 32, 16
+    B, I, nh, hd, gd = 3, 3, 4, 32, 16
     mc = MemoryCacheBranch(tiny_config(mc_num_heads=nh, mc_head_dim=hd, mc_gate_dim=gd))
     g = torch.Generator().manual_seed(1)
     fq = torch.rand(B, 1, nh, hd, generator=g) + 0.5
-    gu, own_g, cand_g = (torch.randn(*shape, generator=g) for shape in ((B, 1, gd), (B, 1, gd), (B, I, gd)))
-    own_M, own_z = torch.rand(B, 1, nh, hd, hd, generator=g), torch.rand(B, 1, nh, hd, generator=g) + 1
-    own_n = torch.tensor([[1.0], [5.0], [200.0]])
-    cand_M, cand_z = torch.rand(B, I, nh, hd, hd, generator=g), torch.rand(B, I, nh, hd, generator=g) + 1
-    own = (torch.matmul(fq[..., None, :], own_M)[..., 0, :], (fq * own_z).sum(-1), own_g, own_n)
-    as_candidate = (torch.cat([cand_M, own_M], 1), torch.cat([cand_z, own_z], 1),
-                    torch.cat([cand_g, own_g / own_n[..., None]], 1))
-    readable = torch.tensor([[[True, True]], [[False, True]], [[False, False]]])
-    for mask in (readable, None):
-        want = mc._read(fq, gu, own, (cand_M, cand_z, cand_g, mask))
-        full = torch.cat([mask, torch.ones(B, 1, 1, dtype=torch.bool)], -1) if mask is not None else None
-        got = mc._read(fq, gu, None, (*as_candidate, full))
+    gu = torch.randn(B, 1, gd, generator=g)
+    state = MemoryCacheState(
+        fin_M=torch.rand(B, I + 1, nh, hd, hd, generator=g), fin_z=torch.rand(B, I + 1, nh, hd, generator=g) + 1,
+        fin_g=torch.randn(B, I + 1, gd, generator=g), run_M=torch.rand(B, nh, hd, hd, generator=g),
+        run_z=torch.rand(B, nh, hd, generator=g) + 1, run_g=torch.randn(B, gd, generator=g),
+        run_n=torch.tensor([1.0, 5.0, 200.0]))
+    own = (torch.matmul(fq[..., None, :], state.run_M[:, None])[..., 0, :], (fq * state.run_z[:, None]).sum(-1),
+           state.run_g[:, None], state.run_n[:, None])
+    readable = torch.tensor([[True, True, False], [False, True, True], [False, False, False]])
+    for k, mask in ((I, readable), (I, None), (2, readable[:, :2]), (2, None)):
+        cands = (state.fin_M[:, :k], state.fin_z[:, :k], state.fin_g[:, :k], None if mask is None else mask[:, None])
+        want = mc._read(fq, gu, own, cands)
+        got = mc._read_step(fq, gu, state, k, mask)
+        assert got.shape == want.shape == (B, 1, nh, hd)
         assert (got - want).abs().max() <= 2e-6 * want.abs().max()
-    everyone = torch.ones(B, 1, I, dtype=torch.bool)
-    assert torch.equal(mc._read(fq, gu, own, (cand_M, cand_z, cand_g, None)),
-                       mc._read(fq, gu, own, (cand_M, cand_z, cand_g, everyone)))
+    assert torch.equal(mc._read_step(fq, gu, state, 0, None), mc._read(fq, gu, own, None))
+    gu.requires_grad_(True)
+    mc._read_step(fq, gu, state, 0, None).sum().backward()
+    assert gu.grad is not None  # the gate stays in the graph
 
 
 def test_parameter_functions_kept_between_steps_follow_their_parameters():
