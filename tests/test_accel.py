@@ -239,7 +239,7 @@ def test_an_optimized_compiled_model_moved_or_retyped_starts_clean(monkeypatch, 
     assert owners and all(compiled_kinds(o)[0] == "transposed" for o in owners)
 
     def clean() -> bool:
-        """No choice applies to a moved or re-typed weight (the Memory Cache's stay float32 on CPU: the same problem)."""
+        """No choice applies to a moved or re-typed weight (the Memory Cache's stay float32 on CPU: one problem)."""
         moved = [o for o in compiled_owners(model) if (o.weight.device.type, o.weight.dtype) != ("cpu", torch.float32)]
         return bool(moved) and all(compiled_kinds(o) == ("linear", "linear") for o in moved)
 
@@ -963,8 +963,8 @@ def test_compile_decode_multiplies_by_row_blocks_where_the_few_row_kernel_takes_
         eager = model.generate(ids, **kw)
         model.compile_decode(backend=backend)
         try:
-            assert compiled_kinds(ffn.gate_proj)[0] == compiled_kinds(ffn.down_proj)[0] == compiled_kinds(attn.o_b_proj)[0] \
-                == compiled_kinds(attn.mc.o_proj)[0] == "blocks2"
+            assert {compiled_kinds(m)[0] for m in (ffn.gate_proj, ffn.down_proj, attn.o_b_proj, attn.mc.o_proj)} \
+                == {"blocks2"}
             assert ffn.gate_proj.weight.is_contiguous() and attn.o_b_proj.weight.is_contiguous()
             assert attn.mc.o_proj.weight.is_contiguous()
             compiled = model.generate(ids, **kw)
@@ -1043,8 +1043,7 @@ def test_compile_decode_multiplies_bf16_weights_first_where_the_few_row_kernel_t
     attn, ffn = model.model.layers[0].attn, model.model.layers[0].ffn
     model.compile_decode(backend=backend)
     try:
-        assert compiled_kinds(ffn.gate_proj)[0] == compiled_kinds(ffn.down_proj)[0] == compiled_kinds(attn.o_b_proj)[0] \
-            == "transposed"
+        assert {compiled_kinds(m)[0] for m in (ffn.gate_proj, ffn.down_proj, attn.o_b_proj)} == {"transposed"}
         assert ffn.gate_proj.weight.is_contiguous() and attn.o_b_proj.weight.is_contiguous()
         compiled = decode_logits(model, ids, mask, prefill=L + 1).float()
     finally:
@@ -1075,8 +1074,7 @@ def test_compile_decode_multiplies_bf16_weights_by_their_prepacked_copies_where_
     model.compile_decode(backend=backend)
     try:
         fused_input = fused(model.model.layers[0].attn)  # q_a and k/v (the Memory Cache's stay float32)
-        assert compiled_kinds(ffn.gate_proj)[0] == compiled_kinds(ffn.down_proj)[0] == compiled_kinds(fused_input)[0] \
-            == "packed"
+        assert {compiled_kinds(m)[0] for m in (ffn.gate_proj, ffn.down_proj, fused_input)} == {"packed"}
         compiled = decode_logits(model, ids, mask, prefill=L + 1).float()
         assert graphs and len(packed_calls(graphs[-1])) >= 5 * len(model.model.layers)  # q_b, o_b, gate, up, down
         valid = mask.bool()
