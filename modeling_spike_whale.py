@@ -291,23 +291,20 @@ class MemoryCacheBranch(KeepsFloat32):
         """The step form's read, for one token: y [B, 1, nh, hd] = φ(q)ᵀM̄ / (φ(q)·z̄ + ε) with M̄ = Σ_i γ_i M⁽ⁱ⁾ and
         z̄ = Σ_i γ_i z⁽ⁱ⁾ over the first k finished entries (readable [B, k], None: all) and the running segment:
         one token's γ weighs whole memories, so each entry is read once, in place, and none is copied."""
-        n = state.run_n.clamp(min=1)[:, None]  # the own segment's score: ⟨u, run_g⟩ / run_n
-        if k:
+        if not k and not gu.requires_grad:  # the own segment alone: γ = 1 exactly
+            M, z = state.run_M, state.run_z
+        else:  # (with no finished entry γ = 1 stays in the graph for the gate's gradient: DDP needs every parameter)
             fin_M, fin_z, fin_g = state.fin_M[:, :k], state.fin_z[:, :k], state.fin_g[:, :k]
             if torch.is_grad_enabled():  # backward reads them, and a later step may write an entry in place
                 fin_M, fin_z, fin_g = fin_M.clone(), fin_z.clone(), fin_g.clone()
             scores = torch.matmul(fin_g, gu[:, 0, :, None])[..., 0]
             if readable is not None:
                 scores = scores.masked_fill(~readable, float("-inf"))
-            gamma = torch.softmax(torch.cat([scores, (gu[:, 0] * state.run_g).sum(-1, keepdim=True) / n], -1), -1)
+            own = (gu[:, 0] * state.run_g).sum(-1, keepdim=True) / state.run_n.clamp(min=1)[:, None]
+            gamma = torch.softmax(torch.cat([scores, own], -1), -1)
             g_own = gamma[:, k:]
             M = torch.einsum("bi,bihde->bhde", gamma[:, :k], fin_M) + g_own[..., None, None] * state.run_M
             z = torch.einsum("bi,bihd->bhd", gamma[:, :k], fin_z) + g_own[..., None] * state.run_z
-        else:
-            M, z = state.run_M, state.run_z
-            if gu.requires_grad:  # γ = 1 exactly, keeping the gate in the graph: DDP needs every parameter
-                g_own = torch.softmax((gu[:, 0] * state.run_g).sum(-1, keepdim=True) / n, -1)
-                M, z = g_own[..., None, None] * M, g_own[..., None] * z
         num = torch.matmul(fq[:, 0, :, None, :], M)[..., 0, :]
         return (num / ((fq[:, 0] * z).sum(-1, keepdim=True) + self.eps))[:, None]
 

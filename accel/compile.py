@@ -30,10 +30,10 @@ from transformers.utils import logging
 from .fusion import fuse_input_projections, fused as fused_of, unfuse_input_projections
 from .kernels import (
     COMPILED_BATCH_ROWS,
+    COMPILED_PRODUCTS,
     FEW_ROWS_DTYPES,
     FEW_ROWS_KERNEL,
     FEW_ROWS_MIN_WEIGHT,
-    COMPILED_PRODUCTS,
     FewRowsKernel,
     FewRowsLinear,
     compiled_kinds,

@@ -155,8 +155,8 @@ def test_memory_cache_read_mixes_reads_not_memories(block_rows):
 def test_memory_cache_step_read_weighs_whole_memories_as_the_chunk_read_weighs_rows():
     """A decode step's read (`MemoryCacheBranch._read_step`: the memories summed under γ first, each entry read in
     place) equals the chunk form's read (`_read`: γ-weighted query rows times the stacked memories) to the float32
-    floor: with a mask, with none (every entry readable), with the first k of more entries, and with no finished
-    entry (the own segment alone, γ = 1 exactly: the same bits)."""
+    floor: with a mask, with none (every entry readable, as a mask of all True is), with the first k of more entries,
+    and with no finished entry (the own segment alone, γ = 1 exactly: the same bits; with gradients, through γ)."""
     from conftest import tiny_config
     from spike_whale.generation_utils import MemoryCacheState
     from spike_whale.modeling_spike_whale import MemoryCacheBranch
@@ -181,6 +181,10 @@ def test_memory_cache_step_read_weighs_whole_memories_as_the_chunk_read_weighs_r
         assert got.shape == want.shape == (B, 1, nh, hd)
         assert (got - want).abs().max() <= 2e-6 * want.abs().max()
     assert torch.equal(mc._read_step(fq, gu, state, 0, None), mc._read(fq, gu, own, None))
+    everyone = torch.ones(B, I, dtype=torch.bool)  # a mask of None: every entry readable
+    cands = (state.fin_M[:, :I], state.fin_z[:, :I], state.fin_g[:, :I])
+    assert torch.equal(mc._read(fq, gu, own, (*cands, None)), mc._read(fq, gu, own, (*cands, everyone[:, None])))
+    assert torch.equal(mc._read_step(fq, gu, state, I, None), mc._read_step(fq, gu, state, I, everyone))
     gu.requires_grad_(True)
     mc._read_step(fq, gu, state, 0, None).sum().backward()
     assert gu.grad is not None  # the gate stays in the graph
