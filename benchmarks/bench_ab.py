@@ -1,19 +1,21 @@
 """A/B decode speed of this checkout against an earlier revision (issue 10: "speed must not drop"), in one process.
 
-    python benchmarks/bench_ab.py                       # against 781e662, every row, 3 rounds, 2 threads
+    python benchmarks/bench_ab.py                       # against f9f76d9, every row, 3 rounds, 2 threads
     python benchmarks/bench_ab.py --rows eager_b8 --rounds 11
     python benchmarks/bench_ab.py --rows eager_b1 --interleave steps --rounds 10   # 10 × 32 alternating steps
     python benchmarks/bench_ab.py --rows eager_b1 --dtype bfloat16 --interleave steps   # bf16 weights
     python benchmarks/bench_ab.py --rows compiled_b1 --dtype bfloat16 --int8   # torchao int8 weights, bf16 rows
 
 The base revision's package files (the repo root's *.py) are taken with `git archive REV` into a temporary folder as
-a package named `spike_whale_base` (nothing is written into the checkout or .git). Both models are the 114M preset
+a package named `spike_whale_base` (nothing is written into the checkout or .git), with its `accel/` where it has
+one: with `--accel on` (the default) each side then runs under its own CPU layer; a base from before the redesign
+carries its CPU code in its model files. Both models are the 114M preset
 with the SAME random state dict (seed 0), in `--dtype` (float32 by default; built as `bench_speed.py` builds its
 bf16 rows, through `_from_config(dtype=...)`, which keeps the float32 modules float32; with `--int8`, saved and
 loaded back through transformers' `TorchAoConfig(Int8WeightOnlyConfig())` in `--dtype`, as `bench_speed.py`'s int8
 rows). Rows: eager batch 1 / 8
-(plain `generate`), compiled batch 1 / 8 (base: the API it had -- `model.compile_decode()` at 781e662, or
-`compile_config` if the base has no `compile_decode`; new: `generate(..., compile_config=CompileConfig())`; each
+(plain `generate`), compiled batch 1 / 8 (base: the API it had -- `model.compile_decode()` before the redesign
+(f9f76d9), `compile_config` once it has `accel/` or no `compile_decode`; new: `generate(..., compile_config=CompileConfig())`; each
 compiled model is its own twin, since compiling re-stores weights, and its compile is done before timing). Greedy,
 prompt 128, 32 new tokens; decode time only (prefill excluded, generate's per-step overhead included;
 `_common.time_generate`). Rounds alternate which model goes first. Every row asserts the two models emit the same
@@ -63,11 +65,25 @@ def import_base(rev: str, folder: Path):
     package.mkdir()
     with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
         for member in archive.getmembers():
-            if member.isfile() and "/" not in member.name and member.name.endswith(".py"):
+            top = member.name.count("/") == 0 or (member.name.startswith("accel/") and member.name.count("/") == 1)
+            if member.isfile() and top and member.name.endswith(".py"):
+                (package / member.name).parent.mkdir(exist_ok=True)
                 (package / member.name).write_bytes(archive.extractfile(member).read())
     sys.path.insert(0, str(folder))
     return importlib.import_module("spike_whale_base.modeling_spike_whale"), \
         importlib.import_module("spike_whale_base.configuration_spike_whale")
+
+
+def base_accel():
+    """The base revision's own CPU layer (`accel/`, since the redesign), or None where the base has none (its model
+    files then carry their CPU code themselves). Its attention kernel is registered under a name of its own, so each
+    side reads its own kernel."""
+    try:
+        accel = importlib.import_module("spike_whale_base.accel")
+    except ModuleNotFoundError:
+        return None
+    accel.attention.NAME += "_base"
+    return accel
 
 
 def prompt_ids(batch: int, prompt: int) -> torch.Tensor:
@@ -149,13 +165,17 @@ else:
     from spike_whale_base.modeling_spike_whale import SpikeWhaleForCausalLM
 model = SpikeWhaleForCausalLM._from_config(SpikeWhaleConfig.from_preset(PRESET), dtype=torch.{dtype}).eval()
 model.load_state_dict(torch.load({state!r}))
-if {new} and {accel}:
+if {accel} and {new}:
     from spike_whale.accel import optimize_for_cpu
+    optimize_for_cpu(model)
+elif {accel} and {base_accel}:
+    from spike_whale_base.accel import optimize_for_cpu
     optimize_for_cpu(model)
 ids = torch.randint(10, 16000, (1, 128), generator=torch.Generator().manual_seed(1))
 ids[:, 0] = 2
-kw = {{"compile_config": CompileConfig()}} if {new} or not hasattr(SpikeWhaleForCausalLM, "compile_decode") else {{}}
-if not {new} and hasattr(SpikeWhaleForCausalLM, "compile_decode"):
+old_api = not {new} and not {base_accel} and hasattr(SpikeWhaleForCausalLM, "compile_decode")
+kw = {{}} if old_api else {{"compile_config": CompileConfig()}}
+if old_api:
     model.compile_decode()
 steps = time_generate(model, ids, 4, **kw)["step_s"]
 print(json.dumps({{"first_compiled_step_s": max(steps), "ids": time_generate(model, ids, 4, **kw)["ids"].tolist()}}))
@@ -169,7 +189,8 @@ def fresh_process_rows(args, folder: Path) -> dict:
     for r in range(max(args.rounds, 2) + 1):
         for side in (("old", "new") if r % 2 == 0 else ("new", "old")):
             code = FRESH.format(threads=args.threads, bench=str(Path(__file__).parent), base_path=str(folder),
-                                new=side == "new", accel=args.accel == "on", dtype=args.dtype,
+                                new=side == "new", accel=args.accel == "on", base_accel=args.base_has_accel,
+                                dtype=args.dtype,
                                 state=str(folder / "state.pt"))
             proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
             if proc.returncode != 0:
@@ -192,7 +213,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", default="f9f76d9", help="git revision to compare against (default f9f76d9)")
     p.add_argument("--accel", choices=("on", "off"), default="on",
-                   help="apply spike_whale.accel.optimize_for_cpu to the new models (default on: the CLI's default)")
+                   help="apply each side's optimize_for_cpu, where it has one (default on: the CLI's default)")
     p.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
@@ -218,6 +239,8 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="bench_ab_") as tmp:
         base_modeling, base_configuration = import_base(args.base, Path(tmp))
         BaseLM = base_modeling.SpikeWhaleForCausalLM
+        old_accel = base_accel()
+        args.base_has_accel = old_accel is not None
         torch.manual_seed(0)
         reference = SpikeWhaleForCausalLM(SpikeWhaleConfig.from_preset(PRESET)).eval()
         state, folder = reference.state_dict(), Path(tmp) / "saved"
@@ -236,11 +259,11 @@ def main(argv=None):
             else:
                 model = cls._from_config(cfg.from_preset(PRESET), dtype=getattr(torch, args.dtype)).eval()
                 model.load_state_dict(state)
-            if new and args.accel == "on":
-                optimize_for_cpu(model)
+            if args.accel == "on" and (new or old_accel is not None):
+                (optimize_for_cpu if new else old_accel.optimize_for_cpu)(model)
             return model
 
-        base_compiles = hasattr(BaseLM, "compile_decode")
+        base_compiles = hasattr(BaseLM, "compile_decode") and old_accel is None  # the API before compile_config
         compiled_rows = [r for r in args.rows if r.startswith("compiled")]
         timed_rows = [r for r in args.rows if r.split("_b")[0] in ("eager", "compiled")]
         models = {"old": {"eager": build(False)}, "new": {"eager": build(True)}}
