@@ -1,16 +1,46 @@
-"""Helpers shared by the decode benchmarks (bench_decode.py, bench_speed.py): the 114M spike_whale preset and its
-in-library Llama anchor with random weights, and decode timing through `model.generate`."""
+"""Helpers shared by the decode benchmarks (bench_decode.py, bench_speed.py, bench_ab.py): the 114M spike_whale preset
+and its in-library Llama anchor with random weights, decode timing through `model.generate`, and the CPU's
+description."""
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from spike_whale import SpikeWhaleConfig, SpikeWhaleForCausalLM
 
 PRESET = "byrne-100m-ultra-mc"
+
+
+def cpu_info() -> dict:
+    """CPU model, the vector and native-bf16 flags (avx512_bf16, AMX) and the last-level cache size."""
+    flags, model = set(), platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+            elif line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    l3 = None
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            if (index / "level").read_text().strip() == "3":
+                l3 = (index / "size").read_text().strip()
+        except OSError:
+            continue
+    return {
+        "model": model, "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags,
+        "amx_int8": "amx_int8" in flags, "avx512f": "avx512f" in flags, "avx512_vnni": "avx512_vnni" in flags,
+        "avx2": "avx2" in flags,
+        "l3": l3, "cpu_count": os.cpu_count(),
+    }
 
 
 def llama_config(sw_cfg: SpikeWhaleConfig):

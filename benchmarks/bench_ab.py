@@ -29,7 +29,8 @@ round is a fresh prefill per model and then `--new-tokens` greedy `forward` step
 (model forward only, generate's per-step overhead excluded).
 
 Output: per-round ms/step, median ms/step of each side, new/old speed ratio of the medians and the median of the
-per-round (or, with `--interleave steps`, per-step) paired ratios; JSON in benchmarks/results/ab.json.
+per-round (or, with `--interleave steps`, per-step) paired ratios; JSON in benchmarks/results/ab.json
+(`perf_tables.py` renders one or more of them as a markdown table).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from _common import PRESET, time_generate
+from _common import PRESET, cpu_info, time_generate
 from spike_whale import SpikeWhaleConfig, SpikeWhaleForCausalLM
 from spike_whale.accel import optimize_for_cpu
 
@@ -341,7 +342,7 @@ def main(argv=None):
         "threads": torch.get_num_threads(),
         "prompt": args.prompt, "new_tokens": args.new_tokens, "rounds": args.rounds, "interleave": args.interleave,
         "load_average": [load_before[0], load_after[0]], "compile_s": compile_s, "rows": results,
-        "torch": torch.__version__,
+        "torch": torch.__version__, "cpu": cpu_info(),
     }, indent=2))
     print(f"wrote {args.out}")
 

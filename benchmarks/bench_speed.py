@@ -62,7 +62,7 @@ from pathlib import Path
 
 import torch
 
-from _common import build_models, median_rows, n_params, time_generate
+from _common import build_models, cpu_info, median_rows, n_params, time_generate
 from spike_whale import SpikeWhaleForCausalLM
 from spike_whale.accel.compile import compiled_owners
 from spike_whale.accel.kernels import compiled_kinds
@@ -77,31 +77,6 @@ STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_
 TARGETS = {"eager": 1.0, "compiled": 1.3, "bf16": 1.5, "bf16_compiled": 1.5, "int8": 2.0, "int8_bf16": 2.0,
            "int8_compiled": 2.0, "prefill": 0.9,
            "prefill_long": 0.9, "mc_share": 0.15, "compile_cost_s": 10.0}
-
-
-def cpu_info() -> dict:
-    """CPU model, the native-bf16 flags (avx512_bf16, AMX) and the last-level cache size."""
-    flags, model = set(), platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-            elif line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    l3 = None
-    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
-        try:
-            if (index / "level").read_text().strip() == "3":
-                l3 = (index / "size").read_text().strip()
-        except OSError:
-            continue
-    return {
-        "model": model, "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags,
-        "amx_int8": "amx_int8" in flags, "avx512f": "avx512f" in flags, "avx512_vnni": "avx512_vnni" in flags,
-        "l3": l3, "cpu_count": os.cpu_count(),
-    }
 
 
 def copy_bandwidth(mib: int = 512, repeats: int = 5) -> float:
