@@ -877,9 +877,10 @@ class MarkedWeight(torch.Tensor):
 @pytest.mark.parametrize("quantized", [False, True])
 def test_compile_decode_keeps_the_pattern_matcher_for_quantized_weights_on_cpu(monkeypatch, quantized):
     """On CPU compile_decode turns inductor's pattern matcher off (its rewrite of a matmul-softmax attention into CPU
-    SDPA was slower), except when a weight is a tensor subclass (torchao int8): inductor's int8 weight-only lowering
-    is a pattern there, so the standard `compile_config` reaches it with no option of the user's. Checked on the
-    options handed to torch.compile (nothing is compiled); a caller's explicit option still wins."""
+    SDPA was slower), except
+    when a weight is a tensor subclass (torchao int8): inductor's int8 weight-only lowering is a pattern there, so
+    the standard `compile_config` reaches it with no option of the user's. Checked on the options handed to
+    torch.compile (nothing is compiled); a caller's explicit option still wins."""
     model = tiny_model(seed=3)
     if quantized:
         ffn = next(m for m in model.modules() if isinstance(m, msw.SpikeWhaleMLP)).up_proj
