@@ -5,8 +5,7 @@ loop pass of `walk_run`) plus, on CPU,
   `FewRowsKernel`'s traceable products, timed on this machine for one row and for a batch
   (`choose_compiled_products`, kept in `compiled_products.json` beside the stored walks);
 - float32 weights that keep F.linear stored column-major, which MKL reads faster for a few rows;
-- inductor's pattern matcher off (its rewrite of a matmul-softmax attention, as `attn_implementation="eager"`
-  traces it, swaps in a slower CPU kernel);
+- inductor's pattern matcher off (its one-query attention rewrite swaps in a slower CPU kernel);
 - the compiled walk kept across processes (`PersistentDecodeWalk`, on torch's `aot_compile`).
 """
 

@@ -77,14 +77,13 @@ def import_base(rev: str, folder: Path):
 
 def base_accel():
     """The base revision's own CPU layer (`accel/`, since the redesign), or None where the base has none (its model
-    files then carry their CPU code themselves). An attention kernel of its own (the layer had one until it measured
-    under 5%) is registered under a name of its own, so each side reads its own kernel."""
+    files then carry their CPU code themselves). Its attention kernel is registered under a name of its own, so each
+    side reads its own kernel."""
     try:
         accel = importlib.import_module("spike_whale_base.accel")
     except ModuleNotFoundError:
         return None
-    if hasattr(accel, "attention"):
-        accel.attention.NAME += "_base"
+    accel.attention.NAME += "_base"
     return accel
 
 

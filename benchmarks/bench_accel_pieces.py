@@ -10,11 +10,12 @@ Eager rows: the same random weights (seed 0), in `--dtype` (float32 by default; 
 `dtype=` load, the float32 modules kept float32), a prompt of `--prompt` tokens, then one-token greedy steps on the
 loop-slot cache through `forward`. Variants: the plain Hub model; the whole layer (`optimize_for_cpu`); the whole layer
 less one piece: the few-row products (`FewRowsLinear` back to `nn.Linear`), the fused input projections
-(`unfuse_input_projections`). Each round runs every variant's
+(`unfuse_input_projections`), the one-query attention kernel (back to SDPA). Each round runs every variant's
 `--steps` steps, in a rotated order. A piece's gain is (speed with the layer) / (speed with the layer less that piece).
-`--compiled` adds three compiled twins at each `--compiled-batch` (default 1): the plain model's `compile_decode()`,
-the plain model's `compile_decode(mode="max-autotune")` (inductor's own CPU GEMM templates) and the layer's
-`compile_decode()`.
+`--compiled` adds four compiled twins at each `--compiled-batch` (default 1): the plain model's `compile_decode()`,
+the plain model's `compile_decode(mode="max-autotune")` (inductor's own CPU GEMM templates), the layer's
+`compile_decode()` and the layer's less the attention kernel (the compiled walk traces SDPA instead); a compiled
+piece's gain is against the layer's compiled twin.
 Each variant first runs `--warmup` untimed steps (a compiled twin compiles there, the few-row products time
 their candidates there). In float32 every variant must emit the same ids; in bf16 the share of equal ids is
 printed. Prints a table; JSON in benchmarks/results/accel_pieces.json.
@@ -55,7 +56,9 @@ def build(config, variant: str, dtype: torch.dtype = torch.float32):
                 module.__class__ = nn.Linear
     elif variant == "no_fusion":
         unfuse_input_projections(model)
-    elif variant == "compiled_accel":
+    elif variant in ("no_attention_kernel", "compiled_no_attention_kernel"):
+        model.set_attn_implementation("sdpa")
+    if variant.startswith("compiled"):
         model.compile_decode()
     return model
 
@@ -87,10 +90,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     config = SpikeWhaleConfig.from_preset(args.preset)
-    runs = [(b, v) for b in args.batch for v in ("plain", "accel", "no_few_rows", "no_fusion")]
+    runs = [(b, v) for b in args.batch for v in ("plain", "accel", "no_few_rows", "no_fusion", "no_attention_kernel")]
     if args.compiled:
         runs += [(b, v) for b in args.compiled_batch
-                 for v in ("compiled_plain", "compiled_plain_max_autotune", "compiled_accel")]
+                 for v in ("compiled_plain", "compiled_plain_max_autotune", "compiled_accel",
+                           "compiled_no_attention_kernel")]
     steps, times, ids, first = {}, {}, {}, {}
     for batch, variant in runs:
         prompt = torch.randint(4, config.vocab_size, (batch, args.prompt), generator=torch.Generator().manual_seed(1))
@@ -115,8 +119,9 @@ def main(argv=None) -> int:
             same = sum(a == b for a, b in zip(ids[key], ref)) / len(ref) if ref is not None else 1.0
             if same < 1 and args.dtype == "float32":  # bf16 products summed in another order may round to other ids
                 raise AssertionError(f"{key} emitted other ids than the plain model")
-            accel = med.get(f"b{batch}_accel")
-            gain = accel and key.replace(f"b{batch}_", "").startswith("no_") and med[key] / accel
+            variant = key.replace(f"b{batch}_", "")
+            whole = med.get(f"b{batch}_compiled_accel" if variant.startswith("compiled") else f"b{batch}_accel")
+            gain = whole and variant.replace("compiled_", "").startswith("no_") and med[key] / whole
             rows.append(dict(row=key, ms_per_step=med[key], slowest_warmup_s=first[key], piece_gain=gain or None,
                              equal_ids_share=same))
     print(f"{'variant':<34}{'ms/step':>9}{'piece gain':>12}{'equal ids':>11}")

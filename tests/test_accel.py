@@ -20,7 +20,7 @@ from torch import nn
 
 from spike_whale import modeling_spike_whale as msw
 from spike_whale.accel import compile as accel_compile
-from spike_whale.accel import fusion, is_optimized, kernels, optimize_for_cpu
+from spike_whale.accel import attention, fusion, is_optimized, kernels, optimize_for_cpu
 from spike_whale.accel.compile import PersistentDecodeWalk, choose_compiled_products, compiled_owners
 from spike_whale.accel.fusion import fused
 from spike_whale.accel.kernels import COMPILED_BATCH_ROWS, FEW_ROWS_MAX, FewRowsKernel, FewRowsLinear, compiled_kinds
@@ -103,8 +103,8 @@ def test_the_hub_model_has_no_cpu_only_code_path():
 def test_the_plain_model_fuses_and_swaps_nothing_and_optimize_for_cpu_does(monkeypatch):
     """Eager no-grad decoding of the plain model leaves every Linear an `nn.Linear` with its own weight storage, no
     module with fused input projections and SDPA its attention. `optimize_for_cpu` swaps every plain Linear for a
-    `FewRowsLinear` (same state dict) and gives each attention (q_a, k, v, the Memory Cache's qkv and gate) and
-    each dense FFN (gate, up) its input projections as one GEMM, leaving the attention function as it is, which eager no-grad forwards in eval of a few rows (decode steps) take, with the plain
+    `FewRowsLinear` (same state dict), SDPA for the one-query kernel, and gives each attention (q_a, k, v, the Memory Cache's qkv and gate) and each dense FFN (gate, up) its input
+    projections as one GEMM, which eager no-grad forwards in eval of a few rows (decode steps) take, with the plain
     model's logits and state dict; a forward with gradients, in train mode, or of more than `FEW_ROWS_MAX` rows runs
     them one by one."""
     model = tiny_model(seed=6)
@@ -125,7 +125,7 @@ def test_the_plain_model_fuses_and_swaps_nothing_and_optimize_for_cpu_does(monke
     assert len(storages) == len(linears)  # no weight is a view of a fused matrix
 
     assert optimize_for_cpu(model) is model and is_optimized(model)
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == attention.NAME  # SDPA's decode steps: the one-query kernel
     assert all(type(m) is (msw.FrozenLinear if isinstance(m, msw.FrozenLinear) else FewRowsLinear) for m in linears)
     assert [m for m in model.modules() if isinstance(m, nn.Linear)] == linears  # swapped in place, none added
     for layer in model.model.layers:
@@ -297,6 +297,59 @@ def test_an_optimized_compiled_model_moved_or_retyped_starts_clean(monkeypatch, 
         assert not any(w in FewRowsKernel.packed for w in packed) and equals_plain(target, torch.float32)
         model.compile_decode()
         assert model.model._compiled_for == (torch.float32, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The one-query attention kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_decode_attention_reads_in_float32_on_cpu(dtype):
+    """On CPU a bf16/float16 decode step's softmax attention (`accel.attention.cpu_decode_attention`, registered with
+    transformers' `AttentionInterface`) is computed from its inputs in float32 and rounded once (oneDNN's bf16 batched
+    GEMMs of these shapes were the slower kernel), with and without a mask; it matches float32 SDPA over the same
+    rounded inputs."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, s, 16, generator=g).to(dtype) for n, s in ((6, 3), (2, 37), (2, 37)))
+    mask = torch.ones(2, 1, 3, 37, dtype=torch.bool).tril(34)
+    mask[1, ..., :5] = False
+    module = nn.Module().eval()
+    for m in (None, mask):
+        got, weights = attention.cpu_decode_attention(module, q, k, v, m, scaling=16**-0.5)
+        assert got.dtype == dtype and got.shape == (2, 3, 6, 16) and weights is None
+        as_float32, _ = attention.cpu_decode_attention(module, q.float(), k.float(), v.float(), m, scaling=16**-0.5)
+        assert torch.equal(got, as_float32.to(dtype))
+        ref = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(3, 1),
+                                             v.float().repeat_interleave(3, 1), attn_mask=m).transpose(1, 2)
+        assert (got.float() - ref).abs().max() <= 2 * torch.finfo(dtype).eps * ref.abs().max()
+
+
+def test_decode_step_goes_through_forward_with_the_one_query_kernel(monkeypatch):
+    """`optimize_for_cpu` gives a model that attends with SDPA the one-query kernel (`attention.NAME`): every decode
+    step's attention, segment openings included, reads the whole cache with it, not through SDPA, and the logits are
+    a full recompute's; `enable=False` returns the model to SDPA."""
+    from transformers import AttentionInterface
+
+    model = optimize_for_cpu(tiny_model(seed=3))
+    assert model.config._attn_implementation == attention.NAME
+    ids, mask = batch()
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+    kernel, sdpa = [], []
+    attend, fallback = AttentionInterface._global_mapping[attention.NAME], attention.sdpa_attention_forward
+    monkeypatch.setitem(AttentionInterface._global_mapping, attention.NAME,
+                        lambda module, q, k, *a, **kw: kernel.append((q.shape[2], k.shape[2])) or attend(module, q, k,
+                                                                                                          *a, **kw))
+    monkeypatch.setattr(attention, "sdpa_attention_forward",
+                        lambda module, q, k, *a, **kw: sdpa.append((q.shape[2], k.shape[2])) or fallback(module, q, k,
+                                                                                                        *a, **kw))
+    got = decode_logits(model, ids, mask, prefill=5)
+    slots = model.config.num_loop_slots
+    steps = [(1, t + 1) for t in range(5, 4 * L) for _ in range(slots)]
+    assert kernel[slots:] == steps and not set(steps) & set(sdpa)
+    assert float((got - full)[mask.bool()].abs().max()) <= TOL
+    optimize_for_cpu(model, enable=False)
+    assert model.config._attn_implementation == "sdpa"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -876,8 +929,7 @@ class MarkedWeight(torch.Tensor):
 
 @pytest.mark.parametrize("quantized", [False, True])
 def test_compile_decode_keeps_the_pattern_matcher_for_quantized_weights_on_cpu(monkeypatch, quantized):
-    """On CPU compile_decode turns inductor's pattern matcher off (its rewrite of a matmul-softmax attention into CPU
-    SDPA was slower), except
+    """On CPU compile_decode turns inductor's pattern matcher off (its one-query attention rewrite is slower), except
     when a weight is a tensor subclass (torchao int8): inductor's int8 weight-only lowering is a pattern there, so
     the standard `compile_config` reaches it with no option of the user's. Checked on the options handed to
     torch.compile (nothing is compiled); a caller's explicit option still wins."""

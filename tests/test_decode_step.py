@@ -89,8 +89,8 @@ def test_no_second_decode_driver_exists():
 
 def test_decode_step_goes_through_forward_with_the_attention_interface(model, monkeypatch):
     """A decode step is the model's one forward: every slot's attention runs, and reads the cache through the
-    model's attention function (`config._attn_implementation`, transformers' `AttentionInterface`), over everything
-    cached so far."""
+    model's attention function (`config._attn_implementation`, transformers' `AttentionInterface`; the plain model's
+    SDPA, the CPU layer's one-query kernel in test_accel.py), over everything cached so far."""
     ids, mask = batch()
     with torch.no_grad():
         full = model(ids, attention_mask=mask, use_cache=False).logits

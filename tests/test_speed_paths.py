@@ -228,11 +228,15 @@ def test_parameter_functions_kept_between_steps_follow_their_parameters():
 def test_short_cached_chunks_take_the_short_chunk_kernels_and_equal_the_general_ones(monkeypatch, kind):
     """Verify-sized chunks (2-4 tokens on a cache, recording for `crop`, a padded row, segment boundaries inside a chunk
     and not) read the Memory Cache through its step form (every chunk token recorded) and, optimized for CPU
-    (`optimize_for_cpu`), the few-row products with (W·xᵀ)ᵀ or over blocks of W's rows (every weight, for the test);
-    their logits and rolled-back states equal those of the general kernels (the plain model's products), and a full
-    recompute."""
+    (`optimize_for_cpu`), attention through the one-query kernel and the few-row products with (W·xᵀ)ᵀ or over blocks
+    of W's rows (every weight, for the test); their logits and rolled-back states equal those of the general kernels
+    (the plain model's SDPA and products), and a full recompute."""
+    from collections import Counter
+
+    from transformers import AttentionInterface
+
     import spike_whale.modeling_spike_whale as msw
-    from spike_whale.accel import kernels, optimize_for_cpu
+    from spike_whale.accel import attention, kernels, optimize_for_cpu
 
     monkeypatch.setattr(kernels, "FEW_ROWS_MIN_WEIGHT", 0)
     monkeypatch.setattr(kernels.FewRowsKernel, "forced", kind)
@@ -257,19 +261,25 @@ def test_short_cached_chunks_take_the_short_chunk_kernels_and_equal_the_general_
                 t += n
         return torch.cat(logits, 1)
 
-    stepped = []
+    queries, sdpa, stepped = [], [], []
     step = msw.MemoryCacheBranch._step
+    attend, fallback = AttentionInterface._global_mapping[attention.NAME], attention.sdpa_attention_forward
+    monkeypatch.setitem(AttentionInterface._global_mapping, attention.NAME,
+                        lambda module, q, *a, **kw: queries.append(q.shape[2]) or attend(module, q, *a, **kw))
+    monkeypatch.setattr(attention, "sdpa_attention_forward",
+                        lambda module, q, *a, **kw: sdpa.append(q.shape[2]) or fallback(module, q, *a, **kw))
     monkeypatch.setattr(msw.MemoryCacheBranch, "_step", lambda self, j, *a: stepped.append(j) or step(self, j, *a))
     products, product = [], kernels.FewRowsKernel.product
     monkeypatch.setattr(kernels.FewRowsKernel, "product",
                         staticmethod(lambda x, w, b, rows, k: products.append(k) or product(x, w, b, rows, k)))
     fast = chunked()
-    assert set(stepped) == set(range(max(chunks)))  # every chunk token
+    one_query_kernel = Counter(queries) - Counter(sdpa)  # the calls the kernel did not hand to SDPA
+    assert {1, *chunks} <= set(one_query_kernel) and set(stepped) == set(range(max(chunks)))  # every chunk token
     assert set(products) == {kind}
-    optimize_for_cpu(model, enable=False)  # F.linear, one projection at a time
-    products.clear()
+    optimize_for_cpu(model, enable=False)  # SDPA, F.linear, one projection at a time
+    queries.clear(), products.clear()
     slow = chunked()
-    assert products == []
+    assert queries == [] and products == []
     with torch.no_grad():
         full = model(ids[:, :sum(chunks) + 7], attention_mask=mask[:, :sum(chunks) + 7], use_cache=False).logits
     real = mask[:, :full.shape[1]].bool()
@@ -530,9 +540,10 @@ def test_int8_weight_only_decodes_through_compile_config(tmp_path, monkeypatch):
 @needs_compile_config
 def test_int8_compiled_walk_multiplies_by_its_own_int8_products_without_the_pattern_matcher(tmp_path, monkeypatch):
     """An inductor walk of int8 weights with bf16 rows: every int8 weight of the layers takes an explicit int8 product
-    ("int8pack" for rows, "int8reduce" forced here for one row), so inductor's pattern matcher stays off (checked on
-    the options torch.compile receives); the reduction computes int8pack's function (bf16 tolerance) and the compiled
-    step gives the eager int8 step's logits within bf16's."""
+    ("int8pack" for rows, "int8reduce" forced here for one row), so inductor's pattern matcher stays off and its
+    rewrite of the one-query attention into CPU SDPA does not happen; the reduction computes int8pack's function
+    (bf16 tolerance) and the compiled step gives the eager int8 step's logits within bf16's."""
+    from torch._inductor.utils import run_and_get_code
     from torchao.quantization import Int8WeightOnlyConfig
     from transformers import CompileConfig, TorchAoConfig
 
@@ -569,12 +580,11 @@ def test_int8_compiled_walk_multiplies_by_its_own_int8_products_without_the_patt
         return out.sequences, out.logits
 
     eager_ids, eager_logits = first_step_logits()
-    compile_options, compile = [], torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_options.append(kw["options"]) or compile(fn, **kw))
-    compiled_ids, compiled_logits = first_step_logits(compile_config=CompileConfig())
+    (compiled_ids, compiled_logits), code = run_and_get_code(first_step_logits, compile_config=CompileConfig())
+    code = "".join(code)
     owners = accel_compile.compiled_owners(model)
     assert owners and {kernels.compiled_kinds(o) for o in owners} == {("int8reduce", "int8pack")}
-    assert compile_options and all(o["pattern_matcher"] is False for o in compile_options)
+    assert "scaled_dot_product" not in code  # the pattern matcher was off
     assert torch.equal(compiled_ids[:, : ids.shape[1] + 1], eager_ids[:, : ids.shape[1] + 1])
     for step in (1, 2):  # decode steps (step 0 is the eager prefill); the same prefix of ids so far
         if torch.equal(compiled_ids[:, : ids.shape[1] + step], eager_ids[:, : ids.shape[1] + step]):
