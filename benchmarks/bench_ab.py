@@ -185,15 +185,19 @@ print(json.dumps({{"first_compiled_step_s": max(steps), "ids": time_generate(mod
 
 def fresh_process_rows(args, folder: Path) -> dict:
     """The first compiled decode step of a fresh process, old and new alternating, each after one process of its
-    own has filled the persistent caches (seconds, reported in the ms columns as ms)."""
+    own has filled the persistent caches (seconds, reported in the ms columns as ms). Each side has an inductor cache
+    folder of its own, new for the run: the base package's path is new every run, so a shared cache would hold a
+    stored walk from every earlier run and the base side would load them all."""
     ms, agreement, ids = {"old": [], "new": []}, [], {}
+    env = {side: {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(folder / f"inductor_{side}")} for side in ms}
     for r in range(max(args.rounds, 2) + 1):
         for side in (("old", "new") if r % 2 == 0 else ("new", "old")):
             code = FRESH.format(threads=args.threads, bench=str(Path(__file__).parent), base_path=str(folder),
                                 new=side == "new", accel=args.accel == "on", base_accel=args.base_has_accel,
                                 dtype=args.dtype,
                                 state=str(folder / "state.pt"))
-            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
+            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800,
+                                  env=env[side])
             if proc.returncode != 0:
                 raise RuntimeError(f"fresh {side} process failed: {proc.stderr.strip()[-2000:]}")
             res = json.loads(proc.stdout.strip().splitlines()[-1])
