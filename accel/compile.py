@@ -314,16 +314,18 @@ class PersistentDecodeWalk:
     @staticmethod
     def key(model: nn.Module, options: dict, compile_kwargs: dict) -> str:
         # The module's name too: the stored code imports this package's modules by name (`spike_whale.*`, or
-        # transformers_modules.* under trust_remote_code). The machine's kernels: inductor's CPU code targets this
+        # transformers_modules.* under trust_remote_code); and its folder, which the stored graphs' guards read (the
+        # same sources elsewhere would add a graph to the entry, and every later process would load them all). The
+        # machine's kernels: inductor's CPU code targets this
         # CPU's vector ISA, its GPU code the device's capability.
         devices = sorted({p.device for p in model.layers.parameters()}, key=str)
         machine = [(torch.cuda.get_device_name(d), torch.cuda.get_device_capability(d)) if d.type == "cuda"
                    else (d.type, cpu_model(), torch.backends.cpu.get_cpu_capability()) for d in devices]
         walk_module = type(model).__module__
-        digest = hashlib.sha256(repr((torch.__version__, triton_version(), transformers.__version__, sys.version,
-                                      walk_module, torch.get_num_threads(), machine, sorted(options.items()),
-                                      sorted(compile_kwargs.items()))).encode())
         package = os.path.dirname(os.path.abspath(sys.modules[walk_module].__file__))
+        digest = hashlib.sha256(repr((torch.__version__, triton_version(), transformers.__version__, sys.version,
+                                      walk_module, package, torch.get_num_threads(), machine,
+                                      sorted(options.items()), sorted(compile_kwargs.items()))).encode())
         here = os.path.dirname(os.path.abspath(__file__))  # the products the walk traces are this package's
         for path in sorted(glob.glob(os.path.join(package, "*.py")) + glob.glob(os.path.join(here, "*.py"))):
             with open(path, "rb") as f:

@@ -94,6 +94,25 @@ def test_the_stored_walk_is_keyed_by_the_weights_layout_not_by_how_the_model_was
     assert PersistentDecodeWalk.key(reloaded.model, options, {"dynamic": True}) != key  # strides are part of it
 
 
+def test_the_stored_walk_is_keyed_by_the_package_folder(tmp_path, monkeypatch):
+    """The same sources in another folder (a new environment) take an entry of their own: the stored graphs' guards
+    read the folder, so sharing the entry would add a graph per folder, every one loaded by each later process."""
+    import sys
+
+    model = optimized_tiny_model(seed=2)
+    key = PersistentDecodeWalk.key(model.model, {}, {})
+    module = sys.modules[type(model.model).__module__]
+    copy = tmp_path / "elsewhere"
+    (copy / "accel").mkdir(parents=True)
+    for source_module, folder in ((module, copy), (accel_compile, copy / "accel")):  # the sources the key reads, unchanged
+        for source in Path(source_module.__file__).parent.glob("*.py"):
+            (folder / source.name).write_bytes(source.read_bytes())
+        monkeypatch.setattr(source_module, "__file__", str(folder / Path(source_module.__file__).name))
+    assert PersistentDecodeWalk.key(model.model, {}, {}) != key
+    monkeypatch.undo()
+    assert PersistentDecodeWalk.key(model.model, {}, {}) == key
+
+
 class _FakeCompile:
     """Stands in for torch's ahead-of-time compile: what a walk runs and stores when nothing stored fits."""
 
