@@ -15,7 +15,8 @@ bf16 rows, through `_from_config(dtype=...)`, which keeps the float32 modules fl
 loaded back through transformers' `TorchAoConfig(Int8WeightOnlyConfig())` in `--dtype`, as `bench_speed.py`'s int8
 rows). Rows: eager batch 1 / 8
 (plain `generate`), compiled batch 1 / 8 (base: the API it had -- `model.compile_decode()` before the redesign
-(f9f76d9), `compile_config` once it has `accel/` or no `compile_decode`; new: `generate(..., compile_config=CompileConfig())`; each
+(f9f76d9), `compile_config` once it has `accel/` or no `compile_decode`; new:
+`generate(..., compile_config=CompileConfig())`; each
 compiled model is its own twin, since compiling re-stores weights, and its compile is done before timing). Greedy,
 prompt 128, 32 new tokens; decode time only (prefill excluded, generate's per-step overhead included;
 `_common.time_generate`). Rounds alternate which model goes first. Every row asserts the two models emit the same

@@ -133,7 +133,7 @@ def ab_table(results: list[dict], target: float) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json", nargs="+",
-                        help="a bench_speed.py result (benchmarks/results/speed.json), or one or more bench_ab.py results")
+                        help="a bench_speed.py result (benchmarks/results/speed.json), or bench_ab.py results")
     parser.add_argument("--target", type=float, default=0.95, help="bench_ab rows: the new/old ratio set in bold")
     args = parser.parse_args(argv)
     results = {}

@@ -104,7 +104,8 @@ def test_the_stored_walk_is_keyed_by_the_package_folder(tmp_path, monkeypatch):
     module = sys.modules[type(model.model).__module__]
     copy = tmp_path / "elsewhere"
     (copy / "accel").mkdir(parents=True)
-    for source_module, folder in ((module, copy), (accel_compile, copy / "accel")):  # the sources the key reads, unchanged
+    # The sources the key reads, unchanged, in a folder of their own.
+    for source_module, folder in ((module, copy), (accel_compile, copy / "accel")):
         for source in Path(source_module.__file__).parent.glob("*.py"):
             (folder / source.name).write_bytes(source.read_bytes())
         monkeypatch.setattr(source_module, "__file__", str(folder / Path(source_module.__file__).name))
