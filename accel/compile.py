@@ -316,8 +316,7 @@ class PersistentDecodeWalk:
         # The module's name too: the stored code imports this package's modules by name (`spike_whale.*`, or
         # transformers_modules.* under trust_remote_code); and its folder, which the stored graphs' guards read (the
         # same sources elsewhere would add a graph to the entry, and every later process would load them all). The
-        # machine's kernels: inductor's CPU code targets this
-        # CPU's vector ISA, its GPU code the device's capability.
+        # machine's kernels: inductor's CPU code targets this CPU's vector ISA, its GPU code the device's capability.
         devices = sorted({p.device for p in model.layers.parameters()}, key=str)
         machine = [(torch.cuda.get_device_name(d), torch.cuda.get_device_capability(d)) if d.type == "cuda"
                    else (d.type, cpu_model(), torch.backends.cpu.get_cpu_capability()) for d in devices]

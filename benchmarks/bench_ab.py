@@ -184,7 +184,7 @@ print(json.dumps({{"first_compiled_step_s": max(steps), "ids": time_generate(mod
 """
 
 
-def fresh_process_rows(args, folder: Path) -> dict:
+def fresh_process_rows(args, folder: Path, base_has_accel: bool) -> dict:
     """The first compiled decode step of a fresh process, old and new alternating, each after one process of its
     own has filled the persistent caches (seconds, reported in the ms columns as ms). Each side has an inductor cache
     folder of its own, new for the run: the base package's path is new every run, so a shared cache would hold a
@@ -194,7 +194,7 @@ def fresh_process_rows(args, folder: Path) -> dict:
     for r in range(max(args.rounds, 2) + 1):
         for side in (("old", "new") if r % 2 == 0 else ("new", "old")):
             code = FRESH.format(threads=args.threads, bench=str(Path(__file__).parent), base_path=str(folder),
-                                new=side == "new", accel=args.accel == "on", base_accel=args.base_has_accel,
+                                new=side == "new", accel=args.accel == "on", base_accel=base_has_accel,
                                 dtype=args.dtype,
                                 state=str(folder / "state.pt"))
             proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800,
@@ -246,7 +246,6 @@ def main(argv=None):
         base_modeling, base_configuration = import_base(args.base, Path(tmp))
         BaseLM = base_modeling.SpikeWhaleForCausalLM
         old_accel = base_accel()
-        args.base_has_accel = old_accel is not None
         torch.manual_seed(0)
         reference = SpikeWhaleForCausalLM(SpikeWhaleConfig.from_preset(PRESET)).eval()
         state, folder = reference.state_dict(), Path(tmp) / "saved"
@@ -302,7 +301,7 @@ def main(argv=None):
         if "fresh_compiled_step" in args.rows:
             base_folder = Path(tmp)
             torch.save(state, base_folder / "state.pt")
-            results["fresh_compiled_step"] = fresh_process_rows(args, base_folder)
+            results["fresh_compiled_step"] = fresh_process_rows(args, base_folder, old_accel is not None)
         for row in timed_rows:
             kind, batch = row.split("_b")[0], int(row.split("_b")[1])
             ids = prompt_ids(batch, args.prompt)
